@@ -1,0 +1,160 @@
+"""Reading a batch back: status counts, rate and ETA, results as OpenAI Batch output lines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from redis import Redis
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from schemas import BatchOutputLine, InvalidRequestError, keys
+from schemas.store import read_results
+
+PAGE = 1000
+
+
+class BatchNotFoundError(InvalidRequestError):
+    """No batch of that id in this Redis."""
+
+    code = "batch_not_found"
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    batch_id: str
+    total: int
+    queued: int
+    running: int
+    succeeded: int
+    failed: int
+    created_at: float
+    rate_per_s: float | None
+    eta_s: float | None
+
+    @property
+    def done(self) -> int:
+        return self.succeeded + self.failed
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "batch_id": self.batch_id,
+            "total": self.total,
+            "queued": self.queued,
+            "running": self.running,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "done": self.done,
+            "rate_per_s": self.rate_per_s,
+            "eta_s": self.eta_s,
+        }
+
+
+def _running(conn: Redis, queue: str, batch_id: str) -> int:
+    registry = StartedJobRegistry(queue, connection=conn, serializer=JSONSerializer)
+    prefix = f"{batch_id}-"
+    return sum(1 for job_id in registry.get_job_ids() if job_id.startswith(prefix))
+
+
+def batch_status(conn: Redis, batch_id: str) -> BatchStatus:
+    """Counts for a batch; raises :class:`BatchNotFoundError` if Redis has no such batch."""
+    meta = {k.decode(): v.decode() for k, v in conn.hgetall(keys.batch_key(batch_id)).items()}
+    if not meta:
+        raise BatchNotFoundError(
+            f"no batch {batch_id!r} in this Redis (expired or never submitted)"
+        )
+    total = int(meta.get("total", 0))
+    succeeded = int(meta.get("succeeded", 0))
+    failed = int(meta.get("failed", 0))
+    running = _running(conn, meta.get("queue", keys.DEFAULT_QUEUE), batch_id)
+    done = succeeded + failed
+    running = min(running, max(total - done, 0))
+    rate = eta = None
+    first, last = meta.get("first_done_at"), meta.get("last_done_at")
+    if first and last and done >= 2 and float(last) > float(first):
+        rate = (done - 1) / (float(last) - float(first))
+        eta = (total - done) / rate
+    return BatchStatus(
+        batch_id=batch_id,
+        total=total,
+        queued=max(total - done - running, 0),
+        running=running,
+        succeeded=succeeded,
+        failed=failed,
+        created_at=float(meta.get("created_at", 0.0)),
+        rate_per_s=rate,
+        eta_s=eta,
+    )
+
+
+def wait_for_batch(
+    conn: Redis,
+    batch_id: str,
+    *,
+    timeout: float | None = None,
+    poll_s: float = 0.5,
+    on_progress: Callable[[BatchStatus], None] | None = None,
+) -> BatchStatus:
+    """Block until every job of the batch has a result (or ``timeout`` seconds pass)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        status = batch_status(conn, batch_id)
+        if on_progress:
+            on_progress(status)
+        if status.finished:
+            return status
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"batch {batch_id}: {status.done}/{status.total} done after {timeout}s"
+            )
+        time.sleep(poll_s)
+
+
+def batch_job_ids(conn: Redis, batch_id: str) -> Iterator[list[str]]:
+    """The batch's job ids, a page at a time, in submission order."""
+    key = keys.batch_jobs_key(batch_id)
+    start = 0
+    while True:
+        page = [j.decode() for j in conn.lrange(key, start, start + PAGE - 1)]
+        if not page:
+            return
+        yield page
+        start += len(page)
+
+
+def _custom_ids(conn: Redis, job_ids: list[str]) -> dict[str, str | None]:
+    jobs = Job.fetch_many(job_ids, connection=conn, serializer=JSONSerializer)
+    found: dict[str, str | None] = {}
+    for job_id, job in zip(job_ids, jobs, strict=True):
+        try:
+            found[job_id] = job.args[0]["custom_id"] if job else None
+        except Exception:  # a broken job hash must not stop the export
+            found[job_id] = None
+    return found
+
+
+def iter_output_lines(conn: Redis, batch_id: str) -> Iterator[BatchOutputLine | str]:
+    """OpenAI Batch output lines for finished jobs, in submission order.
+
+    Jobs still queued or running are yielded as their job id (a ``str``) so
+    callers can count or report them; jobs whose record and RQ job are both
+    gone (expired) get an error line.
+    """
+    for page in batch_job_ids(conn, batch_id):
+        records = read_results(conn, page)
+        missing = [j for j, r in zip(page, records, strict=True) if r is None]
+        custom = _custom_ids(conn, missing) if missing else {}
+        for job_id, record in zip(page, records, strict=True):
+            if record is not None:
+                yield BatchOutputLine.from_record(record)
+            elif custom.get(job_id) is not None:
+                yield job_id
+            else:
+                yield BatchOutputLine.missing(job_id, "", "result expired or job lost")

@@ -1,0 +1,268 @@
+"""The ``producer`` command: submit jobs files, watch batches, collect results."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from redis import Redis
+from redis.exceptions import RedisError
+
+from producer.batches import BatchNotFoundError, BatchStatus, batch_status, iter_output_lines
+from producer.lines import Defaults, ParsedFile, parse_file
+from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, submit_items
+from schemas import keys
+from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
+
+EXIT_INVALID = 2
+
+
+def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--redis-url",
+        envvar=ENV_REDIS_URL,
+        default=DEFAULT_REDIS_URL,
+        show_default=True,
+        help="Redis URL (rediss:// for TLS; put credentials here or in the env var).",
+    )(f)
+
+
+def _connect(redis_url: str) -> Redis:
+    conn = Redis.from_url(redis_url)
+    try:
+        conn.ping()
+    except RedisError as e:
+        raise click.ClickException(f"cannot reach Redis at {redact_url(redis_url)}: {e}") from None
+    return conn
+
+
+def _fmt_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    return time.strftime("%H:%M:%S", time.gmtime(seconds))
+
+
+def _status_line(s: BatchStatus) -> str:
+    rate = f"{s.rate_per_s:.2f} jobs/s" if s.rate_per_s else "- jobs/s"
+    return (
+        f"{s.batch_id}: {s.done}/{s.total} done (succeeded {s.succeeded}, failed {s.failed}), "
+        f"running {s.running}, queued {s.queued}, {rate}, ETA {_fmt_eta(s.eta_s)}"
+    )
+
+
+def _watch(conn: Redis, batch_id: str, label: str) -> BatchStatus:
+    """Show a progress bar (on a terminal) until every job of the batch has ended."""
+    status = batch_status(conn, batch_id)
+    with click.progressbar(
+        length=max(status.total, 1), label=label, file=sys.stderr, show_eta=True, show_pos=True
+    ) as bar:
+        shown = 0
+        while True:
+            bar.update(status.done - shown)
+            shown = status.done
+            if status.finished:
+                return status
+            time.sleep(0.5)
+            status = batch_status(conn, batch_id)
+
+
+@click.group()
+def main() -> None:
+    """Submit chat jobs to mlxq workers through Redis, and collect the results."""
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_redis_option
+@click.option(
+    "--queue",
+    envvar=ENV_QUEUE,
+    default=keys.DEFAULT_QUEUE,
+    show_default=True,
+    help="RQ queue to put the jobs on.",
+)
+@click.option(
+    "--model",
+    envvar="MLXQ_MODEL",
+    default=None,
+    show_default=True,
+    help="Model for lines that name none (hub id or local path).",
+)
+@click.option(
+    "--draft-model",
+    envvar="MLXQ_DRAFT_MODEL",
+    default=None,
+    show_default=True,
+    help="Draft model for lines that name none (an explicit null keeps no draft).",
+)
+@click.option(
+    "--num-draft-tokens",
+    envvar="MLXQ_NUM_DRAFT_TOKENS",
+    type=click.IntRange(1, 32),
+    default=None,
+    show_default=True,
+    help="Draft length for lines with a draft and none.",
+)
+@click.option(
+    "--job-timeout",
+    envvar="MLXQ_JOB_TIMEOUT",
+    type=click.IntRange(1),
+    default=DEFAULT_JOB_TIMEOUT,
+    show_default=True,
+    help="Seconds a job may run.",
+)
+@click.option(
+    "--result-ttl",
+    envvar="MLXQ_RESULT_TTL",
+    type=click.IntRange(60),
+    default=keys.DEFAULT_RESULT_TTL,
+    show_default=True,
+    help="Seconds results and batch records are kept.",
+)
+@click.option(
+    "--batch-id",
+    envvar="MLXQ_BATCH_ID",
+    default=None,
+    show_default=True,
+    help="Batch id (reuse it to resume an interrupted submit without duplicates).",
+)
+@click.option(
+    "--skip-invalid",
+    is_flag=True,
+    envvar="MLXQ_SKIP_INVALID",
+    help="Enqueue the valid lines and write the invalid ones to --rejected.",
+)
+@click.option(
+    "--rejected",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where --skip-invalid writes rejected lines [default: FILE.rejected.jsonl].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+def submit(
+    file: Path,
+    redis_url: str,
+    queue: str,
+    model: str | None,
+    draft_model: str | None,
+    num_draft_tokens: int | None,
+    job_timeout: int,
+    result_ttl: int,
+    batch_id: str | None,
+    skip_invalid: bool,
+    rejected: Path | None,
+    as_json: bool,
+) -> None:
+    """Validate every line of FILE, then enqueue them as one batch and print its id.
+
+    Lines are plain chat.completions bodies or OpenAI Batch API lines. If any
+    line is invalid, nothing is enqueued (exit status 2) unless --skip-invalid.
+    """
+    if batch_id is not None:
+        try:
+            keys.validate_batch_id(batch_id)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--batch-id") from None
+    parsed = parse_file(file, Defaults(model, draft_model, num_draft_tokens))
+    for err in parsed.errors:
+        click.echo(f"{file}:{err.lineno}: {err.message}", err=True)
+    if parsed.errors and not skip_invalid:
+        click.echo(
+            f"{len(parsed.errors)} invalid line(s); nothing enqueued "
+            "(fix them, or use --skip-invalid)",
+            err=True,
+        )
+        sys.exit(EXIT_INVALID)
+    if parsed.errors:
+        _write_rejected(parsed, rejected or file.with_name(file.name + ".rejected.jsonl"))
+    if not parsed.lines:
+        raise click.ClickException(f"{file}: no valid lines to submit")
+    conn = _connect(redis_url)
+    items = [SubmitItem(p.custom_id, p.request) for p in parsed.lines]
+    with click.progressbar(length=len(items), label="enqueueing", file=sys.stderr) as bar:
+        summary = submit_items(
+            conn,
+            items,
+            batch_id=batch_id,
+            queue=queue,
+            job_timeout=job_timeout,
+            result_ttl=result_ttl,
+            source=str(file),
+            progress=bar.update,
+        )
+    info = summary.as_dict() | {"invalid": len(parsed.errors)}
+    if as_json:
+        click.echo(json.dumps(info))
+    else:
+        click.echo(summary.batch_id)
+        click.echo(
+            f"{summary.submitted} job(s) enqueued on {queue!r}"
+            + (f", {summary.already_present} already present" if summary.already_present else "")
+            + (f", {len(parsed.errors)} invalid line(s) skipped" if parsed.errors else ""),
+            err=True,
+        )
+
+
+def _write_rejected(parsed: ParsedFile, path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for err in parsed.errors:
+            f.write(err.text + "\n")
+    click.echo(f"{len(parsed.errors)} rejected line(s) written to {path}", err=True)
+
+
+@main.command()
+@click.argument("batch_id")
+@_redis_option
+@click.option("--watch", is_flag=True, help="Show a live progress bar until the batch is done.")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+def status(batch_id: str, redis_url: str, watch: bool, as_json: bool) -> None:
+    """Counts for BATCH_ID: queued, running, succeeded, failed, rate and ETA."""
+    conn = _connect(redis_url)
+    try:
+        s = _watch(conn, batch_id, batch_id) if watch else batch_status(conn, batch_id)
+    except BatchNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(s.as_dict()) if as_json else _status_line(s))
+
+
+@main.command()
+@click.argument("batch_id")
+@_redis_option
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Output JSONL file [default: stdout].",
+)
+@click.option("--wait", is_flag=True, help="Block (with a progress bar) until every job has ended.")
+def results(batch_id: str, redis_url: str, output: Path | None, wait: bool) -> None:
+    """Write BATCH_ID's results as OpenAI Batch output lines (failures carry an error)."""
+    conn = _connect(redis_url)
+    try:
+        if wait:
+            _watch(conn, batch_id, "waiting")
+        else:
+            batch_status(conn, batch_id)
+    except BatchNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    written = pending = 0
+    with click.open_file(str(output) if output else "-", "w", encoding="utf-8") as out:
+        for line in iter_output_lines(conn, batch_id):
+            if isinstance(line, str):
+                pending += 1
+                continue
+            out.write(line.model_dump_json() + "\n")
+            written += 1
+    click.echo(f"{written} result line(s) written", err=True)
+    if pending:
+        click.echo(f"{pending} job(s) not finished yet (use --wait to block)", err=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""A small Python API for apps that submit jobs and read results from code."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from redis import Redis
+
+from producer.batches import BatchStatus, batch_job_ids, batch_status, wait_for_batch
+from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
+from schemas import ChatRequest, ResultRecord, keys
+from schemas.settings import DEFAULT_REDIS_URL
+from schemas.store import read_result, read_results
+
+
+class Client:
+    """Submit chat requests to mlxq and collect their results.
+
+    >>> client = Client("redis://localhost:6379/0")
+    >>> summary = client.submit([{"model": "m", "messages": [{"role": "user", "content": "hi"}]}])
+    >>> client.wait(summary.batch_id)
+    >>> client.results(summary.batch_id)
+    """
+
+    def __init__(
+        self,
+        redis_url: str = DEFAULT_REDIS_URL,
+        *,
+        connection: Redis | None = None,
+        queue: str = keys.DEFAULT_QUEUE,
+    ) -> None:
+        self.connection = connection or Redis.from_url(redis_url)
+        self.queue = queue
+
+    def submit(
+        self,
+        requests: Iterable[ChatRequest | Mapping[str, Any]] | Mapping[str, ChatRequest | Mapping],
+        *,
+        batch_id: str | None = None,
+        job_timeout: int = DEFAULT_JOB_TIMEOUT,
+        result_ttl: int = keys.DEFAULT_RESULT_TTL,
+    ) -> SubmitSummary:
+        """Submit requests as one batch. A mapping gives custom ids; else they are ``req-N``.
+
+        Every request is validated before anything is enqueued (pydantic's
+        ValidationError names the field).
+        """
+        pairs = (
+            requests.items()
+            if isinstance(requests, Mapping)
+            else ((f"req-{i}", r) for i, r in enumerate(requests, start=1))
+        )
+        items = [
+            SubmitItem(str(cid), r if isinstance(r, ChatRequest) else ChatRequest.model_validate(r))
+            for cid, r in pairs
+        ]
+        return submit_items(
+            self.connection,
+            items,
+            batch_id=batch_id,
+            queue=self.queue,
+            job_timeout=job_timeout,
+            result_ttl=result_ttl,
+            source="python-api",
+        )
+
+    def result(self, job_id: str) -> ResultRecord | None:
+        """The job's result record, or None while it has none."""
+        return read_result(self.connection, job_id)
+
+    def wait_result(self, job_id: str, timeout: float = 600.0, poll_s: float = 0.2) -> ResultRecord:
+        """Block until the job has a result record; TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while (record := self.result(job_id)) is None:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id}: no result after {timeout}s")
+            time.sleep(poll_s)
+        return record
+
+    def status(self, batch_id: str) -> BatchStatus:
+        """Queued / running / succeeded / failed counts of a batch."""
+        return batch_status(self.connection, batch_id)
+
+    def wait(self, batch_id: str, timeout: float | None = None) -> BatchStatus:
+        """Block until every job of the batch has ended."""
+        return wait_for_batch(self.connection, batch_id, timeout=timeout)
+
+    def results(self, batch_id: str) -> list[ResultRecord | None]:
+        """Result records of the batch in submission order (None for jobs not ended)."""
+        out: list[ResultRecord | None] = []
+        for page in batch_job_ids(self.connection, batch_id):
+            out.extend(read_results(self.connection, page))
+        return out

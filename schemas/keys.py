@@ -1,0 +1,78 @@
+"""The Redis key layout: the one place that spells mlxq's keys.
+
+Every key an app may read is documented in the README ("Redis keys").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+PREFIX = "mlxq"
+
+#: The only job function a worker runs (dotted path stored in RQ job hashes).
+JOB_FUNCTION = "worker.jobs.run_chat_job"
+
+#: The RQ queue jobs go to unless told otherwise.
+DEFAULT_QUEUE = "mlxq"
+
+#: Sorted set of batch ids, scored by creation time (unix seconds).
+BATCHES = f"{PREFIX}:batches"
+
+#: Results and batch records live this long by default (7 days): batch work
+#: is collected hours or days later, not within RQ's 500 s default.
+DEFAULT_RESULT_TTL = 7 * 24 * 3600
+
+_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def validate_batch_id(batch_id: str) -> str:
+    """Return ``batch_id`` if it is 1-64 letters, digits, '_' or '-'; else raise ValueError."""
+    if not _ID_RE.fullmatch(batch_id):
+        raise ValueError(f"invalid batch id {batch_id!r}: use 1-64 letters, digits, '_' or '-'")
+    return batch_id
+
+
+def job_id_for(batch_id: str, custom_id: str) -> str:
+    """The deterministic job id of ``custom_id`` in ``batch_id``.
+
+    Deterministic ids make resubmission idempotent: the same line of the same
+    batch always maps to the same RQ job and the same result key.
+    """
+    digest = hashlib.sha256(custom_id.encode()).hexdigest()[:20]
+    return f"{batch_id}-{digest}"
+
+
+def batch_of(job_id: str) -> str:
+    """The batch id a job id belongs to (inverse of :func:`job_id_for`)."""
+    return job_id.rsplit("-", 1)[0]
+
+
+def result_key(job_id: str) -> str:
+    """String: the job's result record (JSON), with a TTL. Written once."""
+    return f"{PREFIX}:result:{job_id}"
+
+
+def batch_key(batch_id: str) -> str:
+    """Hash: batch metadata and counters (total, succeeded, failed, created_at, ...)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_jobs_key(batch_id: str) -> str:
+    """List: the batch's job ids in submission order."""
+    return f"{PREFIX}:batch:{batch_id}:jobs"
+
+
+def batch_done_key(batch_id: str) -> str:
+    """List: job ids pushed (RPUSH) as each job of the batch ends; apps may BLPOP it."""
+    return f"{PREFIX}:batch:{batch_id}:done"
+
+
+def rq_job_key(job_id: str) -> str:
+    """Hash: RQ's own job record (status, timestamps, JSON-serialised call)."""
+    return f"rq:job:{job_id}"
+
+
+def rq_queue_key(queue: str) -> str:
+    """List: RQ's queue of job ids."""
+    return f"rq:queue:{queue}"

@@ -1,0 +1,170 @@
+"""The chat request: an OpenAI chat.completions body plus mlxq's draft/adapter fields."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: Fields of the OpenAI API that mlxq does not implement yet. A request that
+#: sets one to a non-default value is rejected (never silently ignored).
+UNSUPPORTED: dict[str, str] = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported yet",
+    "function_call": "function calling is not supported yet",
+    "parallel_tool_calls": "tool calling is not supported yet",
+    "response_format": "response_format (JSON mode / structured output) is not supported yet",
+    "stream": "stream=true is not supported yet; poll the result key instead",
+    "stream_options": "streaming is not supported yet",
+    "logprobs": "logprobs are not supported yet",
+    "top_logprobs": "logprobs are not supported yet",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "service_tier": "service_tier is not supported",
+    "store": "store is not supported",
+}
+
+#: Values of unsupported fields that mean "feature off" and are accepted.
+_HARMLESS = (None, False, [], {}, {"type": "text"}, "auto", "default", "none")
+
+_EXTRA_PARAM_FIELDS = ("draft_model", "num_draft_tokens", "adapter")
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content list."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """One chat message. ``developer`` is OpenAI's newer name for ``system``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        """The message content as one string (text parts joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def as_template_dict(self) -> dict[str, str]:
+        """The ``{"role", "content"}`` form chat templates expect."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text}
+
+
+class ChatRequest(BaseModel):
+    """An OpenAI chat.completions request body, as a worker will run it.
+
+    Unknown fields are rejected by name; OpenAI fields mlxq cannot honour yet
+    are rejected with the reason. ``draft_model`` names a small model for
+    speculative decoding; ``extra_params: {"draft_model": ...}`` is accepted too.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, max_length=512)
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    stop: list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    n: int = 1
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    draft_model: str | None = Field(default=None, min_length=1, max_length=512)
+    num_draft_tokens: int | None = Field(default=None, ge=1, le=32)
+    adapter: str | None = Field(default=None, min_length=1, max_length=512)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported_and_merge_extra(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, why in UNSUPPORTED.items():
+            if name in data and data[name] not in _HARMLESS:
+                raise ValueError(f"{name}: {why}")
+            data.pop(name, None)
+        extra = data.pop("extra_params", None)
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise ValueError("extra_params: must be an object")
+            unknown = sorted(set(extra) - set(_EXTRA_PARAM_FIELDS))
+            if unknown:
+                raise ValueError(
+                    f"extra_params: unknown keys {unknown} "
+                    f"(allowed: {', '.join(_EXTRA_PARAM_FIELDS)})"
+                )
+            for key, value in extra.items():
+                if key in data and data[key] != value:
+                    raise ValueError(f"{key} is given both at top level and in extra_params")
+                data[key] = value
+        return data
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        if len(value) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(s == "" for s in value):
+            raise ValueError("stop sequences must not be empty")
+        return value or None
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported (submit the job several times with seeds)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(not -100.0 <= v <= 100.0 for v in value.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        return value or None
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> ChatRequest:
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise ValueError("max_tokens and max_completion_tokens differ; give only one")
+        if self.num_draft_tokens is not None and self.draft_model is None:
+            raise ValueError("num_draft_tokens is set but no draft_model is named")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        """The completion token limit (``max_completion_tokens`` or ``max_tokens``)."""
+        return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,153 @@
+"""Result records (what workers write) and OpenAI Batch output lines (what producers emit)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    """Token usage in OpenAI's shape."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    """An OpenAI ``chat.completion`` object."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ErrorInfo(BaseModel):
+    """An OpenAI-style error object."""
+
+    message: str
+    type: str = "server_error"
+    code: str = "server_error"
+    param: str | None = None
+
+
+class Metrics(BaseModel):
+    """What a worker measured while running one job. Times in seconds."""
+
+    model_config = ConfigDict(extra="allow")
+
+    worker_id: str
+    queue_wait_s: float | None = None
+    load_time_s: float = 0.0
+    cache_hit: bool = False
+    time_to_first_token_s: float | None = None
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
+    total_time_s: float | None = None
+    draft_model: str | None = None
+    num_draft_tokens: int | None = None
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    acceptance_rate: float | None = None
+    peak_memory_gb: float | None = None
+    mlx_version: str | None = None
+    mlx_lm_version: str | None = None
+
+
+class ResultRecord(BaseModel):
+    """The JSON stored at ``mlxq:result:<job_id>``: exactly one per job."""
+
+    job_id: str
+    batch_id: str
+    custom_id: str
+    status: Literal["succeeded", "failed"]
+    status_code: int = 200
+    response: ChatCompletion | None = None
+    error: ErrorInfo | None = None
+    metrics: Metrics | None = None
+    finished_at: float
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+
+
+class BatchOutputLine(BaseModel):
+    """One line of an OpenAI Batch output file."""
+
+    id: str
+    custom_id: str
+    response: BatchResponse | None = None
+    error: BatchError | None = None
+
+    @classmethod
+    def from_record(cls, record: ResultRecord) -> BatchOutputLine:
+        """The output line for a finished job (failures carry an error object)."""
+        line_id = f"batch_req_{record.job_id}"
+        if record.status == "succeeded" and record.response is not None:
+            body = record.response.model_dump(mode="json")
+            body["mlxq_metrics"] = (
+                record.metrics.model_dump(mode="json") if record.metrics else None
+            )
+            return cls(
+                id=line_id,
+                custom_id=record.custom_id,
+                response=BatchResponse(status_code=200, request_id=record.job_id, body=body),
+            )
+        error = record.error or ErrorInfo(message="job failed without an error record")
+        return cls(
+            id=line_id,
+            custom_id=record.custom_id,
+            response=BatchResponse(
+                status_code=record.status_code,
+                request_id=record.job_id,
+                body={"error": error.model_dump(mode="json")},
+            ),
+            error=BatchError(code=error.code, message=error.message),
+        )
+
+    @classmethod
+    def missing(cls, job_id: str, custom_id: str, reason: str) -> BatchOutputLine:
+        """The output line for a job that has no result (yet, or any more)."""
+        return cls(
+            id=f"batch_req_{job_id}",
+            custom_id=custom_id,
+            error=BatchError(code="no_result", message=reason),
+        )
+
+
+class BatchInputLine(BaseModel):
+    """One line of an OpenAI Batch input file (the body is validated separately)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    custom_id: str = Field(min_length=1, max_length=512)
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions"]
+    body: dict[str, Any]

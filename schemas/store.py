@@ -1,0 +1,64 @@
+"""Reading and writing result records: the write-once protocol every writer follows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from schemas import keys
+from schemas.result import ResultRecord
+
+if TYPE_CHECKING:
+    from redis import Redis
+
+# Atomically: write the record only if none exists (first write wins), then
+# bump the batch counter and announce the job on the batch's done list.
+_WRITE_ONCE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+  redis.call('HSETNX', KEYS[2], 'first_done_at', ARGV[5])
+  redis.call('HSET', KEYS[2], 'last_done_at', ARGV[5])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('RPUSH', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def write_result(conn: Redis, record: ResultRecord, ttl: int) -> bool:
+    """Store ``record`` unless the job already has one. True if this call wrote it."""
+    batch = record.batch_id
+    written = conn.eval(
+        _WRITE_ONCE,
+        3,
+        keys.result_key(record.job_id),
+        keys.batch_key(batch),
+        keys.batch_done_key(batch),
+        record.model_dump_json(),
+        int(ttl),
+        record.status,
+        record.job_id,
+        repr(record.finished_at),
+    )
+    return bool(written)
+
+
+def has_result(conn: Redis, job_id: str) -> bool:
+    """Whether the job already has its result record."""
+    return bool(conn.exists(keys.result_key(job_id)))
+
+
+def read_result(conn: Redis, job_id: str) -> ResultRecord | None:
+    """The job's result record, or None if it has none (yet, or any more)."""
+    raw = conn.get(keys.result_key(job_id))
+    return ResultRecord.model_validate_json(raw) if raw else None
+
+
+def read_results(conn: Redis, job_ids: Sequence[str]) -> list[ResultRecord | None]:
+    """Result records of many jobs in one round trip, in the order given."""
+    if not job_ids:
+        return []
+    raws = conn.mget([keys.result_key(j) for j in job_ids])
+    return [ResultRecord.model_validate_json(r) if r else None for r in raws]

@@ -1,0 +1,129 @@
+"""Shared fixtures: a real redis-server on a free port, tiny real models, an in-process worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    port: int
+    dir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, appendonly: bool = False) -> None:
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "yes" if appendonly else "no", "--dir", str(self.dir)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        conn = Redis(port=self.port)
+        for _ in range(200):
+            try:
+                conn.ping()
+                return
+            except Exception:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server is not installed (the tests need a real Redis)")
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    Redis.from_url(redis_server.url).flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def conn(redis_url) -> Redis:
+    return Redis.from_url(redis_url)
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    target: str
+    draft: str  # same tokenizer, different weights: low acceptance
+    twin: str  # same weights and tokenizer as target: acceptance 1.0
+    alien: str  # same vocab size, different vocabulary: incompatible
+    small_ctx: str  # same as target with a 64-token context
+    root: Path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyModels:
+    from worker.tinymodels import TinySpec, ensure_model
+
+    root = tmp_path_factory.mktemp("models")
+    spec = TinySpec(layers=2, hidden=64, intermediate=128, seed=1)
+    target = ensure_model(root / "target", spec)
+    draft = ensure_model(root / "draft", TinySpec(layers=1, hidden=32, intermediate=64, seed=2))
+    twin = root / "twin"
+    shutil.copytree(target, twin)
+    alien = ensure_model(root / "alien", TinySpec(layers=1, hidden=32, intermediate=64, seed=3,
+                                                  tokenizer_seed=7))
+    small = root / "small-ctx"
+    shutil.copytree(target, small)
+    config = json.loads((small / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (small / "config.json").write_text(json.dumps(config))
+    return TinyModels(str(target), str(draft), str(twin), str(alien), str(small), root)
+
+
+def chat(model: str, content: str = "hello queue", **fields) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None) -> object:
+    """Run an in-process MlxqWorker in burst mode until the queues are empty."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker import runtime as rt_mod
+    from worker.rqworker import MlxqWorker
+
+    rt = rt_mod.install(runtime or rt_mod.WorkerRuntime(worker_id="test-worker"))
+    conn = Redis.from_url(redis_url)
+    qs = [Queue(q, connection=conn, serializer=JSONSerializer) for q in queues]
+    worker = MlxqWorker(qs, connection=conn, name=f"w{time.monotonic_ns()}")
+    worker.work(burst=True, max_jobs=max_jobs, with_scheduler=False, logging_level="WARNING")
+    return rt

@@ -1,0 +1,276 @@
+"""The model cache: each model loaded once, shared by every job and draft pairing, LRU-evicted.
+
+Models are cached individually (not per target/draft pair), so a target used
+alone, with draft A and with draft B is loaded once. A LoRA adapter entry
+shares its base model's weight arrays (MLX arrays are immutable buffers) and
+adds only the adapter's own parameters, so the base stays untouched for other
+jobs. Under a memory budget, least-recently-used models are evicted and memory
+is freed *before* the next model is loaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from schemas import (
+    IncompatibleDraftError,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelTooLargeError,
+)
+
+log = logging.getLogger(__name__)
+
+#: Files fetched for a hub model. No ``*.py``: mlxq never runs remote code.
+HUB_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+
+CacheKey = tuple[str, str | None]
+
+
+@dataclass
+class LoadedModel:
+    """A model (optionally with a LoRA adapter) held in memory with its tokenizer."""
+
+    name: str
+    adapter: str | None
+    model: nn.Module
+    tokenizer: Any
+    config: dict[str, Any]
+    nbytes: int
+    load_time_s: float
+    pinned: bool = False
+    uses: int = 0
+    _vocab: dict[str, int] | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> CacheKey:
+        return (self.name, self.adapter)
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context window in tokens, when its config states one."""
+        for name in ("max_position_embeddings", "max_sequence_length", "n_positions"):
+            value = self.config.get(name) or self.config.get("text_config", {}).get(name)
+            if value:
+                return int(value)
+        return None
+
+    def vocab(self) -> dict[str, int]:
+        """The tokenizer's token -> id map (computed once)."""
+        if self._vocab is None:
+            self._vocab = dict(self.tokenizer.get_vocab())
+        return self._vocab
+
+
+def resolve_path(name: str) -> Path:
+    """A local directory for ``name``: the path itself, or the hub snapshot (HF_HOME cache).
+
+    Honours HF_HOME and HF_HUB_OFFLINE through huggingface-hub.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"model {name!r} is a file, not a model directory")
+        return path
+    if name.startswith(("/", "./", "../", "~")):
+        raise ModelNotFoundError(f"model {name!r}: no such local directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=HUB_PATTERNS))
+    except HFValidationError:
+        raise ModelNotFoundError(
+            f"model {name!r} is neither a local directory nor a valid hub repository id"
+        ) from None
+    except Exception as e:
+        raise ModelNotFoundError(
+            f"model {name!r} is not a local directory and could not be fetched from the hub "
+            f"({type(e).__name__}; offline or unknown repository?)"
+        ) from None
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of the weight files in a model or adapter directory (what loading will cost)."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def free_memory() -> None:
+    """Return freed MLX buffers to the system (called after eviction, before loading)."""
+    gc.collect()
+    mx.clear_cache()
+
+
+class ModelCache:
+    """Loaded models keyed by (name, adapter), with an LRU memory budget."""
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[CacheKey, LoadedModel] = OrderedDict()
+        self._compatible: dict[tuple[CacheKey, CacheKey], bool] = {}
+        self.loads = 0
+        self.evictions = 0
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self._entries
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def entries(self) -> list[LoadedModel]:
+        """Loaded models, least recently used first."""
+        return list(self._entries.values())
+
+    def get(
+        self,
+        name: str,
+        adapter: str | None = None,
+        *,
+        keep: tuple[CacheKey, ...] = (),
+        pin: bool = False,
+    ) -> tuple[LoadedModel, bool]:
+        """The loaded model and whether it was already warm. ``keep`` entries are not evicted."""
+        key = (name, adapter)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            entry.uses += 1
+            entry.pinned = entry.pinned or pin
+            return entry, True
+        if adapter is None:
+            entry = self._load_base(name, keep)
+        else:
+            base, _ = self.get(name, None, keep=keep)
+            entry = self._load_adapter(base, adapter, keep=(*keep, base.key))
+        entry.pinned = pin
+        entry.uses = 1
+        self._entries[key] = entry
+        self.loads += 1
+        return entry, False
+
+    def _make_room(self, needed: int, keep: tuple[CacheKey, ...], what: str) -> None:
+        if self.budget_bytes is None:
+            return
+        if needed > self.budget_bytes:
+            raise ModelTooLargeError(
+                f"{what} needs {needed / 1e9:.2f} GB, more than the worker's cache budget of "
+                f"{self.budget_bytes / 1e9:.2f} GB (--cache-gb)"
+            )
+        evicted = False
+        for key in list(self._entries):
+            if self.used_bytes + needed <= self.budget_bytes:
+                break
+            entry = self._entries[key]
+            if entry.pinned or key in keep:
+                continue
+            self._evict(key)
+            evicted = True
+        if self.used_bytes + needed > self.budget_bytes:
+            raise ModelTooLargeError(
+                f"{what} needs {needed / 1e9:.2f} GB but only "
+                f"{(self.budget_bytes - self.used_bytes) / 1e9:.2f} GB of the cache budget can be "
+                "freed (the rest is pinned or in use by this job)"
+            )
+        if evicted:
+            free_memory()
+
+    def _evict(self, key: CacheKey) -> None:
+        # Adapter entries share their base's arrays: evicting a base evicts its adapters.
+        dependents = [k for k in self._entries if key[1] is None and k[0] == key[0] and k[1]]
+        for k in [*dependents, key]:
+            entry = self._entries.pop(k)
+            self.evictions += 1
+            self._compatible = {p: v for p, v in self._compatible.items() if k not in p}
+            log.info("evicted %s (%.1f MB)", _label(k), entry.nbytes / 1e6)
+
+    def evict_all(self) -> None:
+        for key in list(self._entries):
+            if key in self._entries:
+                self._evict(key)
+        free_memory()
+
+    def _load_base(self, name: str, keep: tuple[CacheKey, ...]) -> LoadedModel:
+        from mlx_lm.utils import load
+
+        path = resolve_path(name)
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"model {name!r}: {path} has no config.json")
+        self._make_room(weight_bytes(path), keep, f"model {name!r}")
+        start = time.perf_counter()
+        try:
+            model, tokenizer, config = load(str(path), return_config=True)
+        except Exception as e:
+            raise ModelLoadError(f"model {name!r} could not be loaded: {e}") from e
+        elapsed = time.perf_counter() - start
+        entry = LoadedModel(name, None, model, tokenizer, config, param_bytes(model), elapsed)
+        log.info("loaded %s in %.2fs (%.1f MB)", name, elapsed, entry.nbytes / 1e6)
+        return entry
+
+    def _load_adapter(
+        self, base: LoadedModel, adapter: str, keep: tuple[CacheKey, ...]
+    ) -> LoadedModel:
+        from mlx_lm.tuner.utils import load_adapters
+        from mlx_lm.utils import load_model
+
+        path = resolve_path(adapter)
+        if not (path / "adapter_config.json").exists():
+            raise ModelNotFoundError(f"adapter {adapter!r}: {path} has no adapter_config.json")
+        self._make_room(weight_bytes(path), keep, f"adapter {adapter!r}")
+        start = time.perf_counter()
+        try:
+            # A lazy skeleton of the base, given the base's (already loaded, shared) arrays.
+            model, _ = load_model(resolve_path(base.name), lazy=True)
+            model.update(tree_unflatten(tree_flatten(base.model.parameters())))
+            before = {k for k, _ in tree_flatten(model.parameters())}
+            model = load_adapters(model, str(path))
+            model.eval()
+            own = [v for k, v in tree_flatten(model.parameters()) if k not in before]
+            mx.eval(own)
+        except Exception as e:
+            raise ModelLoadError(
+                f"adapter {adapter!r} could not be applied to {base.name!r}: {e}"
+            ) from e
+        elapsed = time.perf_counter() - start
+        nbytes = sum(v.nbytes for v in own)
+        return LoadedModel(base.name, adapter, model, base.tokenizer, base.config, nbytes, elapsed)
+
+    def check_draft(self, target: LoadedModel, draft: LoadedModel) -> None:
+        """Raise :class:`IncompatibleDraftError` unless both tokenizers have the same vocabulary."""
+        pair = (target.key, draft.key)
+        if pair not in self._compatible:
+            self._compatible[pair] = target.vocab() == draft.vocab()
+        if not self._compatible[pair]:
+            t, d = target.vocab(), draft.vocab()
+            differ = sum(1 for tok, i in t.items() if d.get(tok) != i) + len(d.keys() - t.keys())
+            raise IncompatibleDraftError(
+                f"draft model {draft.name!r} cannot be used with {target.name!r}: their tokenizers "
+                f"differ ({len(t)} vs {len(d)} tokens, {differ} entries differ)"
+            )
+
+
+def _label(key: CacheKey) -> str:
+    return key[0] if key[1] is None else f"{key[0]} + adapter {key[1]}"

@@ -1,0 +1,133 @@
+"""The ``worker`` command: serve chat jobs from Redis with warm MLX models."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+from redis import Redis
+from redis.exceptions import RedisError
+
+from schemas import MlxqError, keys
+from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
+
+log = logging.getLogger("worker")
+
+
+@click.command()
+@click.option(
+    "--redis-url",
+    envvar=ENV_REDIS_URL,
+    default=DEFAULT_REDIS_URL,
+    show_default=True,
+    help="Redis URL (rediss:// for TLS; credentials here or in the env var).",
+)
+@click.option(
+    "--queue",
+    "queues",
+    envvar=ENV_QUEUE,
+    multiple=True,
+    default=[keys.DEFAULT_QUEUE],
+    show_default=True,
+    help="Queue to serve (repeatable; env var: space-separated).",
+)
+@click.option(
+    "--model",
+    "models",
+    envvar="MLXQ_WORKER_MODELS",
+    multiple=True,
+    help="Model to preload and keep warm (repeatable; never evicted).",
+)
+@click.option("--burst", is_flag=True, envvar="MLXQ_BURST", help="Exit when the queues are empty.")
+@click.option(
+    "--max-jobs",
+    envvar="MLXQ_MAX_JOBS",
+    type=click.IntRange(1),
+    default=None,
+    show_default=True,
+    help="Exit after this many jobs.",
+)
+@click.option(
+    "--cache-gb",
+    envvar="MLXQ_CACHE_GB",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    show_default=True,
+    help="Memory budget for loaded models in GB (LRU eviction) [default: no limit].",
+)
+@click.option(
+    "--allow-model",
+    "allow_models",
+    envvar="MLXQ_ALLOW_MODELS",
+    multiple=True,
+    help="Glob of models jobs may name (repeatable) [default: any].",
+)
+@click.option(
+    "--num-draft-tokens",
+    envvar="MLXQ_NUM_DRAFT_TOKENS",
+    type=click.IntRange(1, 32),
+    default=3,
+    show_default=True,
+    help="Draft tokens per round when a job names a draft but no count.",
+)
+@click.option(
+    "--name",
+    envvar="MLXQ_WORKER_NAME",
+    default=None,
+    show_default=True,
+    help="Worker name [default: host.pid].",
+)
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(
+    redis_url: str,
+    queues: tuple[str, ...],
+    models: tuple[str, ...],
+    burst: bool,
+    max_jobs: int | None,
+    cache_gb: float | None,
+    allow_models: tuple[str, ...],
+    num_draft_tokens: int,
+    name: str | None,
+    verbose: int,
+) -> None:
+    """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker import runtime
+    from worker.cache import ModelCache
+    from worker.rqworker import MlxqWorker
+
+    conn = Redis.from_url(redis_url)
+    try:
+        conn.ping()
+    except RedisError as e:
+        raise click.ClickException(f"cannot reach Redis at {redact_url(redis_url)}: {e}") from None
+    budget = int(cache_gb * 1e9) if cache_gb else None
+    rt = runtime.WorkerRuntime(
+        cache=ModelCache(budget),
+        allow_models=allow_models,
+        default_num_draft_tokens=num_draft_tokens,
+    )
+    if name:
+        rt.worker_id = name
+    runtime.install(rt)
+    for model in models:
+        try:
+            rt.check_allowed(model)
+            entry, _ = rt.cache.get(model, pin=True)
+        except MlxqError as e:
+            raise click.ClickException(f"--model {model}: {e}") from None
+        click.echo(f"preloaded {model} ({entry.nbytes / 1e6:.1f} MB)", err=True)
+    rq_queues = [Queue(q, connection=conn, serializer=JSONSerializer) for q in queues]
+    worker = MlxqWorker(rq_queues, connection=conn, name=rt.worker_id)
+    rq_level = "INFO" if verbose else "WARNING"
+    ok = worker.work(burst=burst, max_jobs=max_jobs, logging_level=rq_level, with_scheduler=False)
+    sys.exit(0 if ok or burst else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The generation engine: chat template, sampling, stop strings, plain or speculative decoding.
+
+Pure MLX and mlx-lm; knows nothing of Redis or jobs. Speculative decoding is
+mlx-lm's own (``stream_generate`` with ``draft_model``): the draft proposes
+``num_draft_tokens`` tokens per round and the target verifies them in one pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from schemas import ChatRequest, ContextLengthError, InvalidRequestError
+
+#: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
+DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Everything that shapes one generation, resolved from a request."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    num_draft_tokens: int = 3
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """The text and what it cost."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token_s: float
+    prompt_tokens_per_s: float
+    generation_tokens_per_s: float
+    total_time_s: float
+    draft_tokens_proposed: int
+    draft_tokens_accepted: int
+    peak_memory_gb: float
+    token_ids: tuple[int, ...]
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.draft_tokens_proposed:
+            return None
+        return self.draft_tokens_accepted / self.draft_tokens_proposed
+
+
+def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
+    """The request's messages through the model's chat template, as token ids."""
+    messages = [m.as_template_dict() for m in request.messages]
+    if not getattr(tokenizer, "has_chat_template", False):
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        return list(tokenizer.encode(text))  # type: ignore[attr-defined]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # type: ignore[attr-defined]
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def params_for(
+    request: ChatRequest,
+    n_prompt: int,
+    context_length: int | None,
+    vocab_size: int,
+    default_num_draft_tokens: int = 3,
+) -> GenerationParams:
+    """Resolve a request's sampling fields and limits against the model; raise on misfit."""
+    limit = request.token_limit
+    if context_length is not None:
+        room = context_length - n_prompt
+        if room < 1 or (limit is not None and limit > room):
+            raise ContextLengthError(
+                f"this model's maximum context length is {context_length} tokens; the prompt "
+                f"has {n_prompt} tokens and {limit or 1} completion tokens were requested"
+            )
+        max_tokens = limit or min(DEFAULT_MAX_TOKENS, room)
+    else:
+        max_tokens = limit or DEFAULT_MAX_TOKENS
+    bias = tuple(sorted((request.logit_bias or {}).items()))
+    bad = [t for t, _ in bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"logit_bias: token ids {bad} are outside the vocabulary")
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        stop=tuple(request.stop or ()),
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=bias,
+        num_draft_tokens=request.num_draft_tokens or default_num_draft_tokens,
+    )
+
+
+def _processors(params: GenerationParams) -> list:
+    return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=params.max_tokens,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=params.max_tokens,
+    )
+
+
+def _find_stop(text: str, stops: Sequence[str], start: int) -> int:
+    """Index of the earliest stop string in ``text`` at or after ``start``; -1 if none."""
+    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else -1
+
+
+class _DraftCounter:
+    """Counts draft tokens proposed and accepted from the stream of ``from_draft`` flags.
+
+    mlx-lm's speculative loop drafts ``min(k, max_tokens - n)`` tokens per round,
+    yields the accepted ones (``from_draft``), then one token of the target's
+    own, which ends the round. So each round's proposal size is known exactly
+    from where the round started. In the last round, draft tokens after a stop
+    (EOS or stop string) were proposed but are not counted as accepted.
+    """
+
+    def __init__(self, k: int, max_tokens: int) -> None:
+        self.k, self.max_tokens = k, max_tokens
+        self.proposed = self.accepted = self.n = 0
+        self.in_round = False
+
+    def add(self, from_draft: bool) -> None:
+        if not self.in_round:
+            self.proposed += min(self.k, self.max_tokens - self.n)
+            self.in_round = True
+        self.n += 1
+        if from_draft:
+            self.accepted += 1
+        else:
+            self.in_round = False
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: object,
+    prompt: list[int],
+    params: GenerationParams,
+    draft_model: nn.Module | None = None,
+) -> GenerationOutput:
+    """Generate a completion for ``prompt``; speculative when ``draft_model`` is given.
+
+    Greedy output (temperature 0) is the same with or without a draft.
+    """
+    if params.seed is not None:
+        mx.random.seed(params.seed)
+    kwargs: dict[str, object] = {
+        "sampler": make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k),
+        "logits_processors": _processors(params),
+    }
+    counter = None
+    if draft_model is not None:
+        kwargs.update(draft_model=draft_model, num_draft_tokens=params.num_draft_tokens)
+        counter = _DraftCounter(params.num_draft_tokens, params.max_tokens)
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first_token_at = None
+    text, finish, tokens = "", "length", []
+    last = None
+    longest_stop = max((len(s) for s in params.stop), default=0)
+    for response in stream_generate(
+        model, tokenizer, mx.array(prompt), max_tokens=params.max_tokens, **kwargs
+    ):
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+        last = response
+        tokens.append(int(response.token))
+        if counter is not None:
+            counter.add(response.from_draft)
+        search_from = max(0, len(text) - longest_stop + 1)
+        text += response.text
+        if params.stop and (at := _find_stop(text, params.stop, search_from)) >= 0:
+            text, finish = text[:at], "stop"
+            break
+        if response.finish_reason is not None:
+            finish = response.finish_reason
+    end = time.perf_counter()
+    if last is None:
+        raise RuntimeError("mlx-lm produced no tokens")
+    return GenerationOutput(
+        text=text,
+        finish_reason=finish,
+        prompt_tokens=len(prompt),
+        completion_tokens=len(tokens),
+        time_to_first_token_s=(first_token_at or end) - start,
+        prompt_tokens_per_s=last.prompt_tps,
+        generation_tokens_per_s=last.generation_tps,
+        total_time_s=end - start,
+        draft_tokens_proposed=counter.proposed if counter else 0,
+        draft_tokens_accepted=counter.accepted if counter else 0,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        token_ids=tuple(tokens),
+    )

@@ -1,0 +1,92 @@
+"""ChatGenerator: a target model, an optional draft, and generation, in the seed system's terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas import ChatRequest
+from worker.cache import LoadedModel, ModelCache
+from worker.engine import GenerationOutput, generate, params_for, prompt_tokens
+
+_default_cache: ModelCache | None = None
+
+
+def default_cache() -> ModelCache:
+    """The process-wide model cache (the worker installs its own budgeted one)."""
+    global _default_cache
+    if _default_cache is None:
+        _default_cache = ModelCache()
+    return _default_cache
+
+
+def set_default_cache(cache: ModelCache) -> None:
+    global _default_cache
+    _default_cache = cache
+
+
+@dataclass
+class ChatGenerator:
+    """A target (with optional adapter) and optional draft, both held by a :class:`ModelCache`.
+
+    ``get_or_create`` shares models through the cache: a target used with
+    draft A, with draft B and alone is one loaded model.
+    """
+
+    target: LoadedModel
+    draft: LoadedModel | None = None
+    target_was_warm: bool = False
+    draft_was_warm: bool = False
+
+    @classmethod
+    def get_or_create(
+        cls,
+        model_id: str,
+        draft_model_id: str | None = None,
+        adapter_path: str | None = None,
+        cache: ModelCache | None = None,
+    ) -> ChatGenerator:
+        """A generator over cached models, loading what is not warm yet."""
+        cache = cache or default_cache()
+        target, t_hit = cache.get(model_id, adapter_path)
+        draft, d_hit = None, False
+        if draft_model_id is not None:
+            keep = (target.key, (model_id, None))
+            draft, d_hit = cache.get(draft_model_id, None, keep=keep)
+            cache.check_draft(target, draft)
+        return cls(target, draft, t_hit, d_hit)
+
+    @classmethod
+    def create(
+        cls, model_id: str, draft_model_id: str | None = None, adapter_path: str | None = None
+    ) -> ChatGenerator:
+        """A generator with its own freshly loaded models (not shared with the cache)."""
+        return cls.get_or_create(model_id, draft_model_id, adapter_path, cache=ModelCache())
+
+    def has_draft_model(self) -> bool:
+        return self.draft is not None
+
+    @property
+    def load_time_s(self) -> float:
+        """Seconds spent loading for this generator (0 when everything was warm)."""
+        t = 0.0 if self.target_was_warm else self.target.load_time_s
+        if self.draft is not None and not self.draft_was_warm:
+            t += self.draft.load_time_s
+        return t
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.target_was_warm and (self.draft is None or self.draft_was_warm)
+
+    def generate(self, request: ChatRequest, default_num_draft_tokens: int = 3) -> GenerationOutput:
+        """Run ``request`` (its messages and sampling fields) on these models."""
+        tokenizer = self.target.tokenizer
+        prompt = prompt_tokens(tokenizer, request)
+        params = params_for(
+            request,
+            len(prompt),
+            self.target.context_length,
+            int(self.target.config.get("vocab_size") or len(self.target.vocab())),
+            default_num_draft_tokens,
+        )
+        draft = self.draft.model if self.draft is not None else None
+        return generate(self.target.model, tokenizer, prompt, params, draft_model=draft)

@@ -1,0 +1,49 @@
+"""The worker's runtime settings, reachable from the job function (one per process)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import socket
+from dataclasses import dataclass, field
+
+from schemas import ModelNotAllowedError
+from worker.cache import ModelCache
+from worker.generator import default_cache, set_default_cache
+
+
+@dataclass
+class WorkerRuntime:
+    """What a job needs from the worker that runs it."""
+
+    cache: ModelCache = field(default_factory=default_cache)
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}.{os.getpid()}")
+    allow_models: tuple[str, ...] = ()
+    default_num_draft_tokens: int = 3
+
+    def check_allowed(self, name: str, what: str = "model") -> None:
+        """Raise :class:`ModelNotAllowedError` unless ``name`` matches an ``--allow-model`` glob."""
+        if self.allow_models and not any(fnmatch.fnmatchcase(name, p) for p in self.allow_models):
+            raise ModelNotAllowedError(
+                f"{what} {name!r} is not allowed on this worker (allowed: "
+                f"{', '.join(self.allow_models)})"
+            )
+
+
+_current: WorkerRuntime | None = None
+
+
+def install(runtime: WorkerRuntime) -> WorkerRuntime:
+    """Make ``runtime`` the one jobs in this process use."""
+    global _current
+    _current = runtime
+    set_default_cache(runtime.cache)
+    return runtime
+
+
+def current() -> WorkerRuntime:
+    """The installed runtime (a default one, unbudgeted, if none was installed)."""
+    global _current
+    if _current is None:
+        _current = WorkerRuntime()
+    return _current

@@ -1,0 +1,168 @@
+"""Tiny local models for demos, tests and benchmarks where no model hub is reachable.
+
+Each model is a real mlx-lm llama checkpoint on disk (config.json, safetensors
+weights, a small BPE tokenizer and a chat template), loaded through the
+same ``mlx_lm.load`` path as any hub model. Weights are random but
+deterministic for a given seed, so greedy output is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+_WORDS = (
+    "the a queue worker model token draft target redis job batch result metric apple "
+    "silicon mac mini fleet speculative decoding verify accept reject cache memory warm "
+    "cold load evict budget prompt completion chat system user assistant stop length "
+    "seed sample greedy temperature fast slow time second minute hour day week write "
+    "read poll list push pop key value json line file error reason retry crash restart "
+    "signal heartbeat lease timeout count rate ratio plot bench test run pass fail"
+).split()
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of a tiny llama model."""
+
+    layers: int = 2
+    hidden: int = 64
+    intermediate: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 512
+    context: int = 512
+    seed: int = 0
+    tokenizer_seed: int = 0
+    tied: bool = True
+    # Projection weights are scaled up from mlx's default init: at scale 1 a
+    # random model repeats one token forever; at 4 its output varies with context.
+    weight_scale: float = 4.0
+
+
+def _corpus(seed: int, n_lines: int = 400) -> list[str]:
+    rng = random.Random(seed)
+    words = list(_WORDS)
+    rng.shuffle(words)
+    lines = []
+    for _ in range(n_lines):
+        n = rng.randint(4, 14)
+        lines.append(
+            " ".join(
+                rng.choice(words[: 20 + rng.randint(0, len(words) - 20)]) for _ in range(n)
+            ).capitalize()
+            + "."
+        )
+    return lines
+
+
+def write_tokenizer(path: Path, vocab: int = 512, seed: int = 0) -> None:
+    """Train a BPE tokenizer of exactly ``vocab`` entries and save it in HF form.
+
+    Different seeds give different vocabularies of the same size (a draft built
+    with another seed has a "compatible looking" vocab_size but is not compatible).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=list(string.ascii_letters + string.digits + string.punctuation),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {vocab}")
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "model_max_length": 1_000_000,
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    )
+
+
+def model_config(spec: TinySpec, eos_token_id: int) -> dict:
+    """The config.json of a tiny llama model."""
+    return {
+        "model_type": "llama",
+        "hidden_size": spec.hidden,
+        "num_hidden_layers": spec.layers,
+        "intermediate_size": spec.intermediate,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": spec.context,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": spec.tied,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "float32",
+    }
+
+
+def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write a tiny random llama model (weights, config, tokenizer) to ``path``."""
+    path = Path(path)
+    write_tokenizer(path, vocab=spec.vocab, seed=spec.tokenizer_seed)
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    config = model_config(spec, eos_token_id=vocab["</s>"])
+    mx.random.seed(spec.seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = {
+        k: v if ("norm" in k or "embed" in k) else v * spec.weight_scale
+        for k, v in tree_flatten(model.parameters())
+    }
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def ensure_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
+    """Build the model at ``path`` unless a build with the same spec is already there."""
+    path = Path(path)
+    stamp = path / "mlxq-tiny.json"
+    want = json.dumps(spec.__dict__, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want and (path / "model.safetensors").exists():
+        return path
+    write_model(path, spec)
+    stamp.write_text(want)
+    return path
+
+
+def ensure_demo_models(root: Path) -> tuple[Path, Path]:
+    """A tiny target and a smaller draft sharing its tokenizer, built once under ``root``."""
+    root = Path(root)
+    target = ensure_model(
+        root / "tiny-target", TinySpec(layers=4, hidden=128, intermediate=256, seed=1)
+    )
+    draft = ensure_model(
+        root / "tiny-draft", TinySpec(layers=1, hidden=64, intermediate=128, seed=2)
+    )
+    return target, draft
