@@ -34,8 +34,19 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, appendonly: bool = False) -> None:
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "yes" if appendonly else "no", "--dir", str(self.dir)]
+        args = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if appendonly else "no",
+            "--dir",
+            str(self.dir),
+        ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         conn = Redis(port=self.port)
         for _ in range(200):
@@ -94,8 +105,9 @@ def tiny(tmp_path_factory) -> TinyModels:
     draft = ensure_model(root / "draft", TinySpec(layers=1, hidden=32, intermediate=64, seed=2))
     twin = root / "twin"
     shutil.copytree(target, twin)
-    alien = ensure_model(root / "alien", TinySpec(layers=1, hidden=32, intermediate=64, seed=3,
-                                                  tokenizer_seed=7))
+    alien = ensure_model(
+        root / "alien", TinySpec(layers=1, hidden=32, intermediate=64, seed=3, tokenizer_seed=7)
+    )
     small = root / "small-ctx"
     shutil.copytree(target, small)
     config = json.loads((small / "config.json").read_text())
