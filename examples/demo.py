@@ -17,9 +17,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+from producer.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -31,12 +31,6 @@ def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def docker_works() -> bool:
     if not shutil.which("docker"):
         return False
@@ -46,7 +40,7 @@ def docker_works() -> bool:
         return False
 
 
-def start_redis() -> tuple[str, subprocess.Popen | None]:
+def start_redis() -> tuple[str, LocalRedis | None]:
     if url := os.environ.get("MLXQ_REDIS_URL"):
         say("using Redis from $MLXQ_REDIS_URL")
         return url, None
@@ -54,25 +48,11 @@ def start_redis() -> tuple[str, subprocess.Popen | None]:
         say("starting Redis with docker compose (docker-compose.yml)")
         subprocess.run(["docker", "compose", "up", "-d", "--wait"], cwd=ROOT, check=True)
         return "redis://localhost:6379/0", None
-    server = shutil.which("redis-server")
-    if not server:
+    if not shutil.which("redis-server"):
         sys.exit("[demo] no Redis: set MLXQ_REDIS_URL, start Docker, or install redis-server")
-    port = free_port()
-    data = tempfile.mkdtemp(prefix="mlxq-redis-")
-    say(f"starting a private redis-server on port {port}")
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", data],
-        stdout=subprocess.DEVNULL,
-    )
-    from redis import Redis
-
-    for _ in range(100):
-        try:
-            Redis(port=port).ping()
-            break
-        except Exception:
-            time.sleep(0.05)
-    return f"redis://127.0.0.1:{port}/0", proc
+    server = LocalRedis().start()
+    say(f"started a private redis-server on port {server.port}")
+    return server.url, server
 
 
 def hub_reachable() -> bool:
@@ -119,10 +99,11 @@ def table(results_path: Path) -> None:
         choice = body["choices"][0]
         acc = "-" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.2f}"
         text = choice["message"]["content"].replace("\n", " ")[:40]
+        warm = "yes" if m["cache_hit"] else "no"
         print(
             f"{row['custom_id']:<14}{row['response']['status_code']:<7}"
             f"{choice['finish_reason']:<7}{body['usage']['completion_tokens']:>5}"
-            f"{m['generation_tokens_per_s'] or 0:>8.1f}{acc:>8}{'yes' if m['cache_hit'] else 'no':>6}"
+            f"{m['generation_tokens_per_s'] or 0:>8.1f}{acc:>8}{warm:>6}"
             f"  {text}"
         )
 
@@ -134,8 +115,16 @@ def main() -> None:
         say(f"target {target}\n[demo] draft  {draft}\n[demo] ({why})")
         env = os.environ | {"MLXQ_REDIS_URL": url}
         jobs = ROOT / "examples" / "jobs.jsonl"
-        batch = run(str(BIN / "producer"), "submit", str(jobs), "--model", target,
-                    "--draft-model", draft, env=env).strip()
+        batch = run(
+            str(BIN / "producer"),
+            "submit",
+            str(jobs),
+            "--model",
+            target,
+            "--draft-model",
+            draft,
+            env=env,
+        ).strip()
         say(f"submitted {jobs.name} as batch {batch}; running the worker in burst mode")
         run(str(BIN / "worker"), "--burst", "--name", "demo-worker", env=env)
         out = ROOT / ".mlxq" / "demo-results.jsonl"
@@ -146,8 +135,7 @@ def main() -> None:
         say(f"OpenAI Batch output lines with full metrics: {out.relative_to(ROOT)}")
     finally:
         if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(10)
+            redis_proc.stop()
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def submit(
     if not parsed.lines:
         raise click.ClickException(f"{file}: no valid lines to submit")
     conn = _connect(redis_url)
-    items = [SubmitItem(p.custom_id, p.request) for p in parsed.lines]
+    items = [SubmitItem(p.custom_id, p.request, p.body) for p in parsed.lines]
     with click.progressbar(length=len(items), label="enqueueing", file=sys.stderr) as bar:
         summary = submit_items(
             conn,

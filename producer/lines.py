@@ -28,6 +28,7 @@ class ParsedLine:
     custom_id: str
     request: ChatRequest
     text: str
+    body: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,18 @@ class ParsedFile:
     errors: list[LineError] = field(default_factory=list)
 
 
+_NO_DEFAULTS = Defaults()
+_BATCH_KEYS = frozenset(("custom_id", "method", "url", "body"))
+
+
 class LineInvalid(Exception):
     """One line is wrong; the message says what."""
 
 
 def apply_defaults(body: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
     """``body`` with defaults filled in where the key is absent (an explicit null stays)."""
+    if defaults == _NO_DEFAULTS:
+        return body
     body = dict(body)
     extra = body.get("extra_params") if isinstance(body.get("extra_params"), dict) else {}
     if defaults.model is not None and "model" not in body:
@@ -63,8 +70,13 @@ def apply_defaults(body: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
     return body
 
 
-def parse_line(text: str, lineno: int, defaults: Defaults = Defaults()) -> tuple[str, ChatRequest]:
-    """Validate one line and return ``(custom_id, request)``; raise :class:`LineInvalid`."""
+def parse_line(
+    text: str, lineno: int, defaults: Defaults = Defaults()
+) -> tuple[str, ChatRequest, dict[str, Any]]:
+    """Validate one line; return ``(custom_id, request, body)``; raise :class:`LineInvalid`.
+
+    ``body`` is the request's JSON object with the defaults applied.
+    """
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -72,21 +84,36 @@ def parse_line(text: str, lineno: int, defaults: Defaults = Defaults()) -> tuple
     if not isinstance(obj, dict):
         raise LineInvalid(f"expected a JSON object, got {type(obj).__name__}")
     if {"url", "method", "body"} & obj.keys():
-        try:
-            line = BatchInputLine.model_validate(obj)
-        except ValidationError as e:
-            raise LineInvalid(describe_validation_error(e)) from None
-        custom_id, body, prefix = line.custom_id, line.body, "body"
+        custom_id, body, prefix = _batch_line(obj), obj["body"], "body"
     else:
         custom_id = obj.pop("custom_id", None) or f"line-{lineno}"
         if not isinstance(custom_id, str):
             raise LineInvalid("custom_id: must be a string")
         body, prefix = obj, ""
+    body = apply_defaults(body, defaults)
     try:
-        request = ChatRequest.model_validate(apply_defaults(body, defaults))
+        request = ChatRequest.model_validate(body)
     except ValidationError as e:
         raise LineInvalid(describe_validation_error(e, prefix)) from None
-    return custom_id, request
+    return custom_id, request, body
+
+
+def _batch_line(obj: dict[str, Any]) -> str:
+    """The custom_id of a valid OpenAI Batch line (checked by hand on the common path)."""
+    cid = obj.get("custom_id")
+    if (
+        obj.keys() == _BATCH_KEYS
+        and obj["method"] == "POST"
+        and obj["url"] == "/v1/chat/completions"
+        and isinstance(cid, str)
+        and 0 < len(cid) <= 512
+        and isinstance(obj["body"], dict)
+    ):
+        return cid
+    try:
+        return BatchInputLine.model_validate(obj).custom_id
+    except ValidationError as e:
+        raise LineInvalid(describe_validation_error(e)) from None
 
 
 def parse_lines(lines: Iterable[str], defaults: Defaults = Defaults()) -> ParsedFile:
@@ -98,7 +125,7 @@ def parse_lines(lines: Iterable[str], defaults: Defaults = Defaults()) -> Parsed
         if not text.strip():
             continue
         try:
-            custom_id, request = parse_line(text, lineno, defaults)
+            custom_id, request, body = parse_line(text, lineno, defaults)
         except LineInvalid as e:
             parsed.errors.append(LineError(lineno, str(e), text))
             continue
@@ -109,7 +136,7 @@ def parse_lines(lines: Iterable[str], defaults: Defaults = Defaults()) -> Parsed
             parsed.errors.append(LineError(lineno, message, text))
             continue
         first_seen[custom_id] = lineno
-        parsed.lines.append(ParsedLine(lineno, custom_id, request, text))
+        parsed.lines.append(ParsedLine(lineno, custom_id, request, text, body))
     return parsed
 
 

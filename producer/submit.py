@@ -6,12 +6,13 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from schemas import ChatRequest, JobEnvelope, keys
+from schemas import ChatRequest, keys
 
 DEFAULT_JOB_TIMEOUT = 3600
 DEFAULT_CHUNK = 1000
@@ -19,10 +20,15 @@ DEFAULT_CHUNK = 1000
 
 @dataclass(frozen=True)
 class SubmitItem:
-    """One request to submit, with the id the caller knows it by."""
+    """One request to submit, with the id the caller knows it by.
+
+    ``body`` is the request's JSON form as read from a file (already validated
+    into ``request``); when given it is stored as is, which saves re-serialising.
+    """
 
     custom_id: str
     request: ChatRequest
+    body: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ def new_batch_id() -> str:
 
 def _register_batch(
     conn: Redis, batch_id: str, queue: str, result_ttl: int, source: str | None
-) -> None:
+) -> bool:
+    """Create or refresh the batch record; True if the batch is new."""
     now = time.time()
     pipe = conn.pipeline()
     key = keys.batch_key(batch_id)
@@ -61,7 +68,12 @@ def _register_batch(
         pipe.hsetnx(key, "source", source)
     pipe.expire(key, result_ttl)
     pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
-    pipe.execute()
+    return bool(pipe.execute()[0])
+
+
+def _known_job_ids(conn: Redis, batch_id: str) -> set[str]:
+    """Job ids the batch already has (its job list is written with each enqueue, atomically)."""
+    return {j.decode() for j in conn.lrange(keys.batch_jobs_key(batch_id), 0, -1)}
 
 
 def submit_items(
@@ -76,14 +88,17 @@ def submit_items(
     chunk_size: int = DEFAULT_CHUNK,
     progress: Callable[[int], None] | None = None,
 ) -> SubmitSummary:
-    """Enqueue ``items`` as one batch; jobs already in Redis (same batch and custom_id) are skipped.
+    """Enqueue ``items`` as one batch; jobs the batch already has (same custom_id) are skipped.
 
     Each chunk goes in one MULTI/EXEC transaction together with the batch's job
     list and counter, so an interruption never leaves a job the batch does not
-    know about; rerunning with the same ``batch_id`` completes what is missing.
+    know about, and the job list tells exactly what is in: rerunning with the
+    same ``batch_id`` enqueues only what is missing. Duplicate custom_ids within
+    ``items`` are enqueued once.
     """
     batch_id = keys.validate_batch_id(batch_id or new_batch_id())
-    _register_batch(conn, batch_id, queue, result_ttl, source)
+    is_new = _register_batch(conn, batch_id, queue, result_ttl, source)
+    known = set() if is_new else _known_job_ids(conn, batch_id)
     rq_queue = Queue(queue, connection=conn, serializer=JSONSerializer)
     submitted = present = 0
     job_ids: list[str] = []
@@ -92,11 +107,11 @@ def submit_items(
         chunk = items[start : start + chunk_size]
         ids = [keys.job_id_for(batch_id, item.custom_id) for item in chunk]
         job_ids.extend(ids)
-        check = conn.pipeline(transaction=False)
-        for job_id in ids:
-            check.exists(keys.rq_job_key(job_id), keys.result_key(job_id))
-        exists = check.execute()
-        fresh = [(i, item) for i, item, e in zip(ids, chunk, exists, strict=True) if not e]
+        fresh = []
+        for job_id, item in zip(ids, chunk, strict=True):
+            if job_id not in known:
+                known.add(job_id)
+                fresh.append((job_id, item))
         present += len(chunk) - len(fresh)
         if fresh:
             datas = [
@@ -126,12 +141,14 @@ def submit_items(
 def _envelope(
     job_id: str, batch_id: str, item: SubmitItem, now: float, result_ttl: int
 ) -> dict[str, object]:
-    envelope = JobEnvelope(
-        job_id=job_id,
-        batch_id=batch_id,
-        custom_id=item.custom_id,
-        submitted_at=now,
-        result_ttl=result_ttl,
-        request=item.request,
+    request = item.body if item.body is not None else item.request.model_dump(
+        mode="json", exclude_unset=True
     )
-    return envelope.model_dump(mode="json", exclude_unset=True)
+    return {
+        "job_id": job_id,
+        "batch_id": batch_id,
+        "custom_id": item.custom_id,
+        "submitted_at": now,
+        "result_ttl": result_ttl,
+        "request": request,
+    }

@@ -31,6 +31,7 @@ UNSUPPORTED: dict[str, str] = {
 #: Values of unsupported fields that mean "feature off" and are accepted.
 _HARMLESS = (None, False, [], {}, {"type": "text"}, "auto", "default", "none")
 
+_UNSUPPORTED_KEYS = frozenset(UNSUPPORTED)
 _EXTRA_PARAM_FIELDS = ("draft_model", "num_draft_tokens", "adapter")
 
 
@@ -99,11 +100,14 @@ class ChatRequest(BaseModel):
     def _reject_unsupported_and_merge_extra(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        unsupported = data.keys() & _UNSUPPORTED_KEYS
+        if not unsupported and "extra_params" not in data:
+            return data
         data = dict(data)
-        for name, why in UNSUPPORTED.items():
-            if name in data and data[name] not in _HARMLESS:
-                raise ValueError(f"{name}: {why}")
-            data.pop(name, None)
+        for name in sorted(unsupported):
+            if data[name] not in _HARMLESS:
+                raise ValueError(f"{name}: {UNSUPPORTED[name]}")
+            del data[name]
         extra = data.pop("extra_params", None)
         if extra is not None:
             if not isinstance(extra, dict):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,61 +12,12 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class RedisServer:
-    port: int
-    dir: Path
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, appendonly: bool = False) -> None:
-        args = [
-            REDIS_SERVER,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if appendonly else "no",
-            "--dir",
-            str(self.dir),
-        ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        conn = Redis(port=self.port)
-        for _ in range(200):
-            try:
-                conn.ping()
-                return
-            except Exception:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
+from producer.localredis import LocalRedis
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.fail("redis-server is not installed (the tests need a real Redis)")
-    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+def redis_server(tmp_path_factory) -> Iterator[LocalRedis]:
+    server = LocalRedis(data_dir=tmp_path_factory.mktemp("redis"))
     server.start()
     yield server
     server.stop()
