@@ -39,8 +39,12 @@ def write_jobs(path: Path, n: int) -> None:
                 "max_tokens": 64,
                 "temperature": 0,
             }
-            line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": body | {"model": "mlx-community/Qwen2.5-0.5B-Instruct-4bit"}}
+            line = {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": body | {"model": "mlx-community/Qwen2.5-0.5B-Instruct-4bit"},
+            }
             f.write(json.dumps(line) + "\n")
 
 
@@ -61,8 +65,10 @@ def time_raw_rq(payloads: list[tuple[str, dict]], url: str, chunk: int = 1000) -
     queue = Queue("raw", connection=conn, serializer=JSONSerializer)
     start = time.perf_counter()
     for i in range(0, len(payloads), chunk):
-        datas = [Queue.prepare_data(keys.JOB_FUNCTION, args=(p,), job_id=f"raw{job_id}")
-                 for job_id, p in payloads[i : i + chunk]]
+        datas = [
+            Queue.prepare_data(keys.JOB_FUNCTION, args=(p,), job_id=f"raw{job_id}")
+            for job_id, p in payloads[i : i + chunk]
+        ]
         pipe = conn.pipeline()
         queue.enqueue_many(datas, pipeline=pipe)
         pipe.execute()
@@ -79,9 +85,16 @@ def main() -> None:
     write_jobs(path, args.lines)
     parsed = parse_file(path)
     payloads = [
-        (keys.job_id_for("raw", p.custom_id),
-         _envelope(keys.job_id_for("raw", p.custom_id), "raw", SubmitItem(p.custom_id, p.request),
-                   time.time(), keys.DEFAULT_RESULT_TTL))
+        (
+            keys.job_id_for("raw", p.custom_id),
+            _envelope(
+                keys.job_id_for("raw", p.custom_id),
+                "raw",
+                SubmitItem(p.custom_id, p.request),
+                time.time(),
+                keys.DEFAULT_RESULT_TTL,
+            ),
+        )
         for p in parsed.lines
     ]
     prod, raw = [], []
