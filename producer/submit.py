@@ -141,8 +141,10 @@ def submit_items(
 def _envelope(
     job_id: str, batch_id: str, item: SubmitItem, now: float, result_ttl: int
 ) -> dict[str, object]:
-    request = item.body if item.body is not None else item.request.model_dump(
-        mode="json", exclude_unset=True
+    request = (
+        item.body
+        if item.body is not None
+        else item.request.model_dump(mode="json", exclude_unset=True)
     )
     return {
         "job_id": job_id,
