@@ -159,3 +159,87 @@ def test_duplicate_enqueue_runs_once_and_writes_one_result(conn, redis_url, tiny
     assert conn.hget(keys.batch_key(s.batch_id), "succeeded") == b"1"
     assert conn.llen(keys.batch_done_key(s.batch_id)) == 1
     assert json.loads(conn.get(keys.result_key(job_id)))["status"] == "succeeded"
+
+
+def test_invalid_payload_gets_a_failed_record(conn, redis_url, tiny):
+    q = Queue("mlxq", connection=conn, serializer=JSONSerializer)
+    payload = {
+        "job_id": "b9-x",
+        "batch_id": "b9",
+        "custom_id": "c",
+        "submitted_at": 1.0,
+        "request": {"model": tiny.target, "messages": []},
+    }
+    q.enqueue(keys.JOB_FUNCTION, payload, job_id="b9-x")
+    run_worker(redis_url)
+    record = read_result(conn, "b9-x")
+    assert record.status == "failed" and record.error.code == "invalid_request"
+    assert "messages: List should have at least 1 item" in record.error.message
+    assert record.custom_id == "c" and record.status_code == 400
+
+
+def test_pickled_job_is_never_unpickled(conn, redis_url, tiny, tmp_path):
+    import pickle
+    import zlib
+
+    marker = tmp_path / "unpickled"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    data = zlib.compress(pickle.dumps((keys.JOB_FUNCTION, None, (Boom(),), {})))
+    conn.hset(
+        keys.rq_job_key("pickled-1"),
+        mapping={
+            "data": data,
+            "status": "queued",
+            "origin": "mlxq",
+            "created_at": "2026-01-01T00:00:00Z",
+            "description": "x",
+        },
+    )
+    conn.rpush(keys.rq_queue_key("mlxq"), "pickled-1")
+    good = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
+    run_worker(redis_url)
+    assert not marker.exists()
+    assert conn.hget(keys.rq_job_key("pickled-1"), "status") == b"failed"
+    assert read_result(conn, good.job_ids[0]).status == "succeeded"
+
+
+def test_worker_cli_preloads_and_rejects_bad_flags(redis_url, tiny):
+    env = os.environ | {"MLXQ_REDIS_URL": redis_url}
+    ok = subprocess.run(
+        [bin_path("worker"), "--burst", "--model", tiny.target],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0 and f"preloaded {tiny.target}" in ok.stderr
+    missing = subprocess.run(
+        [bin_path("worker"), "--burst", "--model", "/nope/model"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1
+    assert "--model /nope/model: model '/nope/model': no such local directory" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    denied = subprocess.run(
+        [bin_path("worker"), "--burst", "--model", tiny.target, "--allow-model", "mlx-community/*"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert denied.returncode == 1 and "not allowed on this worker" in denied.stderr
+    bad = subprocess.run(
+        [bin_path("worker"), "--cache-gb", "-1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "--cache-gb" in bad.stderr
