@@ -19,6 +19,10 @@ DEFAULT_QUEUE = "mlxq"
 #: Sorted set of batch ids, scored by creation time (unix seconds).
 BATCHES = f"{PREFIX}:batches"
 
+#: List of JSON entries for jobs that could not run at all (no or corrupt job hash).
+DEAD_LETTERS = f"{PREFIX}:dead"
+DEAD_LETTERS_MAX = 10_000
+
 #: Results and batch records live this long by default (7 days): batch work
 #: is collected hours or days later, not within RQ's 500 s default.
 DEFAULT_RESULT_TTL = 7 * 24 * 3600
@@ -68,6 +72,16 @@ def batch_done_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}:done"
 
 
+def crashes_key(job_id: str) -> str:
+    """String (counter): how many times the job's worker died while running it."""
+    return f"{PREFIX}:crashes:{job_id}"
+
+
+def stuck_key(queue: str, job_id: str) -> str:
+    """String: when a recovering worker first saw the job stranded between dequeue and start."""
+    return f"{PREFIX}:stuck:{queue}:{job_id}"
+
+
 def rq_job_key(job_id: str) -> str:
     """Hash: RQ's own job record (status, timestamps, JSON-serialised call)."""
     return f"rq:job:{job_id}"
@@ -76,3 +90,13 @@ def rq_job_key(job_id: str) -> str:
 def rq_queue_key(queue: str) -> str:
     """List: RQ's queue of job ids."""
     return f"rq:queue:{queue}"
+
+
+def rq_intermediate_key(queue: str) -> str:
+    """List: job ids a worker has taken off the queue but not yet registered as started."""
+    return f"rq:queue:{queue}:intermediate"
+
+
+def rq_started_key(queue: str) -> str:
+    """Sorted set: ``job_id:execution_id`` of running jobs, scored by lease expiry."""
+    return f"rq:wip:{queue}"

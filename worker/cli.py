@@ -15,6 +15,20 @@ from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact
 log = logging.getLogger("worker")
 
 
+def connect(redis_url: str) -> Redis:
+    """A Redis client that rides out outages of up to about a minute (retries with backoff)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError, TimeoutError
+    from redis.retry import Retry
+
+    return Redis.from_url(
+        redis_url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=40),
+        retry_on_error=[ConnectionError, TimeoutError],
+        health_check_interval=15,
+    )
+
+
 @click.command()
 @click.option(
     "--redis-url",
@@ -72,6 +86,22 @@ log = logging.getLogger("worker")
     help="Draft tokens per round when a job names a draft but no count.",
 )
 @click.option(
+    "--lease-seconds",
+    envvar="MLXQ_LEASE_SECONDS",
+    type=click.IntRange(2, 3600),
+    default=30,
+    show_default=True,
+    help="A running job's lease: a dead worker's job is requeued about 1.5x this later.",
+)
+@click.option(
+    "--max-crashes",
+    envvar="MLXQ_MAX_CRASHES",
+    type=click.IntRange(1, 100),
+    default=3,
+    show_default=True,
+    help="A job whose worker died this many times is failed as poison.",
+)
+@click.option(
     "--name",
     envvar="MLXQ_WORKER_NAME",
     default=None,
@@ -88,6 +118,8 @@ def main(
     cache_gb: float | None,
     allow_models: tuple[str, ...],
     num_draft_tokens: int,
+    lease_seconds: int,
+    max_crashes: int,
     name: str | None,
     verbose: int,
 ) -> None:
@@ -101,7 +133,7 @@ def main(
     from worker.cache import ModelCache
     from worker.rqworker import MlxqWorker
 
-    conn = Redis.from_url(redis_url)
+    conn = connect(redis_url)
     try:
         conn.ping()
     except RedisError as e:
@@ -123,10 +155,19 @@ def main(
             raise click.ClickException(f"--model {model}: {e}") from None
         click.echo(f"preloaded {model} ({entry.nbytes / 1e6:.1f} MB)", err=True)
     rq_queues = [Queue(q, connection=conn, serializer=JSONSerializer) for q in queues]
-    worker = MlxqWorker(rq_queues, connection=conn, name=rt.worker_id)
+    worker = MlxqWorker(
+        rq_queues,
+        connection=conn,
+        name=rt.worker_id,
+        lease_s=lease_seconds,
+        max_crashes=max_crashes,
+    )
     rq_level = "INFO" if verbose else "WARNING"
-    ok = worker.work(burst=burst, max_jobs=max_jobs, logging_level=rq_level, with_scheduler=False)
-    sys.exit(0 if ok or burst else 1)
+    try:
+        worker.work(burst=burst, max_jobs=max_jobs, logging_level=rq_level, with_scheduler=False)
+    except RuntimeError as e:  # e.g. the name is taken by a live worker
+        raise click.ClickException(str(e)) from None
+    sys.exit(0)
 
 
 if __name__ == "__main__":

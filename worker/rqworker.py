@@ -1,28 +1,57 @@
-"""The RQ worker: no fork, JSON only, and only mlxq's own job function.
+"""The RQ worker: no fork, JSON only, mlxq's job function only, and no job lost.
 
 RQ's default Worker forks a work horse per job (the model would reload every
-job, and forking after Metal is initialised crashes on macOS), and by default
-imports and runs any dotted path stored in a job hash. ``MlxqWorker`` runs jobs
-in-process, and ``SafeJob`` refuses anything but :data:`schemas.keys.JOB_FUNCTION`,
-ignores callbacks and webhooks named in job hashes, and never unpickles.
+job, and forking after Metal is initialised crashes on macOS) and imports any
+dotted path stored in a job hash. ``MlxqWorker`` runs jobs in-process and
+``SafeJob`` refuses anything but :data:`schemas.keys.JOB_FUNCTION`, ignores
+callbacks and webhooks named in job hashes, and never unpickles.
+
+Reliability on top of RQ (see ``worker.recovery``):
+- every dequeue moves the job id atomically into the queue's intermediate list
+  (LMOVE), also when serving several queues, where RQ would use a lossy BLPOP;
+- a running job holds a short lease that a heartbeat thread renews, so a dead
+  worker's job is requeued within about ``lease + lease/2`` seconds;
+- a second SIGTERM requeues the current job instead of failing it;
+- a worker restarted under the same name after a crash starts at once and
+  hands its previous job back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any
 
-from rq import SimpleWorker
+from redis import Redis
+from rq import Queue, SimpleWorker
+from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.utils import now
 
 from schemas import InvalidRequestError, keys
+from worker import recovery
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 30
+DEFAULT_MAX_CRASHES = 3
 
 
 class UnsafeJobError(InvalidRequestError):
     """A job hash names something other than mlxq's job function."""
 
     code = "unsafe_job"
+
+
+class ColdShutdown(BaseException):
+    """Raised in the job by a second SIGTERM: the job is requeued, the worker exits."""
 
 
 def _job_function() -> Callable[..., Any]:
@@ -65,12 +94,234 @@ class SafeJob(Job):
         return None
 
 
+def dead_letter(conn: Redis, job_id: str, reason: str) -> None:
+    """Record a job that cannot run at all (no or corrupt job hash) on ``mlxq:dead``."""
+    entry = json.dumps({"job_id": job_id, "reason": reason, "at": time.time()})
+    pipe = conn.pipeline()
+    pipe.lpush(keys.DEAD_LETTERS, entry)
+    pipe.ltrim(keys.DEAD_LETTERS, 0, keys.DEAD_LETTERS_MAX - 1)
+    pipe.execute()
+    log.warning("dead-lettered job %s: %s", job_id, reason)
+
+
+class MlxqQueue(Queue):
+    """A queue whose multi-queue dequeue is as safe as RQ's single-queue one."""
+
+    #: Seconds one blocking wait lasts when several queues are served.
+    BLOCK_S = 1
+
+    @classmethod
+    def dequeue_any(  # type: ignore[override]
+        cls,
+        queues: Iterable[Queue],
+        timeout: int | None,
+        connection: Redis,
+        job_class: type[Job] | None = None,
+        serializer: Any = None,
+        death_penalty_class: Any = None,
+    ) -> tuple[Job, Queue] | None:
+        queues = list(queues)
+        job_cls = job_class or SafeJob
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            taken = cls._take(queues, connection, deadline)
+            if taken is None:
+                return None
+            queue, job_id = taken
+            try:
+                job = job_cls.fetch(job_id, connection=connection, serializer=serializer)
+            except NoSuchJobError:
+                connection.lrem(keys.rq_intermediate_key(queue.name), 1, job_id)
+                dead_letter(connection, job_id, f"queue {queue.name!r} held an id with no job hash")
+                continue
+            except Exception as e:
+                connection.lrem(keys.rq_intermediate_key(queue.name), 1, job_id)
+                connection.hset(keys.rq_job_key(job_id), "status", "failed")
+                dead_letter(connection, job_id, f"corrupt job hash: {type(e).__name__}: {e}")
+                continue
+            return job, queue
+
+    @classmethod
+    def _take(
+        cls, queues: list[Queue], connection: Redis, deadline: float | None
+    ) -> tuple[Queue, str] | None:
+        """LMOVE the next job id (first queue first) into that queue's intermediate list."""
+        while True:
+            for queue in queues:
+                job_id = cls._move(connection, queue, None)
+                if job_id is not None:
+                    return queue, job_id
+            if deadline is None:
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DequeueTimeout(0, [q.key for q in queues])
+            # One queue: block on it for the whole wait. Several: block briefly on
+            # the first, then look at all of them again.
+            wait = max(1, int(left)) if len(queues) == 1 else max(1, min(int(left), cls.BLOCK_S))
+            job_id = cls._move(connection, queues[0], wait)
+            if job_id is not None:
+                return queues[0], job_id
+
+    @staticmethod
+    def _move(connection: Redis, queue: Queue, block: int | None) -> str | None:
+        src, dst = queue.key, keys.rq_intermediate_key(queue.name)
+        raw = connection.lmove(src, dst) if block is None else connection.blmove(src, dst, block)
+        return raw.decode() if raw is not None else None
+
+
 class MlxqWorker(SimpleWorker):
     """A non-forking worker: models stay loaded in this process across jobs."""
 
     job_class = SafeJob
+    queue_class = MlxqQueue
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        queues: Iterable[Queue | str],
+        *args: Any,
+        lease_s: int = DEFAULT_LEASE_S,
+        max_crashes: int = DEFAULT_MAX_CRASHES,
+        **kwargs: Any,
+    ) -> None:
         kwargs["serializer"] = JSONSerializer
         kwargs.setdefault("job_class", SafeJob)
-        super().__init__(*args, **kwargs)
+        kwargs.setdefault("queue_class", MlxqQueue)
+        self.lease_s = max(1, int(lease_s))
+        self.max_crashes = max_crashes
+        kwargs.setdefault("maintenance_interval", max(1, self.lease_s // 2))
+        names = [q.name if isinstance(q, Queue) else q for q in queues]
+        super().__init__(names, *args, **kwargs)
+        self._cold = False
+        self._beat: _Heartbeat | None = None
+
+    # -- leases -------------------------------------------------------------
+    def get_heartbeat_ttl(self, job: Job) -> int:
+        return self.lease_s
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # Come back from blocking often enough to run recovery passes.
+        return max(1, self.lease_s // 2)
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        self.prepare_execution(job)
+        self._beat = _Heartbeat(self, job, interval=max(0.5, self.lease_s / 3))
+        self._beat.start()
+        try:
+            self.perform_job(job, queue)
+        finally:
+            self._beat.stop()
+            self._beat = None
+        self.set_state("idle")
+        if self._cold:
+            raise SystemExit(0)
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        # Every dequeue goes through an intermediate list, whatever the number of queues.
+        super().prepare_job_execution(job, remove_from_intermediate_queue=True)
+
+    # -- recovery -----------------------------------------------------------
+    def recover(self) -> recovery.RecoveryReport:
+        """One recovery pass over the served queues."""
+        report = recovery.RecoveryReport()
+        for queue in self.queues:
+            report.extend(
+                recovery.recover_queue(
+                    self.connection,
+                    queue.name,
+                    max_crashes=self.max_crashes,
+                    stuck_grace_s=self.lease_s,
+                    worker_id=self.name,
+                )
+            )
+        return report
+
+    def clean_registries(self) -> None:
+        self.recover()
+        super().clean_registries()
+
+    # -- restarts and shutdown ----------------------------------------------
+    def register_birth(self) -> None:
+        self._reclaim_name()
+        super().register_birth()
+
+    def _reclaim_name(self) -> None:
+        """Take over our name from a previous process of ours on this host that died."""
+        data = {k.decode(): v.decode() for k, v in self.connection.hgetall(self.key).items()}
+        if not data or "death" in data:
+            return
+        pid, host = int(data.get("pid") or 0), data.get("hostname")
+        if host != socket.gethostname():
+            raise RuntimeError(
+                f"worker name {self.name!r} is in use by a worker on host {host!r}; "
+                f"pick another --name or wait {self.connection.ttl(self.key)}s for it to expire"
+            )
+        if pid and pid != os.getpid() and _alive(pid):
+            raise RuntimeError(f"worker name {self.name!r} is in use by live process {pid}")
+        job_id = data.get("current_job")
+        if job_id:
+            for queue in self.queues:
+                recovery.expire_leases_of(self.connection, queue.name, job_id)
+        self.connection.delete(self.key)
+        log.warning("worker %s: previous process (pid %s) died; name reclaimed", self.name, pid)
+
+    def handle_job_failure(self, job: Job, queue: Queue, *args: Any, **kwargs: Any) -> None:
+        if self._cold:
+            # Cold shutdown: hand the job back instead of failing it.
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipe)
+                pipe.execute()
+            recovery.requeue(self.connection, queue.name, job.id)
+            log.warning("worker %s: cold shutdown; job %s requeued", self.name, job.id)
+            return
+        super().handle_job_failure(job, queue, *args, **kwargs)
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        if not self._cold:
+            super().handle_exception(job, *exc_info)
+
+    def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
+        if self.get_state() == "busy" and self.get_current_job_id():
+            self._cold = True
+            raise ColdShutdown("second stop signal during a job")
+        super().request_force_stop(signum, frame)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Heartbeat(threading.Thread):
+    """Renews the running job's lease (and runs recovery passes) while the job computes."""
+
+    def __init__(self, worker: MlxqWorker, job: Job, interval: float) -> None:
+        super().__init__(name=f"mlxq-heartbeat-{job.id}", daemon=True)
+        self.worker, self.job, self.interval = worker, job, interval
+        self._stop_event = threading.Event()
+        self._last_recovery = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            try:
+                if self.worker.execution is None:
+                    continue
+                self.worker.maintain_heartbeats(self.job)
+                self.worker.set_current_job_working_time(
+                    (now() - self.job.started_at).total_seconds() if self.job.started_at else 0
+                )
+                if time.monotonic() - self._last_recovery >= self.worker.maintenance_interval:
+                    self._last_recovery = time.monotonic()
+                    self.worker.recover()
+            except Exception as e:  # Redis may be briefly away; the lease has slack
+                log.warning("heartbeat for job %s failed: %s", self.job.id, e)
