@@ -28,6 +28,7 @@ class LocalRedis:
     ) -> None:
         self.port = port or free_port()
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="mlxq-redis-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
 

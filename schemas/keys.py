@@ -97,6 +97,11 @@ def rq_intermediate_key(queue: str) -> str:
     return f"rq:queue:{queue}:intermediate"
 
 
+def rq_execution_key(composite: str) -> str:
+    """Hash: one execution of a job (``job_id:execution_id``), with its worker_name."""
+    return f"rq:execution:{composite}"
+
+
 def rq_started_key(queue: str) -> str:
     """Sorted set: ``job_id:execution_id`` of running jobs, scored by lease expiry."""
     return f"rq:wip:{queue}"

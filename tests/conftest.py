@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class TinyModels:
     twin: str  # same weights and tokenizer as target: acceptance 1.0
     alien: str  # same vocab size, different vocabulary: incompatible
     small_ctx: str  # same as target with a 64-token context
+    slow: str  # 4 x 256, 8k context: ~1,000 tokens take seconds (for fault injection)
     root: Path
 
 
@@ -62,7 +64,10 @@ def tiny(tmp_path_factory) -> TinyModels:
     config = json.loads((small / "config.json").read_text())
     config["max_position_embeddings"] = 64
     (small / "config.json").write_text(json.dumps(config))
-    return TinyModels(str(target), str(draft), str(twin), str(alien), str(small), root)
+    slow = ensure_model(
+        root / "slow", TinySpec(layers=4, hidden=256, intermediate=512, context=8192, seed=5)
+    )
+    return TinyModels(str(target), str(draft), str(twin), str(alien), str(small), str(slow), root)
 
 
 def chat(model: str, content: str = "hello queue", **fields) -> dict:
@@ -88,3 +93,10 @@ def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None) ->
     worker = MlxqWorker(qs, connection=conn, name=f"w{time.monotonic_ns()}")
     worker.work(burst=True, max_jobs=max_jobs, with_scheduler=False, logging_level="WARNING")
     return rt
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the fault-injection figures gathered by tests/test_faults.py."""
+    faults = sys.modules.get("tests.test_faults")
+    if faults is not None and faults.FAULT_REPORT:
+        terminalreporter.write_line("fault injection: " + json.dumps(faults.FAULT_REPORT))

@@ -133,11 +133,11 @@ def main(
     from worker.cache import ModelCache
     from worker.rqworker import MlxqWorker
 
-    conn = connect(redis_url)
-    try:
-        conn.ping()
+    try:  # fail fast on a wrong URL or password; retry only once we are running
+        Redis.from_url(redis_url).ping()
     except RedisError as e:
         raise click.ClickException(f"cannot reach Redis at {redact_url(redis_url)}: {e}") from None
+    conn = connect(redis_url)
     budget = int(cache_gb * 1e9) if cache_gb else None
     rt = runtime.WorkerRuntime(
         cache=ModelCache(budget),

@@ -164,10 +164,14 @@ def recover_queue(
     return report
 
 
-def expire_leases_of(conn: Redis, queue: str, job_id: str) -> int:
-    """End the leases of ``job_id`` at once (its worker is known dead). Returns entries changed."""
+def expire_leases_of_worker(conn: Redis, queue: str, worker_name: str) -> list[str]:
+    """End at once the leases held by ``worker_name`` (known dead). Returns their job ids."""
     started = keys.rq_started_key(queue)
-    members = [m for m in conn.zrange(started, 0, -1) if m.decode().split(":", 1)[0] == job_id]
-    for m in members:
-        conn.zadd(started, {m: 0}, xx=True)
-    return len(members)
+    ended = []
+    for member in conn.zrange(started, 0, -1):
+        composite = member.decode()
+        owner = conn.hget(keys.rq_execution_key(composite), "worker_name")
+        if owner is not None and owner.decode() == worker_name:
+            conn.zadd(started, {member: 0}, xx=True)
+            ended.append(composite.split(":", 1)[0])
+    return ended

@@ -259,10 +259,8 @@ class MlxqWorker(SimpleWorker):
             )
         if pid and pid != os.getpid() and _alive(pid):
             raise RuntimeError(f"worker name {self.name!r} is in use by live process {pid}")
-        job_id = data.get("current_job")
-        if job_id:
-            for queue in self.queues:
-                recovery.expire_leases_of(self.connection, queue.name, job_id)
+        for queue in self.queues:
+            recovery.expire_leases_of_worker(self.connection, queue.name, self.name)
         self.connection.delete(self.key)
         log.warning("worker %s: previous process (pid %s) died; name reclaimed", self.name, pid)
 

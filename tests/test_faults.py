@@ -1,0 +1,329 @@
+"""Fault injection with real processes: SIGKILL, SIGTERM, Redis restarts, timeouts, bad hashes.
+
+Workers run as real ``worker`` processes against a real redis-server. Each test
+asserts the promise: every accepted job ends with exactly one result record.
+Figures (kills, recoveries, recovery time) are appended to FAULT_REPORT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from producer import Client
+from producer.localredis import LocalRedis
+from schemas import keys
+from schemas.store import read_result
+from tests.conftest import chat, run_worker
+
+FAULT_REPORT: list[dict] = []
+SLOW_TOKENS = 1500  # ~5 s on the slow tiny model without OpenBLAS
+
+
+def slow_job(tiny, **fields) -> dict:
+    # EOS (id 3) is banned so the job really generates SLOW_TOKENS tokens.
+    return chat(tiny.slow, max_tokens=SLOW_TOKENS, temperature=0, logit_bias={"3": -100}, **fields)
+
+
+class WorkerProc:
+    def __init__(self, redis_url: str, tmp: Path, *args: str, name: str = "w") -> None:
+        self.log = tmp / f"worker-{name}-{time.monotonic_ns()}.log"
+        exe = str(Path(sys.executable).with_name("worker"))
+        env = os.environ | {"MLXQ_REDIS_URL": redis_url}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [exe, "--name", name, "-v", *args], env=env, stdout=subprocess.DEVNULL, stderr=log
+            )
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+@pytest.fixture
+def workers(redis_url, tmp_path):
+    started: list[WorkerProc] = []
+
+    def start(*args: str, name: str = "w", url: str | None = None) -> WorkerProc:
+        w = WorkerProc(url or redis_url, tmp_path, *args, name=name)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 60, every: float = 0.02) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def running_execution(conn: Redis, job_id: str, queue: str = "mlxq") -> str | None:
+    for m in conn.zrange(keys.rq_started_key(queue), 0, -1):
+        jid, _, execution = m.decode().partition(":")
+        if jid == job_id:
+            return execution
+    return None
+
+
+def one_result(conn: Redis, job_id: str, timeout: float = 90):
+    record = wait_for(lambda: read_result(conn, job_id), timeout=timeout, every=0.1)
+    batch = keys.batch_of(job_id)
+    done = [j.decode() for j in conn.lrange(keys.batch_done_key(batch), 0, -1)]
+    assert done.count(job_id) == 1, "the job must be announced exactly once"
+    return record
+
+
+def test_sigkill_mid_job_is_recovered_and_completes(conn, redis_url, tiny, workers):
+    client = Client(connection=conn)
+    s = client.submit({"slow": slow_job(tiny), "quick": chat(tiny.target, max_tokens=3)})
+    slow_id = s.job_ids[0]
+    a = workers("--lease-seconds", "2", name="a")
+    first = wait_for(lambda: running_execution(conn, slow_id))
+    a.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    a.wait()
+    b = workers("--lease-seconds", "2", name="b")
+    second = wait_for(lambda: (e := running_execution(conn, slow_id)) and e != first and e)
+    recovery_s = time.monotonic() - killed_at
+    record = one_result(conn, slow_id)
+    assert record.status == "succeeded"
+    assert record.response.usage.completion_tokens == SLOW_TOKENS
+    assert conn.get(keys.crashes_key(slow_id)) == b"1"
+    assert one_result(conn, s.job_ids[1]).status == "succeeded"
+    status = client.status(s.batch_id)
+    assert (status.succeeded, status.failed) == (2, 0)
+    assert second != first
+    # lease 2 s + a recovery pass every 1 s, plus the new worker's start-up.
+    assert recovery_s < 15, recovery_s
+    FAULT_REPORT.append({"test": "sigkill", "kills": 1, "recovery_s": round(recovery_s, 2)})
+    b.signal(signal.SIGTERM)
+    assert b.wait() == 0
+
+
+def test_job_that_keeps_killing_its_worker_becomes_poison(conn, redis_url, tiny, workers):
+    client = Client(connection=conn)
+    s = client.submit({"poison": slow_job(tiny)})
+    job_id = s.job_ids[0]
+    seen: set[str] = set()
+    for i in range(2):
+        w = workers("--lease-seconds", "2", "--max-crashes", "2", name=f"p{i}")
+        execution = wait_for(lambda: (e := running_execution(conn, job_id)) and e not in seen and e)
+        seen.add(execution)
+        w.signal(signal.SIGKILL)
+        w.wait()
+    last = workers("--lease-seconds", "2", "--max-crashes", "2", name="survivor")
+    record = one_result(conn, job_id)
+    assert record.status == "failed" and record.error.code == "poison_job"
+    assert "died 2 times" in record.error.message
+    after = client.submit([chat(tiny.target, max_tokens=2)])
+    assert one_result(conn, after.job_ids[0]).status == "succeeded"
+    assert client.status(s.batch_id).failed == 1
+    FAULT_REPORT.append({"test": "poison", "kills": 2, "poisoned": 1})
+    last.signal(signal.SIGTERM)
+    assert last.wait() == 0
+
+
+def test_restart_under_same_name_right_after_sigkill(conn, redis_url, tiny, workers):
+    s = Client(connection=conn).submit({"slow": slow_job(tiny)})
+    job_id = s.job_ids[0]
+    a = workers("--lease-seconds", "30", name="mini-1")
+    wait_for(lambda: running_execution(conn, job_id))
+    a.signal(signal.SIGKILL)
+    a.wait()
+    killed_at = time.monotonic()
+    again = workers("--lease-seconds", "30", name="mini-1")
+    record = one_result(conn, job_id)
+    took = time.monotonic() - killed_at
+    assert record.status == "succeeded"
+    # The job came back at once, not after the 30 s lease.
+    assert took < 25, took
+    assert "name reclaimed" in again.output
+    FAULT_REPORT.append({"test": "same-name restart", "kills": 1, "recovered_in_s": round(took, 2)})
+    again.signal(signal.SIGTERM)
+    assert again.wait() == 0
+
+
+def test_sigterm_finishes_the_job_then_exits_zero(conn, redis_url, tiny, workers):
+    client = Client(connection=conn)
+    s = client.submit({"slow": slow_job(tiny), "next": chat(tiny.target, max_tokens=2)})
+    w = workers(name="term")
+    wait_for(lambda: running_execution(conn, s.job_ids[0]))
+    w.signal(signal.SIGTERM)
+    assert w.wait(120) == 0
+    record = read_result(conn, s.job_ids[0])
+    assert record.status == "succeeded"
+    assert record.response.usage.completion_tokens == SLOW_TOKENS
+    assert read_result(conn, s.job_ids[1]) is None  # not started after the stop request
+    assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [s.job_ids[1].encode()]
+
+
+def test_second_sigterm_requeues_the_job(conn, redis_url, tiny, workers):
+    s = Client(connection=conn).submit({"slow": slow_job(tiny)})
+    job_id = s.job_ids[0]
+    w = workers(name="cold")
+    wait_for(lambda: running_execution(conn, job_id))
+    w.signal(signal.SIGTERM)
+    time.sleep(1.2)  # RQ ignores a repeat within one second
+    w.signal(signal.SIGTERM)
+    assert w.wait(60) == 0
+    assert read_result(conn, job_id) is None
+    assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [job_id.encode()]
+    assert conn.hget(keys.rq_job_key(job_id), "status") == b"queued"
+    assert running_execution(conn, job_id) is None
+    assert conn.zcard("rq:failed:mlxq") == 0
+    run_worker(redis_url)
+    assert one_result(conn, job_id).status == "succeeded"
+    FAULT_REPORT.append({"test": "double sigterm", "signals": 2, "requeued": 1})
+
+
+def test_redis_restart_mid_job_and_while_idle(tmp_path, tiny, workers):
+    server = LocalRedis(data_dir=tmp_path / "aof", appendonly=True).start()
+    try:
+        conn = Redis.from_url(server.url)
+        client = Client(connection=conn)
+        s = client.submit({"slow": slow_job(tiny)})
+        w = workers(name="r", url=server.url)
+        wait_for(lambda: running_execution(conn, s.job_ids[0]))
+        server.stop()
+        time.sleep(3)  # Redis is away for a few seconds mid-job
+        server.start()
+        record = one_result(conn, s.job_ids[0])
+        assert record.status == "succeeded"
+        server.stop()  # and once more while the worker is idle
+        time.sleep(2)
+        server.start()
+        after = client.submit([chat(tiny.target, max_tokens=2)])
+        assert one_result(conn, after.job_ids[0]).status == "succeeded"
+        assert w.proc.poll() is None, w.output
+        FAULT_REPORT.append({"test": "redis restarts", "restarts": 2, "lost": 0})
+        w.signal(signal.SIGTERM)
+        assert w.wait() == 0
+    finally:
+        server.stop()
+
+
+def test_job_timeout_fails_clearly_and_the_worker_goes_on(conn, redis_url, tiny):
+    client = Client(connection=conn)
+    slow = client.submit([slow_job(tiny)], job_timeout=1)
+    quick = client.submit([chat(tiny.slow, max_tokens=2)])
+    from worker import runtime
+    from worker.cache import ModelCache
+
+    run_worker(redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache()))
+    record = read_result(conn, slow.job_ids[0])
+    assert record.status == "failed" and record.error.code == "timeout"
+    assert "timed out" in record.error.message
+    after = read_result(conn, quick.job_ids[0])
+    assert after.status == "succeeded" and after.metrics.cache_hit is True
+
+
+def test_job_stranded_after_dequeue_is_put_back(conn, redis_url, tiny):
+    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
+    job_id = s.job_ids[0]
+    # A worker died right after taking the job: it sits in the intermediate list only.
+    conn.lmove(keys.rq_queue_key("mlxq"), keys.rq_intermediate_key("mlxq"))
+    from worker.recovery import recover_queue
+
+    assert not recover_queue(conn, "mlxq", stuck_grace_s=0.5)  # first sighting: wait
+    time.sleep(0.6)
+    report = recover_queue(conn, "mlxq", stuck_grace_s=0.5)
+    assert report.unstuck == [job_id]
+    run_worker(redis_url)
+    assert one_result(conn, job_id).status == "succeeded"
+    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
+
+
+def test_several_queues_dequeue_through_intermediate_lists(conn, redis_url, tiny):
+    a = Client(connection=conn, queue="high").submit([chat(tiny.target, max_tokens=2)])
+    b = Client(connection=conn, queue="low").submit([chat(tiny.target, max_tokens=2)])
+    run_worker(redis_url, queues=("high", "low"))
+    assert read_result(conn, a.job_ids[0]).status == "succeeded"
+    assert read_result(conn, b.job_ids[0]).status == "succeeded"
+    for q in ("high", "low"):
+        assert conn.llen(keys.rq_intermediate_key(q)) == 0
+        assert conn.zcard(keys.rq_started_key(q)) == 0
+
+
+def test_missing_and_corrupt_job_hashes_are_dead_lettered(conn, redis_url, tiny):
+    conn.rpush(keys.rq_queue_key("mlxq"), "ghost-1")
+    conn.hset(keys.rq_job_key("broken-1"), mapping={"status": "not-a-status", "data": b"\x00"})
+    conn.rpush(keys.rq_queue_key("mlxq"), "broken-1")
+    good = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
+    run_worker(redis_url)
+    dead = [json.loads(x) for x in conn.lrange(keys.DEAD_LETTERS, 0, -1)]
+    reasons = {d["job_id"]: d["reason"] for d in dead}
+    assert "no job hash" in reasons["ghost-1"]
+    assert "corrupt job hash" in reasons["broken-1"]
+    assert read_result(conn, good.job_ids[0]).status == "succeeded"
+    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
+
+
+def test_credentials_never_reach_logs_or_results(tmp_path, tiny, workers):
+    secret = "s3cret-pa55"
+    port = LocalRedis().port
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--requirepass",
+            secret,
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        url = f"redis://:{secret}@127.0.0.1:{port}/0"
+        conn = Redis.from_url(url)
+        wait_for(lambda: _pings(conn), timeout=10)
+        s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
+        w = workers("-vv", "--burst", name="cred", url=url)
+        assert w.wait() == 0
+        raw = conn.get(keys.result_key(s.job_ids[0])).decode()
+        assert json.loads(raw)["status"] == "succeeded"
+        assert secret not in raw
+        assert "Worker" in w.output or "job" in w.output
+        assert secret not in w.output
+        bad = workers("--burst", name="bad", url=f"redis://:wrong-{secret}@127.0.0.1:{port}/0")
+        assert bad.wait() == 1
+        assert secret not in bad.output and "***" in bad.output
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _pings(conn: Redis) -> bool:
+    try:
+        return bool(conn.ping())
+    except Exception:
+        return False
