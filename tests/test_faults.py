@@ -327,3 +327,28 @@ def _pings(conn: Redis) -> bool:
         return bool(conn.ping())
     except Exception:
         return False
+
+
+def test_sigterm_while_idle_exits_zero_and_loses_nothing(conn, redis_url, tiny, workers):
+    w = workers(name="idle")
+    wait_for(lambda: conn.exists("rq:worker:idle"))
+    time.sleep(0.5)  # blocked in the dequeue wait
+    w.signal(signal.SIGTERM)
+    assert w.wait(30) == 0
+    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
+    assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [s.job_ids[0].encode()]
+    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
+    run_worker(redis_url)
+    assert one_result(conn, s.job_ids[0]).status == "succeeded"
+
+
+def test_a_long_job_outlives_its_lease_without_being_requeued(conn, redis_url, tiny, workers):
+    s = Client(connection=conn).submit([slow_job(tiny)])
+    w = workers("--lease-seconds", "2", name="long")
+    first = wait_for(lambda: running_execution(conn, s.job_ids[0]))
+    record = one_result(conn, s.job_ids[0])
+    assert record.status == "succeeded" and record.metrics.total_time_s > 3  # > 1.5 leases
+    assert conn.get(keys.crashes_key(s.job_ids[0])) is None
+    assert first is not None
+    w.signal(signal.SIGTERM)
+    assert w.wait() == 0
