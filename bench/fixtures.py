@@ -1,29 +1,74 @@
 """Benchmark models, built deterministically once and cached outside git.
 
-Cache folder: $MLXQ_BENCH_CACHE, else ~/.cache/mlxq-bench. ``--target`` and
-``--draft`` on each benchmark accept hub ids or paths instead (e.g. on a Mac).
+Cache folder: $MLXQ_BENCH_CACHE, else ~/.cache/mlxq-bench. Benchmarks accept
+``--target`` / ``--draft`` hub ids or paths instead (e.g. on a Mac).
+
+All synthetic: random weights, one shared BPE tokenizer (vocab 512).
+- ``wide``: llama 12 x 1024 (intermediate 2816, 16 heads), fp32, ~150M params.
+  Its greedy output falls into long repeats (mlx's default init).
+- ``copy``: 1 x 128, tied embeddings, attention and MLP outputs zeroed: it
+  predicts the last token again, so it agrees with ``wide`` often by construction.
+- ``unrelated``: 1 x 128 random: the same tokenizer, ~0% acceptance.
+- ``medium``: 8 x 512, for the quicker worker-overhead benchmark.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from worker.tinymodels import TinySpec, ensure_model
 
-TARGET = TinySpec(
-    layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=8, context=4096, seed=11
-)
-DRAFT = TinySpec(layers=1, hidden=128, intermediate=256, heads=4, kv_heads=4, context=4096, seed=12)
+SPECS: dict[str, TinySpec] = {
+    "wide": TinySpec(
+        layers=12,
+        hidden=1024,
+        intermediate=2816,
+        heads=16,
+        kv_heads=16,
+        context=4096,
+        seed=101,
+        tied=False,
+        weight_scale=1.0,
+    ),
+    "copy": TinySpec(
+        layers=1,
+        hidden=128,
+        intermediate=256,
+        heads=4,
+        kv_heads=4,
+        context=4096,
+        seed=102,
+        weight_scale=1.0,
+        copy_last_token=True,
+    ),
+    "unrelated": TinySpec(
+        layers=1, hidden=128, intermediate=256, heads=4, kv_heads=4, context=4096, seed=103
+    ),
+    "medium": TinySpec(
+        layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=8, context=4096, seed=11
+    ),
+    "medium-draft": TinySpec(
+        layers=1, hidden=128, intermediate=256, heads=4, kv_heads=4, context=4096, seed=12
+    ),
+}
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MLXQ_BENCH_CACHE", Path.home() / ".cache" / "mlxq-bench"))
 
 
+def model(name: str) -> str:
+    """Path of the named synthetic model, built on first use."""
+    return str(ensure_model(cache_dir() / name, SPECS[name]))
+
+
 def bench_pair() -> tuple[str, str]:
-    """A synthetic random target (~25M params) and an unrelated small draft, same tokenizer."""
-    root = cache_dir()
-    return str(ensure_model(root / "target-8x512", TARGET)), str(
-        ensure_model(root / "draft-1x128", DRAFT)
-    )
+    """The medium target and an unrelated small draft (worker-overhead benchmark)."""
+    return model("medium"), model("medium-draft")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or SPECS:
+        print(name, model(name))

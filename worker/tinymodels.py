@@ -51,6 +51,9 @@ class TinySpec:
     # Projection weights are scaled up from mlx's default init: at scale 1 a
     # random model repeats one token forever; at 4 its output varies with context.
     weight_scale: float = 4.0
+    # A "copy" draft: attention and MLP outputs zeroed, so with tied embeddings
+    # it predicts the last token again (agrees with a target stuck in repeats).
+    copy_last_token: bool = False
 
 
 def _corpus(seed: int, n_lines: int = 400) -> list[str]:
@@ -138,6 +141,10 @@ def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
         k: v if ("norm" in k or "embed" in k) else v * spec.weight_scale
         for k, v in tree_flatten(model.parameters())
     }
+    if spec.copy_last_token:
+        for k in weights:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[k] = mx.zeros_like(weights[k])
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
