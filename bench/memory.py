@@ -16,6 +16,7 @@ from pathlib import Path
 from redis import Redis
 
 from bench.fixtures import model
+from bench.plots import grouped_bars
 from producer import Client
 from producer.localredis import LocalRedis
 from worker import runtime
@@ -73,6 +74,14 @@ def main() -> None:
             print(rows[-1], flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / "memory.json").write_text(json.dumps(rows, indent=1))
+    labels = [Path(r["target"]).name + (" + draft" if r["draft"] else "") for r in rows]
+    grouped_bars(
+        OUT / "memory.png",
+        "Peak memory per job vs weight bytes",
+        labels,
+        {"weights": [r["weight_gb"] for r in rows], "peak": [r["peak_memory_gb"] for r in rows]},
+        "GB",
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from bench.fixtures import bench_pair
+from bench.plots import grouped_bars
 from producer import Client
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
@@ -168,6 +169,16 @@ def main() -> None:
         conn.flushall()
         report["cold_vs_warm"] = cold_warm(conn, target, draft)
     (OUT / "worker.json").write_text(json.dumps(report, indent=1))
+    grouped_bars(
+        OUT / "worker.png",
+        "Tokens/s: producer -> Redis -> worker vs mlx_lm.stream_generate",
+        ["plain", "speculative"],
+        {
+            side: [report[m][f"{side}_tok_s"] for m in ("plain", "speculative")]
+            for side in ("direct", "worker")
+        },
+        "tokens/s (median)",
+    )
     print(json.dumps(report, indent=1))
 
 
