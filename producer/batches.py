@@ -11,8 +11,8 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from schemas import BatchOutputLine, InvalidRequestError, keys
-from schemas.store import read_results
+from schemas import BatchOutputLine, ErrorInfo, InvalidRequestError, ResultRecord, keys
+from schemas.store import read_results, write_result
 
 PAGE = 1000
 
@@ -34,10 +34,11 @@ class BatchStatus:
     created_at: float
     rate_per_s: float | None
     eta_s: float | None
+    cancelled: int = 0
 
     @property
     def done(self) -> int:
-        return self.succeeded + self.failed
+        return self.succeeded + self.failed + self.cancelled
 
     @property
     def finished(self) -> bool:
@@ -51,6 +52,7 @@ class BatchStatus:
             "running": self.running,
             "succeeded": self.succeeded,
             "failed": self.failed,
+            "cancelled": self.cancelled,
             "done": self.done,
             "rate_per_s": self.rate_per_s,
             "eta_s": self.eta_s,
@@ -63,6 +65,21 @@ def _running(conn: Redis, queue: str, batch_id: str) -> int:
     return sum(1 for job_id in registry.get_job_ids() if job_id.startswith(prefix))
 
 
+def batch_queues(conn: Redis, batch_id: str, meta: dict[str, str] | None = None) -> list[str]:
+    """The queues the batch's jobs were put on."""
+    queues = sorted(q.decode() for q in conn.smembers(keys.batch_queues_key(batch_id)))
+    if not queues and meta and meta.get("queue"):
+        queues = [meta["queue"]]
+    return queues
+
+
+def queue_watchers(conn: Redis, queues: list[str]) -> dict[str, int]:
+    """How many live workers listen on each queue (from RQ's worker registry)."""
+    from rq import Queue, Worker
+
+    return {q: Worker.count(queue=Queue(q, connection=conn)) for q in queues}
+
+
 def batch_status(conn: Redis, batch_id: str) -> BatchStatus:
     """Counts for a batch; raises :class:`BatchNotFoundError` if Redis has no such batch."""
     meta = {k.decode(): v.decode() for k, v in conn.hgetall(keys.batch_key(batch_id)).items()}
@@ -73,8 +90,9 @@ def batch_status(conn: Redis, batch_id: str) -> BatchStatus:
     total = int(meta.get("total", 0))
     succeeded = int(meta.get("succeeded", 0))
     failed = int(meta.get("failed", 0))
-    running = _running(conn, meta.get("queue", keys.DEFAULT_QUEUE), batch_id)
-    done = succeeded + failed
+    cancelled = int(meta.get("cancelled", 0))
+    running = sum(_running(conn, q, batch_id) for q in batch_queues(conn, batch_id, meta))
+    done = succeeded + failed + cancelled
     running = min(running, max(total - done, 0))
     rate = eta = None
     first, last = meta.get("first_done_at"), meta.get("last_done_at")
@@ -88,6 +106,7 @@ def batch_status(conn: Redis, batch_id: str) -> BatchStatus:
         running=running,
         succeeded=succeeded,
         failed=failed,
+        cancelled=cancelled,
         created_at=float(meta.get("created_at", 0.0)),
         rate_per_s=rate,
         eta_s=eta,
@@ -158,3 +177,59 @@ def iter_output_lines(conn: Redis, batch_id: str) -> Iterator[BatchOutputLine | 
                 yield job_id
             else:
                 yield BatchOutputLine.missing(job_id, "", "result expired or job lost")
+
+
+# Atomically take a batch's job ids out of a queue (workers LMOVE from it concurrently).
+_CANCEL = """
+local items = redis.call('LRANGE', KEYS[1], 0, -1)
+local keep, removed = {}, {}
+local prefix = ARGV[1]
+for _, id in ipairs(items) do
+  local rest = string.sub(id, #prefix + 1)
+  if string.sub(id, 1, #prefix) == prefix and #rest == 20 and string.match(rest, '^%x+$') then
+    table.insert(removed, id)
+  else
+    table.insert(keep, id)
+  end
+end
+if #removed > 0 then
+  redis.call('DEL', KEYS[1])
+  for i = 1, #keep, 5000 do
+    redis.call('RPUSH', KEYS[1], unpack(keep, i, math.min(i + 4999, #keep)))
+  end
+end
+return removed
+"""
+
+
+def cancel_batch(conn: Redis, batch_id: str) -> tuple[int, int]:
+    """Remove the batch's queued jobs and give each a "cancelled" result.
+
+    Running jobs finish normally. Returns (cancelled, still running).
+    """
+    status = batch_status(conn, batch_id)
+    cancelled = 0
+    for queue in batch_queues(conn, batch_id):
+        removed = [
+            j.decode() for j in conn.eval(_CANCEL, 1, keys.rq_queue_key(queue), f"{batch_id}-")
+        ]
+        for job_id in removed:
+            custom_id = _custom_ids(conn, [job_id]).get(job_id) or ""
+            record = ResultRecord(
+                job_id=job_id,
+                batch_id=batch_id,
+                custom_id=custom_id,
+                status="cancelled",
+                status_code=499,
+                error=ErrorInfo(
+                    message="cancelled before it started (producer cancel)",
+                    type="cancelled",
+                    code="cancelled",
+                ),
+                finished_at=time.time(),
+            )
+            ttl = int(conn.hget(keys.batch_key(batch_id), "result_ttl") or keys.DEFAULT_RESULT_TTL)
+            write_result(conn, record, ttl)
+            conn.hset(keys.rq_job_key(job_id), "status", "canceled")
+            cancelled += 1
+    return cancelled, status.running

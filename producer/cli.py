@@ -13,8 +13,18 @@ import click
 from redis import Redis
 from redis.exceptions import RedisError
 
-from producer.batches import BatchNotFoundError, BatchStatus, batch_status, iter_output_lines
+from producer.batches import (
+    BatchNotFoundError,
+    BatchStatus,
+    batch_queues,
+    batch_status,
+    cancel_batch,
+    iter_output_lines,
+    queue_watchers,
+)
+from producer.fleet import fleet_table, live_workers
 from producer.lines import Defaults, ParsedFile, parse_file
+from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, submit_items
 from schemas import keys
 from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
@@ -132,6 +142,14 @@ def main() -> None:
     help="Batch id (reuse it to resume an interrupted submit without duplicates).",
 )
 @click.option(
+    "--route",
+    envvar="MLXQ_ROUTE",
+    type=click.Choice(["queue", "model"]),
+    default="queue",
+    show_default=True,
+    help="'model': each job goes to its model's queue (served by `worker --model`).",
+)
+@click.option(
     "--skip-invalid",
     is_flag=True,
     envvar="MLXQ_SKIP_INVALID",
@@ -154,6 +172,7 @@ def submit(
     job_timeout: int,
     result_ttl: int,
     batch_id: str | None,
+    route: str,
     skip_invalid: bool,
     rejected: Path | None,
     as_json: bool,
@@ -194,6 +213,7 @@ def submit(
             result_ttl=result_ttl,
             source=str(file),
             progress=bar.update,
+            route=route,
         )
     info = summary.as_dict() | {"invalid": len(parsed.errors)}
     if as_json:
@@ -227,7 +247,19 @@ def status(batch_id: str, redis_url: str, watch: bool, as_json: bool) -> None:
         s = _watch(conn, batch_id, batch_id) if watch else batch_status(conn, batch_id)
     except BatchNotFoundError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(json.dumps(s.as_dict()) if as_json else _status_line(s))
+    waiting = _unserved(conn, batch_id) if not s.finished else []
+    if as_json:
+        click.echo(json.dumps(s.as_dict() | {"queues_without_workers": waiting}))
+        return
+    click.echo(_status_line(s))
+    for queue in waiting:
+        click.echo(f"  waiting: no live worker serves queue {queue!r}", err=True)
+
+
+def _unserved(conn: Redis, batch_id: str) -> list[str]:
+    """The batch's queues that hold jobs but have no live worker listening."""
+    queues = [q for q in batch_queues(conn, batch_id) if conn.llen(keys.rq_queue_key(q))]
+    return [q for q, n in queue_watchers(conn, queues).items() if n == 0]
 
 
 @main.command()
@@ -262,6 +294,66 @@ def results(batch_id: str, redis_url: str, output: Path | None, wait: bool) -> N
     click.echo(f"{written} result line(s) written", err=True)
     if pending:
         click.echo(f"{pending} job(s) not finished yet (use --wait to block)", err=True)
+
+
+@main.command()
+@click.argument("batch_id")
+@_redis_option
+def cancel(batch_id: str, redis_url: str) -> None:
+    """Remove BATCH_ID's queued jobs (each gets a "cancelled" result); running ones finish."""
+    conn = _connect(redis_url)
+    try:
+        cancelled, running = cancel_batch(conn, batch_id)
+    except BatchNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{cancelled} queued job(s) cancelled; {running} running job(s) will finish")
+
+
+@main.command()
+@_redis_option
+@click.option("--watch", is_flag=True, help="Refresh every 2 seconds until interrupted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the registry as JSON.")
+def fleet(redis_url: str, watch: bool, as_json: bool) -> None:
+    """Live workers: host, state, models loaded, cache, jobs done, tokens/s and acceptance."""
+    conn = _connect(redis_url)
+    while True:
+        workers = live_workers(conn)
+        if as_json:
+            click.echo(json.dumps([w.model_dump(mode="json") for w in workers]))
+        else:
+            if watch:
+                click.clear()
+            click.echo(fleet_table(workers))
+        if not watch:
+            return
+        time.sleep(2)
+
+
+@main.command()
+@click.argument("job_id")
+@_redis_option
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Give up after this many seconds [default: wait].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print each chunk object as a JSON line.")
+def tail(job_id: str, redis_url: str, timeout: float | None, as_json: bool) -> None:
+    """Print a streaming job's text live (jobs submitted with "stream": true)."""
+    conn = _connect(redis_url)
+    try:
+        for chunk in iter_chunks(conn, job_id, timeout=timeout):
+            if as_json:
+                click.echo(json.dumps(chunk))
+            elif chunk.get("error"):
+                raise click.ClickException(f"job failed: {chunk['error'].get('message')}")
+            else:
+                click.echo(chunk_text(chunk), nl=False)
+    except TimeoutError as e:
+        raise click.ClickException(str(e)) from None
+    if not as_json:
+        click.echo()
 
 
 if __name__ == "__main__":

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from redis import Redis
 
-from producer.batches import BatchStatus, batch_job_ids, batch_status, wait_for_batch
+from producer.batches import (
+    BatchStatus,
+    batch_job_ids,
+    batch_status,
+    cancel_batch,
+    wait_for_batch,
+)
+from producer.fleet import live_workers
+from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
 from schemas import ChatRequest, ResultRecord, keys
+from schemas.fleet import WorkerInfo
 from schemas.settings import DEFAULT_REDIS_URL
 from schemas.store import read_result, read_results
 
@@ -41,6 +50,7 @@ class Client:
         batch_id: str | None = None,
         job_timeout: int = DEFAULT_JOB_TIMEOUT,
         result_ttl: int = keys.DEFAULT_RESULT_TTL,
+        route: str = "queue",
     ) -> SubmitSummary:
         """Submit requests as one batch. A mapping gives custom ids; else they are ``req-N``.
 
@@ -64,6 +74,7 @@ class Client:
             job_timeout=job_timeout,
             result_ttl=result_ttl,
             source="python-api",
+            route=route,
         )
 
     def result(self, job_id: str) -> ResultRecord | None:
@@ -86,6 +97,22 @@ class Client:
     def wait(self, batch_id: str, timeout: float | None = None) -> BatchStatus:
         """Block until every job of the batch has ended."""
         return wait_for_batch(self.connection, batch_id, timeout=timeout)
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[str]:
+        """The text of a ``stream: true`` job as it is generated (pieces, in order)."""
+        for chunk in iter_chunks(self.connection, job_id, timeout=timeout):
+            if chunk.get("error"):
+                raise RuntimeError(f"job {job_id} failed: {chunk['error'].get('message')}")
+            if text := chunk_text(chunk):
+                yield text
+
+    def cancel(self, batch_id: str) -> tuple[int, int]:
+        """Cancel the batch's queued jobs: (cancelled, still running)."""
+        return cancel_batch(self.connection, batch_id)
+
+    def fleet(self) -> list[WorkerInfo]:
+        """The live workers and what they report."""
+        return live_workers(self.connection)
 
     def results(self, batch_id: str) -> list[ResultRecord | None]:
         """Result records of the batch in submission order (None for jobs not ended)."""

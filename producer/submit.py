@@ -87,8 +87,13 @@ def submit_items(
     source: str | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     progress: Callable[[int], None] | None = None,
+    route: str = "queue",
 ) -> SubmitSummary:
     """Enqueue ``items`` as one batch; jobs the batch already has (same custom_id) are skipped.
+
+    ``route="model"`` puts each job on its model's queue
+    (:func:`schemas.keys.queue_for_model`), which workers started with
+    ``--model`` serve; ``"queue"`` puts every job on ``queue``.
 
     Each chunk goes in one MULTI/EXEC transaction together with the batch's job
     list and counter, so an interruption never leaves a job the batch does not
@@ -99,7 +104,9 @@ def submit_items(
     batch_id = keys.validate_batch_id(batch_id or new_batch_id())
     is_new = _register_batch(conn, batch_id, queue, result_ttl, source)
     known = set() if is_new else _known_job_ids(conn, batch_id)
-    rq_queue = Queue(queue, connection=conn, serializer=JSONSerializer)
+    if route not in ("queue", "model"):
+        raise ValueError(f"route must be 'queue' or 'model', not {route!r}")
+    rq_queues: dict[str, Queue] = {}
     submitted = present = 0
     job_ids: list[str] = []
     now = time.time()
@@ -114,20 +121,27 @@ def submit_items(
                 fresh.append((job_id, item))
         present += len(chunk) - len(fresh)
         if fresh:
-            datas = [
-                Queue.prepare_data(
-                    keys.JOB_FUNCTION,
-                    args=(_envelope(job_id, batch_id, item, now, result_ttl),),
-                    job_id=job_id,
-                    timeout=job_timeout,
-                    result_ttl=result_ttl,
-                    failure_ttl=result_ttl,
-                    description=f"{batch_id} {item.custom_id}",
+            by_queue: dict[str, list] = {}
+            for job_id, item in fresh:
+                name = keys.queue_for_model(item.request.model) if route == "model" else queue
+                by_queue.setdefault(name, []).append(
+                    Queue.prepare_data(
+                        keys.JOB_FUNCTION,
+                        args=(_envelope(job_id, batch_id, item, now, result_ttl),),
+                        job_id=job_id,
+                        timeout=job_timeout,
+                        result_ttl=result_ttl,
+                        failure_ttl=result_ttl,
+                        description=f"{batch_id} {item.custom_id}",
+                    )
                 )
-                for job_id, item in fresh
-            ]
             pipe = conn.pipeline(transaction=True)
-            rq_queue.enqueue_many(datas, pipeline=pipe)
+            for name, datas in by_queue.items():
+                if name not in rq_queues:
+                    rq_queues[name] = Queue(name, connection=conn, serializer=JSONSerializer)
+                rq_queues[name].enqueue_many(datas, pipeline=pipe)
+            pipe.sadd(keys.batch_queues_key(batch_id), *by_queue)
+            pipe.expire(keys.batch_queues_key(batch_id), result_ttl)
             pipe.rpush(keys.batch_jobs_key(batch_id), *[job_id for job_id, _ in fresh])
             pipe.expire(keys.batch_jobs_key(batch_id), result_ttl)
             pipe.hincrby(keys.batch_key(batch_id), "total", len(fresh))

@@ -82,6 +82,35 @@ def stuck_key(queue: str, job_id: str) -> str:
     return f"{PREFIX}:stuck:{queue}:{job_id}"
 
 
+def queue_for_model(model: str) -> str:
+    """The RQ queue of jobs routed by model (``producer submit --route model``).
+
+    ``mlxq.m.<readable tail of the name>.<8 hex of its sha256>``: readable in
+    dashboards, unique per model name (hub id or path).
+    """
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-")[-48:]
+    return f"{PREFIX}.m.{tail}.{hashlib.sha256(model.encode()).hexdigest()[:8]}"
+
+
+def stream_key(job_id: str) -> str:
+    """Stream: the job's ``chat.completion.chunk`` objects (field ``chunk``), for stream=true."""
+    return f"{PREFIX}:stream:{job_id}"
+
+
+#: Sorted set of worker names, scored by their last registry heartbeat (unix seconds).
+WORKERS = f"{PREFIX}:workers"
+
+
+def worker_key(name: str) -> str:
+    """String (JSON), short TTL: a live worker's published state (models, stats)."""
+    return f"{PREFIX}:worker:{name}"
+
+
+def batch_queues_key(batch_id: str) -> str:
+    """Set: the queues a batch's jobs were put on."""
+    return f"{PREFIX}:batch:{batch_id}:queues"
+
+
 def rq_job_key(job_id: str) -> str:
     """Hash: RQ's own job record (status, timestamps, JSON-serialised call)."""
     return f"rq:job:{job_id}"

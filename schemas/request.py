@@ -15,8 +15,6 @@ UNSUPPORTED: dict[str, str] = {
     "function_call": "function calling is not supported yet",
     "parallel_tool_calls": "tool calling is not supported yet",
     "response_format": "response_format (JSON mode / structured output) is not supported yet",
-    "stream": "stream=true is not supported yet; poll the result key instead",
-    "stream_options": "streaming is not supported yet",
     "logprobs": "logprobs are not supported yet",
     "top_logprobs": "logprobs are not supported yet",
     "audio": "audio output is not supported",
@@ -42,6 +40,14 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's stream_options. Usage is always sent on the final chunk."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    include_usage: bool = True
 
 
 class Message(BaseModel):
@@ -89,6 +95,8 @@ class ChatRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
     n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     draft_model: str | None = Field(default=None, min_length=1, max_length=512)

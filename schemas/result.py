@@ -79,7 +79,7 @@ class ResultRecord(BaseModel):
     job_id: str
     batch_id: str
     custom_id: str
-    status: Literal["succeeded", "failed"]
+    status: Literal["succeeded", "failed", "cancelled"]
     status_code: int = 200
     response: ChatCompletion | None = None
     error: ErrorInfo | None = None

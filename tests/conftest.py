@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -93,6 +95,46 @@ def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None) ->
     worker = MlxqWorker(qs, connection=conn, name=f"w{time.monotonic_ns()}")
     worker.work(burst=True, max_jobs=max_jobs, with_scheduler=False, logging_level="WARNING")
     return rt
+
+
+class WorkerProc:
+    def __init__(self, redis_url: str, tmp: Path, *args: str, name: str = "w") -> None:
+        self.log = tmp / f"worker-{name}-{time.monotonic_ns()}.log"
+        exe = str(Path(sys.executable).with_name("worker"))
+        env = os.environ | {"MLXQ_REDIS_URL": redis_url}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [exe, "--name", name, "-v", *args], env=env, stdout=subprocess.DEVNULL, stderr=log
+            )
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+@pytest.fixture
+def workers(redis_url, tmp_path):
+    started: list[WorkerProc] = []
+
+    def start(*args: str, name: str = "w", url: str | None = None) -> WorkerProc:
+        w = WorkerProc(url or redis_url, tmp_path, *args, name=name)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -8,15 +8,11 @@ Figures (kills, recoveries, recovery time) are appended to FAULT_REPORT.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-import pytest
 from redis import Redis
 
 from producer import Client
@@ -32,46 +28,6 @@ SLOW_TOKENS = 1500  # ~5 s on the slow tiny model without OpenBLAS
 def slow_job(tiny, **fields) -> dict:
     # EOS (id 3) is banned so the job really generates SLOW_TOKENS tokens.
     return chat(tiny.slow, max_tokens=SLOW_TOKENS, temperature=0, logit_bias={"3": -100}, **fields)
-
-
-class WorkerProc:
-    def __init__(self, redis_url: str, tmp: Path, *args: str, name: str = "w") -> None:
-        self.log = tmp / f"worker-{name}-{time.monotonic_ns()}.log"
-        exe = str(Path(sys.executable).with_name("worker"))
-        env = os.environ | {"MLXQ_REDIS_URL": redis_url}
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [exe, "--name", name, "-v", *args], env=env, stdout=subprocess.DEVNULL, stderr=log
-            )
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def wait(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    @property
-    def output(self) -> str:
-        return self.log.read_text()
-
-
-@pytest.fixture
-def workers(redis_url, tmp_path):
-    started: list[WorkerProc] = []
-
-    def start(*args: str, name: str = "w", url: str | None = None) -> WorkerProc:
-        w = WorkerProc(url or redis_url, tmp_path, *args, name=name)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.stop()
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 60, every: float = 0.02) -> object:

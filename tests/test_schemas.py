@@ -28,7 +28,10 @@ def error_of(body: dict) -> str:
         (chat("m", top_p=0), "top_p"),
         (chat("m", n=2), "only n=1 is supported"),
         (chat("m", tools=[{"type": "function"}]), "tools: tool calling is not supported"),
-        (chat("m", stream=True), "stream=true is not supported"),
+        (
+            chat("m", stream=True, stream_options={"include_usage": True, "x": 1}),
+            "unknown field 'x' in stream_options",
+        ),
         (chat("m", logprobs=True), "logprobs are not supported"),
         (chat("m", response_format={"type": "json_object"}), "response_format"),
         (chat("m", frobnicate=1), "unknown field 'frobnicate'"),

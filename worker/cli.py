@@ -51,7 +51,15 @@ def connect(redis_url: str) -> Redis:
     "models",
     envvar="MLXQ_WORKER_MODELS",
     multiple=True,
-    help="Model to preload and keep warm (repeatable; never evicted).",
+    help="Model to preload, keep warm (never evicted) and serve: its queue "
+    "(`producer submit --route model`) comes first (repeatable).",
+)
+@click.option(
+    "--shared/--no-shared",
+    envvar="MLXQ_SHARED",
+    default=True,
+    show_default=True,
+    help="With --model: also take jobs from the --queue queues after the model queues.",
 )
 @click.option("--burst", is_flag=True, envvar="MLXQ_BURST", help="Exit when the queues are empty.")
 @click.option(
@@ -113,6 +121,7 @@ def main(
     redis_url: str,
     queues: tuple[str, ...],
     models: tuple[str, ...],
+    shared: bool,
     burst: bool,
     max_jobs: int | None,
     cache_gb: float | None,
@@ -154,7 +163,9 @@ def main(
         except MlxqError as e:
             raise click.ClickException(f"--model {model}: {e}") from None
         click.echo(f"preloaded {model} ({entry.nbytes / 1e6:.1f} MB)", err=True)
-    rq_queues = [Queue(q, connection=conn, serializer=JSONSerializer) for q in queues]
+    served = [keys.queue_for_model(m) for m in models]
+    served += [q for q in queues if q not in served] if (shared or not models) else []
+    rq_queues = [Queue(q, connection=conn, serializer=JSONSerializer) for q in served]
     worker = MlxqWorker(
         rq_queues,
         connection=conn,

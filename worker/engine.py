@@ -8,7 +8,7 @@ mlx-lm's own (``stream_generate`` with ``draft_model``): the draft proposes
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -161,10 +161,14 @@ def generate(
     prompt: list[int],
     params: GenerationParams,
     draft_model: nn.Module | None = None,
+    on_text: Callable[[str], None] | None = None,
 ) -> GenerationOutput:
     """Generate a completion for ``prompt``; speculative when ``draft_model`` is given.
 
     Greedy output (temperature 0) is the same with or without a draft.
+    ``on_text`` receives the text as it is produced, in pieces that concatenate
+    to exactly the final text: text that could still turn out to be the start
+    of a stop string is held back until it cannot.
     """
     if params.seed is not None:
         mx.random.seed(params.seed)
@@ -182,6 +186,7 @@ def generate(
     text, finish, tokens = "", "length", []
     last = None
     longest_stop = max((len(s) for s in params.stop), default=0)
+    emitted = 0
     for response in stream_generate(
         model, tokenizer, mx.array(prompt), max_tokens=params.max_tokens, **kwargs
     ):
@@ -198,6 +203,11 @@ def generate(
             break
         if response.finish_reason is not None:
             finish = response.finish_reason
+        if on_text is not None and (safe := len(text) - max(longest_stop - 1, 0)) > emitted:
+            on_text(text[emitted:safe])
+            emitted = safe
+    if on_text is not None and len(text) > emitted:
+        on_text(text[emitted:])
     end = time.perf_counter()
     if last is None:
         raise RuntimeError("mlx-lm produced no tokens")

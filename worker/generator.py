@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas import ChatRequest
@@ -77,7 +78,12 @@ class ChatGenerator:
     def cache_hit(self) -> bool:
         return self.target_was_warm and (self.draft is None or self.draft_was_warm)
 
-    def generate(self, request: ChatRequest, default_num_draft_tokens: int = 3) -> GenerationOutput:
+    def generate(
+        self,
+        request: ChatRequest,
+        default_num_draft_tokens: int = 3,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationOutput:
         """Run ``request`` (its messages and sampling fields) on these models."""
         tokenizer = self.target.tokenizer
         prompt = prompt_tokens(tokenizer, request)
@@ -89,4 +95,6 @@ class ChatGenerator:
             default_num_draft_tokens,
         )
         draft = self.draft.model if self.draft is not None else None
-        return generate(self.target.model, tokenizer, prompt, params, draft_model=draft)
+        return generate(
+            self.target.model, tokenizer, prompt, params, draft_model=draft, on_text=on_text
+        )

@@ -36,6 +36,7 @@ from schemas.store import has_result, write_result
 from worker import runtime
 from worker.engine import GenerationOutput
 from worker.generator import ChatGenerator
+from worker.streaming import ChunkWriter
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def completion_for(envelope: JobEnvelope, out: GenerationOutput) -> ChatCompletion:
+def completion_for(
+    envelope: JobEnvelope, out: GenerationOutput, completion_id: str | None = None
+) -> ChatCompletion:
     """The OpenAI ``chat.completion`` object for a finished generation."""
     return ChatCompletion(
-        id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+        id=completion_id or f"chatcmpl-{uuid.uuid4().hex[:24]}",
         created=int(time.time()),
         model=envelope.request.model,
         choices=[
@@ -88,16 +91,31 @@ def _base_metrics(rt: runtime.WorkerRuntime, envelope: JobEnvelope | None, t0: S
     )
 
 
-def execute(envelope: JobEnvelope, rt: runtime.WorkerRuntime, t0: Start) -> ResultRecord:
-    """Run one validated job; raise an :class:`MlxqError` for anything the job got wrong."""
+def execute(
+    envelope: JobEnvelope, rt: runtime.WorkerRuntime, t0: Start, conn: Redis
+) -> ResultRecord:
+    """Run one validated job; raise an :class:`MlxqError` for anything the job got wrong.
+
+    With ``stream: true`` the text is also appended, as it is produced, to the
+    job's chunk stream (``worker.streaming``).
+    """
     req = envelope.request
+    completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     rt.check_allowed(req.model)
     if req.draft_model:
         rt.check_allowed(req.draft_model, "draft model")
     if req.adapter:
         rt.check_allowed(req.adapter, "adapter")
     generator = ChatGenerator.get_or_create(req.model, req.draft_model, req.adapter, rt.cache)
-    out = generator.generate(req, rt.default_num_draft_tokens)
+    writer = None
+    if req.stream:
+        writer = ChunkWriter(conn, envelope.job_id, completion_id, req.model, envelope.result_ttl)
+        writer.start()
+    out = generator.generate(req, rt.default_num_draft_tokens, writer.text if writer else None)
+    completion = completion_for(envelope, out, completion_id)
+    if writer:
+        writer.finish(out.finish_reason, completion.usage.model_dump())
+    rt.stats.add(req.model, req.draft_model, out)
     metrics = _base_metrics(rt, envelope, t0).model_copy(
         update={
             "load_time_s": generator.load_time_s,
@@ -120,7 +138,7 @@ def execute(envelope: JobEnvelope, rt: runtime.WorkerRuntime, t0: Start) -> Resu
         batch_id=envelope.batch_id,
         custom_id=envelope.custom_id,
         status="succeeded",
-        response=completion_for(envelope, out),
+        response=completion,
         metrics=metrics,
         finished_at=time.time(),
     )
@@ -179,7 +197,7 @@ def run_chat_job(payload: dict[str, Any]) -> dict[str, Any]:
             envelope = JobEnvelope.model_validate(payload)
         except ValidationError as e:
             raise InvalidRequestError(f"invalid job payload: {describe_validation_error(e)}") from e
-        record = execute(envelope, rt, t0)
+        record = execute(envelope, rt, t0, conn)
     except MlxqError as e:
         record = _failure(e, rt, ids, envelope, t0)
     except JobTimeoutException as e:
@@ -190,6 +208,11 @@ def run_chat_job(payload: dict[str, Any]) -> dict[str, Any]:
         record = _failure(MlxqError(f"{type(e).__name__}: {e}"), rt, ids, envelope, t0)
         reraise = e
     ttl = envelope.result_ttl if envelope else keys.DEFAULT_RESULT_TTL
+    if envelope is not None and envelope.request.stream and record.error is not None:
+        # Whatever failed, a streaming job's readers get a final (error) chunk.
+        ChunkWriter(conn, envelope.job_id, "", envelope.request.model, ttl).error(
+            record.error.model_dump(mode="json")
+        )
     written = write_result(conn, record, ttl)
     log.info("job %s %s%s", ids[0], record.status, "" if written else " (a result already existed)")
     if reraise is not None:

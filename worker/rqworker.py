@@ -36,7 +36,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from schemas import InvalidRequestError, keys
-from worker import recovery
+from worker import recovery, registry, runtime
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,7 @@ class MlxqWorker(SimpleWorker):
         super().__init__(names, *args, **kwargs)
         self._cold = False
         self._beat: _Heartbeat | None = None
+        self._published_at = 0.0
 
     # -- leases -------------------------------------------------------------
     def get_heartbeat_ttl(self, job: Job) -> int:
@@ -240,6 +241,39 @@ class MlxqWorker(SimpleWorker):
     def clean_registries(self) -> None:
         self.recover()
         super().clean_registries()
+
+    # -- fleet registry -----------------------------------------------------
+    @property
+    def registry_ttl(self) -> int:
+        """Seconds a published entry outlives the last publish (several heartbeats)."""
+        return max(6, 3 * self.dequeue_timeout)
+
+    def publish(self, force: bool = False) -> None:
+        """Publish this worker's state on ``mlxq:worker:<name>`` (at most every 2 s)."""
+        if not force and time.monotonic() - self._published_at < 2.0:
+            return
+        self._published_at = time.monotonic()
+        info = registry.worker_info(
+            runtime.current(),
+            self.name,
+            self.queue_names(),
+            str(self.get_state()),
+            self.get_current_job_id(),
+        )
+        registry.publish(self.connection, info, self.registry_ttl)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        super().heartbeat(timeout, pipeline=pipeline)
+        try:
+            self.publish()
+        except Exception as e:  # the registry is informative; never fail a job for it
+            log.debug("publishing worker state failed: %s", e)
+
+    def register_death(self) -> None:
+        try:
+            registry.unpublish(self.connection, self.name)
+        finally:
+            super().register_death()
 
     # -- restarts and shutdown ----------------------------------------------
     def register_birth(self) -> None:

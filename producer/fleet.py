@@ -1,0 +1,46 @@
+"""Reading the fleet registry that workers publish (``mlxq:workers``, ``mlxq:worker:<name>``)."""
+
+from __future__ import annotations
+
+from redis import Redis
+
+from schemas import keys
+from schemas.fleet import WorkerInfo
+
+
+def live_workers(conn: Redis) -> list[WorkerInfo]:
+    """Workers whose entry has not expired, by name; expired names are pruned."""
+    names = [n.decode() for n in conn.zrange(keys.WORKERS, 0, -1)]
+    if not names:
+        return []
+    raws = conn.mget([keys.worker_key(n) for n in names])
+    dead = [n for n, r in zip(names, raws, strict=True) if r is None]
+    if dead:
+        conn.zrem(keys.WORKERS, *dead)
+    return sorted(
+        (WorkerInfo.model_validate_json(r) for r in raws if r is not None), key=lambda w: w.name
+    )
+
+
+def fleet_table(workers: list[WorkerInfo]) -> str:
+    """A plain-text table: one line per worker, then one per (target, draft) pair."""
+    if not workers:
+        return "no live workers"
+    lines = [f"{'worker':<20}{'host':<16}{'state':<8}{'jobs':>6}{'cache GB':>10}  models"]
+    for w in workers:
+        budget = f"/{w.cache_budget_gb:.1f}" if w.cache_budget_gb else ""
+        models = ", ".join(f"{_short(m.name)} ({m.memory_mb:.0f} MB)" for m in w.models) or "-"
+        lines.append(
+            f"{w.name[:19]:<20}{w.host[:15]:<16}{w.state[:7]:<8}{w.jobs_done:>6}"
+            f"{w.cache_used_gb:>6.2f}{budget:<4}  {models}"
+        )
+        for p in w.pairs:
+            tps = f"{p.tokens_per_s:.1f} tok/s" if p.tokens_per_s else "-"
+            acc = f", acceptance {p.acceptance_rate:.2f}" if p.acceptance_rate is not None else ""
+            pair = _short(p.target) + (f" + {_short(p.draft)}" if p.draft else "")
+            lines.append(f"{'':<20}  {pair}: {p.jobs} job(s), {tps}{acc}")
+    return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 40 else "..." + name[-37:]

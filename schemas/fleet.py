@@ -1,0 +1,47 @@
+"""What a worker publishes about itself (``mlxq:worker:<name>``), for ``producer fleet``."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class LoadedModelInfo(BaseModel):
+    name: str
+    adapter: str | None = None
+    memory_mb: float
+    pinned: bool = False
+
+
+class PairStats(BaseModel):
+    """Running totals for one (target, draft) pair on one worker."""
+
+    target: str
+    draft: str | None = None
+    jobs: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    accepted: int = 0
+    proposed: int = 0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+
+class WorkerInfo(BaseModel):
+    name: str
+    host: str
+    pid: int
+    queues: list[str]
+    state: str
+    current_job: str | None = None
+    models: list[LoadedModelInfo] = []
+    cache_budget_gb: float | None = None
+    cache_used_gb: float = 0.0
+    jobs_done: int = 0
+    pairs: list[PairStats] = []
+    updated_at: float

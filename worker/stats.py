@@ -1,0 +1,25 @@
+"""Per-worker running totals, published in the fleet registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas.fleet import PairStats
+from worker.engine import GenerationOutput
+
+
+@dataclass
+class WorkerStats:
+    """Jobs done, and tokens/s and acceptance per (target, draft) pair."""
+
+    jobs_done: int = 0
+    pairs: dict[tuple[str, str | None], PairStats] = field(default_factory=dict)
+
+    def add(self, target: str, draft: str | None, out: GenerationOutput) -> None:
+        self.jobs_done += 1
+        pair = self.pairs.setdefault((target, draft), PairStats(target=target, draft=draft))
+        pair.jobs += 1
+        pair.tokens += out.completion_tokens
+        pair.seconds += out.total_time_s
+        pair.accepted += out.draft_tokens_accepted
+        pair.proposed += out.draft_tokens_proposed

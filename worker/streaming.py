@@ -1,0 +1,58 @@
+"""Streaming partial output to apps: OpenAI ``chat.completion.chunk`` objects on a Redis stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from redis import Redis
+
+from schemas import keys
+
+#: Entries kept per job stream (XADD MAXLEN ~): plenty for one completion.
+STREAM_MAXLEN = 20_000
+
+
+class ChunkWriter:
+    """Appends a job's chunks to ``mlxq:stream:<job_id>`` (field ``chunk``, JSON)."""
+
+    def __init__(self, conn: Redis, job_id: str, completion_id: str, model: str, ttl: int) -> None:
+        self.conn, self.key, self.ttl = conn, keys.stream_key(job_id), ttl
+        self.base = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def _add(self, extra: dict[str, Any]) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.xadd(
+            self.key,
+            {"chunk": json.dumps(self.base | extra)},
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
+        pipe.expire(self.key, self.ttl)
+        pipe.execute()
+
+    def start(self) -> None:
+        """A fresh stream (a job re-run after a crash starts over) opened with the role."""
+        self.conn.delete(self.key)
+        self._choice({"role": "assistant", "content": ""})
+
+    def text(self, delta: str) -> None:
+        if delta:
+            self._choice({"content": delta})
+
+    def finish(self, finish_reason: str, usage: dict[str, int]) -> None:
+        self._add(
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason}], "usage": usage}
+        )
+
+    def error(self, error: dict[str, Any]) -> None:
+        self._add({"choices": [], "error": error})
+
+    def _choice(self, delta: dict[str, str]) -> None:
+        self._add({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
