@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ class Start:
         return time.perf_counter() - self.perf
 
 
+@functools.cache
 def _version(dist: str) -> str | None:
     try:
         return version(dist)

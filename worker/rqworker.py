@@ -195,6 +195,7 @@ class MlxqWorker(SimpleWorker):
         self._cold = False
         self._beat: _Heartbeat | None = None
         self._published_at = 0.0
+        self._beat_at = 0.0
 
     # -- leases -------------------------------------------------------------
     def get_heartbeat_ttl(self, job: Job) -> int:
@@ -214,7 +215,6 @@ class MlxqWorker(SimpleWorker):
         finally:
             self._beat.stop()
             self._beat = None
-        self.set_state("idle")
         if self._cold:
             raise SystemExit(0)
 
@@ -263,6 +263,13 @@ class MlxqWorker(SimpleWorker):
         registry.publish(self.connection, info, self.registry_ttl)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        # RQ beats several times per job; the worker key lives worker_ttl (minutes),
+        # so plain beats are sent at most once a second (one Redis round trip each).
+        now_s = time.monotonic()
+        if timeout is None and pipeline is None and now_s - self._beat_at < 1.0:
+            return
+        if timeout is None and pipeline is None:
+            self._beat_at = now_s
         super().heartbeat(timeout, pipeline=pipeline)
         try:
             self.publish()
