@@ -69,11 +69,17 @@ def _watch(conn: Redis, batch_id: str, label: str) -> BatchStatus:
     """Show a progress bar (on a terminal) until every job of the batch has ended."""
     status = batch_status(conn, batch_id)
     with click.progressbar(
-        length=max(status.total, 1), label=label, file=sys.stderr, show_eta=True, show_pos=True
+        length=max(status.total, 1),
+        label=label,
+        file=sys.stderr,
+        show_eta=True,
+        show_pos=True,
+        item_show_func=lambda item: item,
     ) as bar:
         shown = 0
         while True:
-            bar.update(status.done - shown)
+            rate = f"{status.rate_per_s:.2f} jobs/s" if status.rate_per_s else None
+            bar.update(status.done - shown, current_item=rate)
             shown = status.done
             if status.finished:
                 return status
