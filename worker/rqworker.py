@@ -93,6 +93,18 @@ class SafeJob(Job):
     def send_webhooks(self, status: Any, *, exc_string: str | None = None) -> None:
         return None
 
+    def perform(self) -> Any:
+        # RQ's perform() first PERSISTs the job hash (one round trip); mlxq job
+        # hashes carry no TTL while they run, so go straight to the call.
+        from rq.job import _job_stack
+
+        _job_stack.push(self)
+        try:
+            self._result = self._execute()
+        finally:
+            _job_stack.pop()
+        return self._result
+
 
 def dead_letter(conn: Redis, job_id: str, reason: str) -> None:
     """Record a job that cannot run at all (no or corrupt job hash) on ``mlxq:dead``."""
@@ -196,6 +208,7 @@ class MlxqWorker(SimpleWorker):
         self._beat: _Heartbeat | None = None
         self._published_at = 0.0
         self._beat_at = 0.0
+        self._suspension_checked_at = 0.0
 
     # -- leases -------------------------------------------------------------
     def get_heartbeat_ttl(self, job: Job) -> int:
@@ -221,6 +234,36 @@ class MlxqWorker(SimpleWorker):
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         # Every dequeue goes through an intermediate list, whatever the number of queues.
         super().prepare_job_execution(job, remove_from_intermediate_queue=True)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        # `rq suspend` is honoured within a second; not one round trip per job.
+        if time.monotonic() - self._suspension_checked_at >= 1.0:
+            self._suspension_checked_at = time.monotonic()
+            super().check_for_suspension(burst)
+
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
+        # RQ also sends a job heartbeat here (a round trip); the lease is ours.
+        job.ended_at = now()
+
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: Any) -> None:
+        """RQ's success bookkeeping in one MULTI/EXEC (mlxq jobs have no dependents to watch)."""
+        with self.connection.pipeline() as pipe:
+            self.increment_successful_job_count(pipeline=pipe)
+            if job.started_at and job.ended_at:
+                self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+            result_ttl = job.get_result_ttl(self.default_result_ttl)
+            if result_ttl != 0:
+                job._handle_success(
+                    result_ttl,
+                    pipeline=pipe,
+                    worker_name=self.name,
+                    execution_id=self.execution.id if self.execution else None,
+                    execution_started_at=self.execution.created_at if self.execution else None,
+                    execution_ended_at=job.ended_at,
+                )
+            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            self.cleanup_execution(job, pipeline=pipe)
+            pipe.execute()
 
     # -- recovery -----------------------------------------------------------
     def recover(self) -> recovery.RecoveryReport:
