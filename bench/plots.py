@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
-def grouped_bars(
-    path: Path, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str
-) -> None:
-    """Side-by-side bars: one group per entry of ``groups``, one bar per series."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (with a hint) when not installed."""
     try:
         import matplotlib
 
@@ -16,6 +15,16 @@ def grouped_bars(
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return None
+    return plt
+
+
+def grouped_bars(
+    path: Path, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str
+) -> None:
+    """Side-by-side bars: one group per entry of ``groups``, one bar per series."""
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / max(len(series), 1)

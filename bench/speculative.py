@@ -33,6 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from bench.fixtures import model
+from bench.plots import pyplot
 from schemas import ChatRequest
 from worker.cache import ModelCache
 from worker.generator import ChatGenerator
@@ -182,13 +183,8 @@ def main() -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pair in report["pairs"].items():
