@@ -71,6 +71,7 @@ class Metrics(BaseModel):
     peak_memory_gb: float | None = None
     mlx_version: str | None = None
     mlx_lm_version: str | None = None
+    batch_size: int = 1
 
 
 class ResultRecord(BaseModel):

@@ -81,7 +81,7 @@ def write_jsonl(path: Path, lines: list) -> Path:
     return path
 
 
-def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None) -> object:
+def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None, max_batch=1):
     """Run an in-process MlxqWorker in burst mode until the queues are empty."""
     from rq import Queue
     from rq.serializers import JSONSerializer
@@ -92,7 +92,7 @@ def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None) ->
     rt = rt_mod.install(runtime or rt_mod.WorkerRuntime(worker_id="test-worker"))
     conn = Redis.from_url(redis_url)
     qs = [Queue(q, connection=conn, serializer=JSONSerializer) for q in queues]
-    worker = MlxqWorker(qs, connection=conn, name=f"w{time.monotonic_ns()}")
+    worker = MlxqWorker(qs, connection=conn, name=f"w{time.monotonic_ns()}", max_batch=max_batch)
     worker.work(burst=True, max_jobs=max_jobs, with_scheduler=False, logging_level="WARNING")
     return rt
 

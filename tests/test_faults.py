@@ -308,3 +308,36 @@ def test_a_long_job_outlives_its_lease_without_being_requeued(conn, redis_url, t
     assert first is not None
     w.signal(signal.SIGTERM)
     assert w.wait() == 0
+
+
+def test_sigkill_mid_batch_recovers_every_job(conn, redis_url, tiny, workers):
+    client = Client(connection=conn)
+    s = client.submit({f"s{i}": slow_job(tiny, content=f"job {i}") for i in range(3)})
+    a = workers("--lease-seconds", "2", "--max-batch", "4", name="batch-a")
+    wait_for(lambda: all(running_execution(conn, j) for j in s.job_ids))  # all in one batch
+    a.signal(signal.SIGKILL)
+    a.wait()
+    b = workers("--lease-seconds", "2", "--max-batch", "4", name="batch-b")
+    records = [one_result(conn, j) for j in s.job_ids]
+    assert all(r.status == "succeeded" for r in records)
+    assert all(r.response.usage.completion_tokens == SLOW_TOKENS for r in records)
+    assert all(conn.get(keys.crashes_key(j)) == b"1" for j in s.job_ids)
+    FAULT_REPORT.append({"test": "sigkill mid-batch", "kills": 1, "jobs_recovered": 3})
+    b.signal(signal.SIGTERM)
+    assert b.wait() == 0
+
+
+def test_second_sigterm_mid_batch_requeues_every_job(conn, redis_url, tiny, workers):
+    s = Client(connection=conn).submit({f"s{i}": slow_job(tiny, content=str(i)) for i in range(2)})
+    w = workers("--max-batch", "4", name="batch-cold")
+    wait_for(lambda: all(running_execution(conn, j) for j in s.job_ids))
+    w.signal(signal.SIGTERM)
+    time.sleep(1.2)
+    w.signal(signal.SIGTERM)
+    assert w.wait(60) == 0
+    assert sorted(conn.lrange(keys.rq_queue_key("mlxq"), 0, -1)) == sorted(
+        j.encode() for j in s.job_ids
+    )
+    assert all(read_result(conn, j) is None for j in s.job_ids)
+    run_worker(redis_url, max_batch=4)
+    assert all(one_result(conn, j).status == "succeeded" for j in s.job_ids)

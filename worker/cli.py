@@ -94,6 +94,14 @@ def connect(redis_url: str) -> Redis:
     help="Draft tokens per round when a job names a draft but no count.",
 )
 @click.option(
+    "--max-batch",
+    envvar="MLXQ_MAX_BATCH",
+    type=click.IntRange(1, 256),
+    default=8,
+    show_default=True,
+    help="Jobs on one model (no draft) decoded together by continuous batching; 1 disables.",
+)
+@click.option(
     "--lease-seconds",
     envvar="MLXQ_LEASE_SECONDS",
     type=click.IntRange(2, 3600),
@@ -127,6 +135,7 @@ def main(
     cache_gb: float | None,
     allow_models: tuple[str, ...],
     num_draft_tokens: int,
+    max_batch: int,
     lease_seconds: int,
     max_crashes: int,
     name: str | None,
@@ -172,6 +181,7 @@ def main(
         name=rt.worker_id,
         lease_s=lease_seconds,
         max_crashes=max_crashes,
+        max_batch=max_batch,
     )
     rq_level = "INFO" if verbose else "WARNING"
     try:

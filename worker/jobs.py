@@ -114,9 +114,24 @@ def execute(
         writer = ChunkWriter(conn, envelope.job_id, completion_id, req.model, envelope.result_ttl)
         writer.start()
     out = generator.generate(req, rt.default_num_draft_tokens, writer.text if writer else None)
-    completion = completion_for(envelope, out, completion_id)
-    if writer:
-        writer.finish(out.finish_reason, completion.usage.model_dump())
+    record = record_success(envelope, rt, t0, out, generator, completion_id=completion_id)
+    if writer and record.response:
+        writer.finish(out.finish_reason, record.response.usage.model_dump())
+    return record
+
+
+def record_success(
+    envelope: JobEnvelope,
+    rt: runtime.WorkerRuntime,
+    t0: Start,
+    out: GenerationOutput,
+    generator: ChatGenerator,
+    *,
+    completion_id: str | None = None,
+    batched_with: int = 1,
+) -> ResultRecord:
+    """The succeeded result record (completion and metrics) for a finished generation."""
+    req = envelope.request
     rt.stats.add(req.model, req.draft_model, out)
     metrics = _base_metrics(rt, envelope, t0).model_copy(
         update={
@@ -133,6 +148,7 @@ def execute(
             "acceptance_rate": out.acceptance_rate,
             "peak_memory_gb": out.peak_memory_gb,
             "total_time_s": t0.elapsed(),
+            "batch_size": batched_with,
         }
     )
     return ResultRecord(
@@ -140,10 +156,18 @@ def execute(
         batch_id=envelope.batch_id,
         custom_id=envelope.custom_id,
         status="succeeded",
-        response=completion,
+        response=completion_for(envelope, out, completion_id),
         metrics=metrics,
         finished_at=time.time(),
     )
+
+
+def record_failure(
+    error: MlxqError, rt: runtime.WorkerRuntime, envelope: JobEnvelope, t0: Start
+) -> ResultRecord:
+    """The failed result record for a validated job."""
+    ids = (envelope.job_id, envelope.batch_id, envelope.custom_id)
+    return _failure(error, rt, ids, envelope, t0)
 
 
 def _failure(

@@ -36,7 +36,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from schemas import InvalidRequestError, keys
-from worker import recovery, registry, runtime
+from worker import batching, recovery, registry, runtime
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,7 @@ class MlxqWorker(SimpleWorker):
         *args: Any,
         lease_s: int = DEFAULT_LEASE_S,
         max_crashes: int = DEFAULT_MAX_CRASHES,
+        max_batch: int = 1,
         **kwargs: Any,
     ) -> None:
         kwargs["serializer"] = JSONSerializer
@@ -201,6 +202,7 @@ class MlxqWorker(SimpleWorker):
         kwargs.setdefault("queue_class", MlxqQueue)
         self.lease_s = max(1, int(lease_s))
         self.max_crashes = max_crashes
+        self.max_batch = max_batch
         kwargs.setdefault("maintenance_interval", max(1, self.lease_s // 2))
         names = [q.name if isinstance(q, Queue) else q for q in queues]
         super().__init__(names, *args, **kwargs)
@@ -220,6 +222,16 @@ class MlxqWorker(SimpleWorker):
         return max(1, self.lease_s // 2)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
+        if self.max_batch > 1 and (envelope := batching.envelope_of(job)) is not None:
+            key = batching.batch_key(envelope)
+            if key is not None and job.func_name == keys.JOB_FUNCTION:
+                self.set_state("busy")
+                self.set_current_job_id(job.id)
+                try:
+                    batching.BatchRunner(self, queue, key).run(job)
+                finally:
+                    self.set_current_job_id(None)
+                return
         self.prepare_execution(job)
         self._beat = _Heartbeat(self, job, interval=max(0.5, self.lease_s / 3))
         self._beat.start()

@@ -1,0 +1,88 @@
+"""Continuous batching: jobs on one model decode together, each with its own result."""
+
+from __future__ import annotations
+
+from producer import Client
+from schemas.store import read_result
+from tests.conftest import chat, run_worker
+from worker import runtime
+from worker.cache import ModelCache
+
+
+def _jobs(tiny):
+    return {
+        "a": chat(tiny.target, content="first", max_tokens=12, temperature=0),
+        "b": chat(tiny.target, content="a longer second prompt here", max_tokens=30, temperature=0),
+        "c": chat(tiny.target, content="third", max_tokens=5, temperature=0),
+        "d": chat(tiny.target, content="fourth one", max_tokens=25, temperature=0, stop=["e"]),
+        "e": chat(
+            tiny.target, content="fifth", max_tokens=20, temperature=0, logit_bias={"42": 100}
+        ),
+        "f": chat(tiny.target, content="sixth", max_tokens=18, temperature=0),
+    }
+
+
+def _run(conn, redis_url, tiny, max_batch, batch_id):
+    s = Client(connection=conn).submit(_jobs(tiny), batch_id=batch_id)
+    rt = runtime.WorkerRuntime(cache=ModelCache(), worker_id=f"b{max_batch}")
+    run_worker(redis_url, runtime=rt, max_batch=max_batch)
+    return {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+
+
+def test_batched_greedy_output_equals_output_alone(conn, redis_url, tiny):
+    alone = _run(conn, redis_url, tiny, 1, "alone")
+    batched = _run(conn, redis_url, tiny, 4, "batched")
+    for cid, record in alone.items():
+        got = batched[cid]
+        assert got.status == "succeeded", got.error
+        assert got.response.choices[0].message.content == record.response.choices[0].message.content
+        assert got.response.choices[0].finish_reason == record.response.choices[0].finish_reason
+        assert got.response.usage == record.response.usage
+    assert max(r.metrics.batch_size for r in batched.values()) > 1
+    assert all(r.metrics.batch_size == 1 for r in alone.values())
+    assert batched["d"].response.choices[0].finish_reason == "stop"
+    assert batched["c"].response.usage.completion_tokens == 5
+
+
+def test_jobs_that_must_run_alone_are_handed_back_in_order(conn, redis_url, tiny):
+    client = Client(connection=conn)
+    s = client.submit(
+        {
+            "b1": chat(tiny.target, max_tokens=6, temperature=0),
+            "seeded": chat(tiny.target, max_tokens=6, temperature=0.9, seed=5),
+            "other-model": chat(tiny.twin, max_tokens=6, temperature=0),
+            "draft": chat(tiny.target, max_tokens=6, temperature=0, draft_model=tiny.twin),
+            "b2": chat(tiny.target, max_tokens=6, temperature=0),
+        }
+    )
+    run_worker(redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache()), max_batch=8)
+    records = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    assert all(r.status == "succeeded" for r in records.values())
+    assert records["seeded"].metrics.batch_size == 1
+    assert records["draft"].metrics.batch_size == 1
+    assert records["draft"].metrics.acceptance_rate == 1.0
+    # b1 stopped claiming at the first job it could not take: FIFO order holds.
+    order = sorted(records.values(), key=lambda r: r.finished_at)
+    assert order[0].custom_id == "b1"
+
+
+def test_seeded_job_alone_is_reproducible_despite_batching(conn, redis_url, tiny):
+    client = Client(connection=conn)
+    body = chat(tiny.target, max_tokens=10, temperature=0.9, seed=11)
+    a = client.submit([body, chat(tiny.target, max_tokens=10, temperature=0)])
+    b = client.submit([body])
+    run_worker(redis_url, max_batch=8)
+    first, second = read_result(conn, a.job_ids[0]), read_result(conn, b.job_ids[0])
+    assert first.response.choices[0].message.content == second.response.choices[0].message.content
+
+
+def test_job_timeout_inside_a_batch(conn, redis_url, tiny):
+    from tests.test_faults import slow_job
+
+    client = Client(connection=conn)
+    s = client.submit([slow_job(tiny)], job_timeout=1)
+    quick = client.submit([chat(tiny.slow, max_tokens=3, temperature=0)])
+    run_worker(redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache()), max_batch=4)
+    record = read_result(conn, s.job_ids[0])
+    assert record.status == "failed" and record.error.code == "timeout"
+    assert read_result(conn, quick.job_ids[0]).status == "succeeded"

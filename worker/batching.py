@@ -1,0 +1,346 @@
+"""Continuous batching: queued jobs on the same model (no draft) decode together.
+
+When the worker dequeues a batchable job (no draft model, not streaming, and
+greedy or unseeded: a seeded sampling job runs alone so its seed means what it
+says), it keeps taking further compatible jobs from the same queue, up to
+``max_batch``, also while the batch runs (a slot freed by a finished job is
+filled at the next step). All of them decode together through mlx-lm's
+``BatchGenerator``, each with its own sampler, logits processors, stop strings
+and max_tokens, and each gets its own result record and metrics.
+
+Every job taken is registered as started (with a lease the heartbeat thread
+renews) before it joins the batch, so a worker that dies mid-batch loses
+nothing: recovery requeues each job (see ``worker.recovery``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+from pydantic import ValidationError
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.utils import now as rq_now
+
+from schemas import JobEnvelope, JobTimeoutError, MlxqError, keys
+from schemas.store import has_result, write_result
+from worker import recovery, runtime
+from worker.engine import GenerationOutput, _find_stop, _processors, params_for, prompt_tokens
+from worker.generator import ChatGenerator
+
+if TYPE_CHECKING:
+    from worker.rqworker import MlxqWorker
+
+log = logging.getLogger(__name__)
+
+BatchKey = tuple[str, str | None]
+
+
+def batch_key(envelope: JobEnvelope) -> BatchKey | None:
+    """(model, adapter) for a job that may share a batch; None if it must run alone."""
+    req = envelope.request
+    if req.draft_model or req.stream or (req.seed is not None and req.temperature > 0):
+        return None
+    return (req.model, req.adapter)
+
+
+def envelope_of(job: Job) -> JobEnvelope | None:
+    try:
+        return JobEnvelope.model_validate(job.args[0])
+    except (ValidationError, IndexError, TypeError, ValueError, KeyError):
+        return None
+
+
+@dataclass
+class Slot:
+    """One job in the running batch."""
+
+    job: Job
+    execution: Execution
+    envelope: JobEnvelope
+    started: Any  # worker.jobs.Start
+    prompt: list[int]
+    max_tokens: int
+    stop: tuple[str, ...]
+    detokenizer: Any
+    admitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+
+    def output(self, finish: str, end: float) -> GenerationOutput:
+        first = self.first_token_at or end
+        n = len(self.tokens)
+        return GenerationOutput(
+            text=self.text,
+            finish_reason=finish,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=n,
+            time_to_first_token_s=first - self.admitted_at,
+            prompt_tokens_per_s=len(self.prompt) / max(first - self.admitted_at, 1e-9),
+            generation_tokens_per_s=n / max(end - first, 1e-9) if n > 1 else 0.0,
+            total_time_s=end - self.admitted_at,
+            draft_tokens_proposed=0,
+            draft_tokens_accepted=0,
+            peak_memory_gb=0.0,
+            token_ids=tuple(self.tokens),
+        )
+
+
+class BatchRunner:
+    """Runs one continuous batch for (model, adapter) on behalf of a worker."""
+
+    def __init__(self, worker: MlxqWorker, queue: Queue, key: BatchKey) -> None:
+        self.worker, self.queue, self.key = worker, queue, key
+        self.rt = runtime.current()
+        self.conn = worker.connection
+        self.slots: dict[int, Slot] = {}
+        self.generator: ChatGenerator | None = None
+        self.gen: BatchGenerator | None = None
+        self._pause_claims_until = 0.0
+
+    # -- taking jobs ------------------------------------------------------
+    def _register(self, job: Job) -> Execution:
+        with self.conn.pipeline() as pipe:
+            execution = Execution.create(
+                job, self.worker.lease_s, pipeline=pipe, worker_name=self.worker.name
+            )
+            job.prepare_for_execution(self.worker.name, pipeline=pipe)
+            pipe.lrem(keys.rq_intermediate_key(self.queue.name), 1, job.id)
+            pipe.execute()
+        return execution
+
+    def _claim(self) -> Job | None:
+        """LMOVE the next job of our queue; hand it back if it cannot join this batch."""
+        raw = self.conn.lmove(self.queue.key, keys.rq_intermediate_key(self.queue.name))
+        if raw is None:
+            return None
+        job_id = raw.decode()
+        try:
+            job = self.worker.job_class.fetch(job_id, connection=self.conn)
+        except Exception:
+            self._hand_back(job_id)
+            return None
+        envelope = envelope_of(job)
+        if (
+            envelope is None
+            or batch_key(envelope) != self.key
+            or job.func_name != keys.JOB_FUNCTION
+        ):
+            self._hand_back(job_id)
+            return None
+        return job
+
+    def _hand_back(self, job_id: str) -> None:
+        pipe = self.conn.pipeline()
+        pipe.lrem(keys.rq_intermediate_key(self.queue.name), 1, job_id)
+        pipe.lpush(self.queue.key, job_id)
+        pipe.execute()
+        self._pause_claims_until = time.monotonic() + 1.0
+
+    def _admit(self, job: Job) -> None:
+        """Register ``job`` as started and put it into the batch (or finish it at once)."""
+        from worker.jobs import Start
+
+        started = Start()
+        execution = self._register(job)
+        envelope = envelope_of(job)
+        assert envelope is not None
+        if has_result(self.conn, job.id):
+            self._bookkeep(job, execution)
+            return
+        try:
+            target = self._target(envelope)
+            req = envelope.request
+            prompt = prompt_tokens(target.tokenizer, req)
+            params = params_for(
+                req,
+                len(prompt),
+                target.context_length,
+                int(target.config.get("vocab_size") or len(target.vocab())),
+            )
+        except MlxqError as e:
+            self._finish_error(job, execution, envelope, started, e)
+            return
+        assert self.gen is not None
+        sampler = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+        (uid,) = self.gen.insert(
+            [prompt],
+            [params.max_tokens],
+            samplers=[sampler],
+            logits_processors=[_processors(params)],
+        )
+        self.slots[uid] = Slot(
+            job,
+            execution,
+            envelope,
+            started,
+            prompt,
+            params.max_tokens,
+            params.stop,
+            target.tokenizer.detokenizer,
+        )
+
+    def _target(self, envelope: JobEnvelope) -> Any:
+        if self.generator is None:
+            req = envelope.request
+            self.rt.check_allowed(req.model)
+            if req.adapter:
+                self.rt.check_allowed(req.adapter, "adapter")
+            self.generator = ChatGenerator.get_or_create(
+                req.model, None, req.adapter, self.rt.cache
+            )
+            tok = self.generator.target.tokenizer
+            self.gen = BatchGenerator(
+                self.generator.target.model,
+                stop_tokens=[[t] for t in tok.eos_token_ids],
+                completion_batch_size=self.worker.max_batch,
+                prefill_batch_size=self.worker.max_batch,
+            )
+        return self.generator.target
+
+    # -- finishing jobs ---------------------------------------------------
+    def _bookkeep(self, job: Job, execution: Execution) -> None:
+        """RQ's success bookkeeping for one job of the batch."""
+        job.ended_at = rq_now()
+        with self.conn.pipeline() as pipe:
+            ttl = job.get_result_ttl(self.worker.default_result_ttl)
+            if ttl != 0:
+                job._handle_success(
+                    ttl,
+                    pipeline=pipe,
+                    worker_name=self.worker.name,
+                    execution_id=execution.id,
+                    execution_started_at=execution.created_at,
+                    execution_ended_at=job.ended_at,
+                )
+            job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)
+            execution.delete(job=job, pipeline=pipe)
+            self.worker.increment_successful_job_count(pipeline=pipe)
+            pipe.execute()
+
+    def _finish(self, uid: int, finish: str) -> None:
+        from worker.jobs import record_success
+
+        slot = self.slots.pop(uid)
+        if slot.detokenizer is not None:
+            slot.detokenizer.finalize()
+            slot.text += slot.detokenizer.last_segment
+        out = slot.output(finish, time.perf_counter())
+        out = replace(out, peak_memory_gb=mx.get_peak_memory() / 1e9)
+        assert self.generator is not None
+        record = record_success(
+            slot.envelope,
+            self.rt,
+            slot.started,
+            out,
+            self.generator,
+            batched_with=len(self.slots) + 1,
+        )
+        write_result(self.conn, record, slot.envelope.result_ttl)
+        self._bookkeep(slot.job, slot.execution)
+
+    def _finish_error(
+        self, job: Job, execution: Execution, envelope: JobEnvelope, started: Any, e: MlxqError
+    ) -> None:
+        from worker.jobs import record_failure
+
+        record = record_failure(e, self.rt, envelope, started)
+        write_result(self.conn, record, envelope.result_ttl)
+        self._bookkeep(job, execution)
+
+    # -- the loop ---------------------------------------------------------
+    def _renew_leases(self) -> None:
+        with self.conn.pipeline() as pipe:
+            for slot in list(self.slots.values()):
+                slot.execution.heartbeat(slot.job.started_job_registry, self.worker.lease_s, pipe)
+            pipe.execute()
+
+    def _fill(self) -> None:
+        while (
+            len(self.slots) < self.worker.max_batch
+            and not self.worker._stop_requested
+            and time.monotonic() >= self._pause_claims_until
+            and (job := self._claim()) is not None
+        ):
+            self._admit(job)
+
+    def _step(self) -> None:
+        assert self.gen is not None
+        _, responses = self.gen.next()
+        now = time.perf_counter()
+        for r in responses:
+            slot = self.slots.get(r.uid)
+            if slot is None:
+                continue
+            if slot.first_token_at is None:
+                slot.first_token_at = now
+            slot.tokens.append(int(r.token))
+            if r.finish_reason == "stop":  # EOS: not part of the text
+                self._finish(r.uid, "stop")
+                continue
+            before = len(slot.text)
+            slot.detokenizer.add_token(int(r.token))
+            if r.finish_reason == "length":
+                slot.detokenizer.finalize()
+            slot.text += slot.detokenizer.last_segment
+            longest = max((len(s) for s in slot.stop), default=0)
+            at = _find_stop(slot.text, slot.stop, max(0, before - longest + 1)) if slot.stop else -1
+            if at >= 0:
+                slot.text = slot.text[:at]
+                slot.detokenizer = None
+                self.gen.remove([r.uid])
+                self._finish(r.uid, "stop")
+            elif r.finish_reason == "length":
+                slot.detokenizer = None
+                self._finish(r.uid, "length")
+
+    def _expire(self) -> None:
+        now = time.perf_counter()
+        for uid, slot in list(self.slots.items()):
+            timeout = slot.job.timeout or self.queue.DEFAULT_TIMEOUT
+            if timeout > 0 and now - slot.started.perf >= timeout:
+                assert self.gen is not None
+                self.gen.remove([uid])
+                del self.slots[uid]
+                self._finish_error(
+                    slot.job,
+                    slot.execution,
+                    slot.envelope,
+                    slot.started,
+                    JobTimeoutError(f"job timed out after {timeout}s (in a batch)"),
+                )
+
+    def run(self, first: Job) -> None:
+        from worker.rqworker import ColdShutdown
+
+        try:
+            self._admit(first)
+            last_beat = time.monotonic()
+            while self.slots:
+                self._step()
+                self._expire()
+                self._fill()
+                if time.monotonic() - last_beat >= self.worker.lease_s / 3:
+                    last_beat = time.monotonic()
+                    self._renew_leases()
+                    self.worker.heartbeat()
+        except ColdShutdown:
+            for slot in self.slots.values():
+                with self.conn.pipeline() as pipe:
+                    slot.execution.delete(job=slot.job, pipeline=pipe)
+                    pipe.execute()
+                recovery.requeue(self.conn, self.queue.name, slot.job.id)
+            log.warning("cold shutdown: %d batched job(s) requeued", len(self.slots))
+            self.slots.clear()
+            raise SystemExit(0) from None
+        finally:
+            if self.gen is not None:
+                self.gen.close()
