@@ -15,6 +15,7 @@ nothing: recovery requeues each job (see ``worker.recovery``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,13 @@ def batch_key(envelope: JobEnvelope) -> BatchKey | None:
     if req.draft_model or req.stream or (req.seed is not None and req.temperature > 0):
         return None
     return (req.model, req.adapter)
+
+
+@functools.lru_cache(maxsize=64)
+def _sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Any:
+    # Jobs with the same settings share one sampler object, so BatchGenerator
+    # samples the whole batch in one call instead of one call per sequence.
+    return make_sampler(temperature, top_p, min_p, top_k=top_k)
 
 
 def envelope_of(job: Job) -> JobEnvelope | None:
@@ -170,7 +178,7 @@ class BatchRunner:
             self._finish_error(job, execution, envelope, started, e)
             return
         assert self.gen is not None
-        sampler = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+        sampler = _sampler(params.temperature, params.top_p, params.min_p, params.top_k)
         (uid,) = self.gen.insert(
             [prompt],
             [params.max_tokens],
@@ -323,6 +331,7 @@ class BatchRunner:
 
         try:
             self._admit(first)
+            self._fill()  # take the queued companions before the first step
             last_beat = time.monotonic()
             while self.slots:
                 self._step()
