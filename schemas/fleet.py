@@ -44,4 +44,5 @@ class WorkerInfo(BaseModel):
     cache_used_gb: float = 0.0
     jobs_done: int = 0
     pairs: list[PairStats] = []
+    speculation: dict[str, dict[str, float]] = {}
     updated_at: float

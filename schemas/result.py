@@ -64,6 +64,8 @@ class Metrics(BaseModel):
     generation_tokens_per_s: float | None = None
     total_time_s: float | None = None
     draft_model: str | None = None
+    speculative: bool = False
+    speculation_reason: str | None = None
     num_draft_tokens: int | None = None
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0

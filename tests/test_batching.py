@@ -60,7 +60,7 @@ def test_jobs_that_must_run_alone_are_handed_back_in_order(conn, redis_url, tiny
     assert all(r.status == "succeeded" for r in records.values())
     assert records["seeded"].metrics.batch_size == 1
     assert records["draft"].metrics.batch_size == 1
-    assert records["draft"].metrics.acceptance_rate == 1.0
+    assert records["draft"].metrics.draft_model == tiny.twin
     # b1 stopped claiming at the first job it could not take: FIFO order holds.
     order = sorted(records.values(), key=lambda r: r.finished_at)
     assert order[0].custom_id == "b1"

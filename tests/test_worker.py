@@ -46,7 +46,7 @@ def test_end_to_end_through_producer_cli_and_worker_process(tmp_path, conn, redi
     batch = submitted.stdout.strip()
     env = os.environ | {"MLXQ_REDIS_URL": redis_url}
     proc = subprocess.run(
-        [bin_path("worker"), "--burst", "--name", "e2e"],
+        [bin_path("worker"), "--burst", "--name", "e2e", "--speculative", "always"],
         env=env,
         capture_output=True,
         text=True,
@@ -73,6 +73,8 @@ def test_end_to_end_through_producer_cli_and_worker_process(tmp_path, conn, redi
     plain, spec = (ChatCompletion.model_validate(p.response.body) for p in parsed[:2])
     assert plain.choices[0].message.content == spec.choices[0].message.content
     assert parsed[1].response.body["mlxq_metrics"]["acceptance_rate"] == 1.0
+    assert parsed[1].response.body["mlxq_metrics"]["speculative"] is True
+    assert parsed[0].response.body["mlxq_metrics"]["speculative"] is False
     assert parsed[1].response.body["mlxq_metrics"]["draft_model"] == tiny.twin
 
 

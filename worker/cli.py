@@ -94,6 +94,14 @@ def connect(redis_url: str) -> Redis:
     help="Draft tokens per round when a job names a draft but no count.",
 )
 @click.option(
+    "--speculative",
+    envvar="MLXQ_SPECULATIVE",
+    type=click.Choice(["auto", "always", "never"]),
+    default="auto",
+    show_default=True,
+    help="auto: per (target, draft) pair, run plain or the draft length measured fastest.",
+)
+@click.option(
     "--max-batch",
     envvar="MLXQ_MAX_BATCH",
     type=click.IntRange(1, 256),
@@ -135,6 +143,7 @@ def main(
     cache_gb: float | None,
     allow_models: tuple[str, ...],
     num_draft_tokens: int,
+    speculative: str,
     max_batch: int,
     lease_seconds: int,
     max_crashes: int,
@@ -149,6 +158,7 @@ def main(
 
     from worker import runtime
     from worker.cache import ModelCache
+    from worker.policy import SpeculationPolicy
     from worker.rqworker import MlxqWorker
 
     try:  # fail fast on a wrong URL or password; retry only once we are running
@@ -161,6 +171,7 @@ def main(
         cache=ModelCache(budget),
         allow_models=allow_models,
         default_num_draft_tokens=num_draft_tokens,
+        policy=SpeculationPolicy(speculative, default_k=num_draft_tokens),
     )
     if name:
         rt.worker_id = name

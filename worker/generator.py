@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from schemas import ChatRequest
 from worker.cache import LoadedModel, ModelCache
@@ -83,8 +83,15 @@ class ChatGenerator:
         request: ChatRequest,
         default_num_draft_tokens: int = 3,
         on_text: Callable[[str], None] | None = None,
+        *,
+        num_draft_tokens: int | None = None,
+        use_draft: bool = True,
     ) -> GenerationOutput:
-        """Run ``request`` (its messages and sampling fields) on these models."""
+        """Run ``request`` (its messages and sampling fields) on these models.
+
+        ``use_draft=False`` decodes plainly even with a draft loaded;
+        ``num_draft_tokens`` overrides the request's draft length.
+        """
         tokenizer = self.target.tokenizer
         prompt = prompt_tokens(tokenizer, request)
         params = params_for(
@@ -94,7 +101,9 @@ class ChatGenerator:
             int(self.target.config.get("vocab_size") or len(self.target.vocab())),
             default_num_draft_tokens,
         )
-        draft = self.draft.model if self.draft is not None else None
+        if num_draft_tokens is not None:
+            params = replace(params, num_draft_tokens=num_draft_tokens)
+        draft = self.draft.model if self.draft is not None and use_draft else None
         return generate(
             self.target.model, tokenizer, prompt, params, draft_model=draft, on_text=on_text
         )

@@ -37,6 +37,7 @@ from schemas.store import has_result, write_result
 from worker import runtime
 from worker.engine import GenerationOutput
 from worker.generator import ChatGenerator
+from worker.policy import Decision
 from worker.streaming import ChunkWriter
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,21 @@ def execute(
     if req.stream:
         writer = ChunkWriter(conn, envelope.job_id, completion_id, req.model, envelope.result_ttl)
         writer.start()
-    out = generator.generate(req, rt.default_num_draft_tokens, writer.text if writer else None)
-    record = record_success(envelope, rt, t0, out, generator, completion_id=completion_id)
+    decision = None
+    if req.draft_model:
+        decision = rt.policy.choose(req.model, req.draft_model, req.num_draft_tokens)
+    out = generator.generate(
+        req,
+        rt.default_num_draft_tokens,
+        writer.text if writer else None,
+        num_draft_tokens=decision.k if decision and decision.speculative else None,
+        use_draft=decision is not None and decision.speculative,
+    )
+    if decision is not None and req.draft_model:
+        rt.policy.record(req.model, req.draft_model, decision, out)
+    record = record_success(
+        envelope, rt, t0, out, generator, completion_id=completion_id, decision=decision
+    )
     if writer and record.response:
         writer.finish(out.finish_reason, record.response.usage.model_dump())
     return record
@@ -129,6 +143,7 @@ def record_success(
     *,
     completion_id: str | None = None,
     batched_with: int = 1,
+    decision: Decision | None = None,
 ) -> ResultRecord:
     """The succeeded result record (completion and metrics) for a finished generation."""
     req = envelope.request
@@ -140,9 +155,9 @@ def record_success(
             "time_to_first_token_s": out.time_to_first_token_s,
             "prompt_tokens_per_s": out.prompt_tokens_per_s,
             "generation_tokens_per_s": out.generation_tokens_per_s,
-            "num_draft_tokens": (req.num_draft_tokens or rt.default_num_draft_tokens)
-            if req.draft_model
-            else None,
+            "num_draft_tokens": decision.k if decision and decision.speculative else None,
+            "speculative": bool(decision and decision.speculative),
+            "speculation_reason": decision.reason if decision else None,
             "draft_tokens_proposed": out.draft_tokens_proposed,
             "draft_tokens_accepted": out.draft_tokens_accepted,
             "acceptance_rate": out.acceptance_rate,

@@ -34,6 +34,7 @@ def worker_info(
         cache_used_gb=round(cache.used_bytes / 1e9, 3),
         jobs_done=rt.stats.jobs_done,
         pairs=list(rt.stats.pairs.values()),
+        speculation=rt.policy.summary(),
         updated_at=time.time(),
     )
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from schemas import ModelNotAllowedError
 from worker.cache import ModelCache
 from worker.generator import default_cache, set_default_cache
+from worker.policy import SpeculationPolicy
 from worker.stats import WorkerStats
 
 
@@ -22,6 +23,7 @@ class WorkerRuntime:
     allow_models: tuple[str, ...] = ()
     default_num_draft_tokens: int = 3
     stats: WorkerStats = field(default_factory=WorkerStats)
+    policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
 
     def check_allowed(self, name: str, what: str = "model") -> None:
         """Raise :class:`ModelNotAllowedError` unless ``name`` matches an ``--allow-model`` glob."""

@@ -1,0 +1,117 @@
+"""When to speculate: measure each (target, draft) pair and run what is fastest.
+
+``--speculative auto`` (the default) treats plain decoding and each draft
+length k as arms of a bandit per (target, draft) pair. Each arm is tried once,
+then the fastest measured one runs, and every ``probe_every``-th job re-measures
+the arm measured longest ago, so a pair whose draft stopped (or started)
+paying can win its place back. Speed is generated tokens per second of decoding
+(time to first token excluded), smoothed over jobs. A job that fixes
+``num_draft_tokens`` gets exactly that. Greedy output is identical whichever
+arm runs: speculative decoding never changes it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from worker.engine import GenerationOutput
+
+PLAIN = 0
+DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8)
+MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a job runs: k draft tokens per round, or plain decoding (k == 0), and why."""
+
+    k: int
+    reason: str
+
+    @property
+    def speculative(self) -> bool:
+        return self.k > 0
+
+
+@dataclass
+class Arm:
+    runs: int = 0
+    tokens_per_s: float = 0.0
+    measured_at: int = -1  # the pair's job counter at the last measurement
+
+    def update(self, value: float, at: int, weight: float = 0.3) -> None:
+        self.tokens_per_s = (
+            value if self.runs == 0 else ((1 - weight) * self.tokens_per_s + weight * value)
+        )
+        self.runs += 1
+        self.measured_at = at
+
+
+@dataclass
+class PairStats:
+    arms: dict[int, Arm] = field(default_factory=dict)
+    jobs: int = 0
+
+
+class SpeculationPolicy:
+    """Chooses plain or speculative decoding (and k) per job, from measurements."""
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        default_k: int = 3,
+        ks: tuple[int, ...] = DEFAULT_KS,
+        probe_every: int = 10,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
+        self.mode, self.default_k, self.ks, self.probe_every = mode, default_k, ks, probe_every
+        self.pairs: dict[tuple[str, str], PairStats] = {}
+        self._lock = threading.Lock()
+
+    def choose(self, target: str, draft: str, fixed_k: int | None = None) -> Decision:
+        if self.mode == "never":
+            return Decision(PLAIN, "policy never: draft ignored")
+        if fixed_k is not None:
+            return Decision(fixed_k, "num_draft_tokens fixed by the job")
+        if self.mode == "always":
+            return Decision(self.default_k, "policy always: worker default k")
+        with self._lock:
+            pair = self.pairs.setdefault((target, draft), PairStats())
+            pair.jobs += 1
+            arms = (PLAIN, *self.ks)
+            for k in arms:
+                if pair.arms.get(k, Arm()).runs == 0:
+                    return Decision(k, f"auto: measuring {_name(k)}")
+            if pair.jobs % self.probe_every == 0:
+                oldest = min(arms, key=lambda k: pair.arms[k].measured_at)
+                return Decision(oldest, f"auto: re-measuring {_name(oldest)}")
+            best = max(arms, key=lambda k: pair.arms[k].tokens_per_s)
+            plain = pair.arms[PLAIN].tokens_per_s
+            speed = pair.arms[best].tokens_per_s
+            return Decision(
+                best,
+                f"auto: {_name(best)} fastest measured ({speed:.1f} tok/s; plain {plain:.1f})",
+            )
+
+    def record(self, target: str, draft: str, decision: Decision, out: GenerationOutput) -> None:
+        """Feed back a finished job's decoding speed."""
+        decode_s = out.total_time_s - out.time_to_first_token_s
+        if out.completion_tokens < 2 or decode_s <= 0:
+            return
+        speed = (out.completion_tokens - 1) / decode_s
+        with self._lock:
+            pair = self.pairs.setdefault((target, draft), PairStats())
+            pair.arms.setdefault(decision.k, Arm()).update(speed, pair.jobs)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Measured tokens/s per arm, per pair (for the fleet registry and logs)."""
+        return {
+            f"{t} + {d}": {_name(k): round(a.tokens_per_s, 2) for k, a in sorted(p.arms.items())}
+            for (t, d), p in self.pairs.items()
+        }
+
+
+def _name(k: int) -> str:
+    return "plain decoding" if k == PLAIN else f"k={k}"
