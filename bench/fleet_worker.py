@@ -22,7 +22,7 @@ class SleepGenerator:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def generate(self, request, default_num_draft_tokens=3, on_text=None) -> GenerationOutput:
+    def generate(self, request, default_num_draft_tokens=3, on_text=None, **_) -> GenerationOutput:
         time.sleep(self.seconds)
         return GenerationOutput(
             text="simulated",

@@ -86,3 +86,31 @@ def test_job_timeout_inside_a_batch(conn, redis_url, tiny):
     record = read_result(conn, s.job_ids[0])
     assert record.status == "failed" and record.error.code == "timeout"
     assert read_result(conn, quick.job_ids[0]).status == "succeeded"
+
+
+def test_a_surprise_in_the_batch_fails_that_job_and_the_worker_goes_on(
+    conn, redis_url, tiny, monkeypatch
+):
+    from worker import batching
+
+    real = batching.prompt_tokens
+
+    def flaky(tokenizer, request):
+        if request.messages[0].text == "boom":
+            raise RuntimeError("tokenizer exploded")
+        return real(tokenizer, request)
+
+    monkeypatch.setattr(batching, "prompt_tokens", flaky)
+    client = Client(connection=conn)
+    s = client.submit(
+        {
+            "ok1": chat(tiny.target, max_tokens=4, temperature=0),
+            "boom": chat(tiny.target, content="boom", max_tokens=4, temperature=0),
+            "ok2": chat(tiny.target, max_tokens=4, temperature=0),
+        }
+    )
+    run_worker(redis_url, max_batch=4)
+    records = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    assert records["boom"].status == "failed"
+    assert "RuntimeError: tokenizer exploded" in records["boom"].error.message
+    assert records["ok1"].status == records["ok2"].status == "succeeded"

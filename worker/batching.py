@@ -30,7 +30,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.utils import now as rq_now
 
-from schemas import JobEnvelope, JobTimeoutError, MlxqError, keys
+from schemas import GenerationError, JobEnvelope, JobTimeoutError, MlxqError, keys
 from schemas.store import has_result, write_result
 from worker import recovery, runtime
 from worker.engine import GenerationOutput, _find_stop, _processors, params_for, prompt_tokens
@@ -176,6 +176,12 @@ class BatchRunner:
             )
         except MlxqError as e:
             self._finish_error(job, execution, envelope, started, e)
+            return
+        except Exception as e:  # never let one job's surprise take the worker down
+            log.exception("job %s could not join the batch", job.id)
+            self._finish_error(
+                job, execution, envelope, started, GenerationError(f"{type(e).__name__}: {e}")
+            )
             return
         assert self.gen is not None
         sampler = _sampler(params.temperature, params.top_p, params.min_p, params.top_k)
@@ -350,6 +356,17 @@ class BatchRunner:
             log.warning("cold shutdown: %d batched job(s) requeued", len(self.slots))
             self.slots.clear()
             raise SystemExit(0) from None
+        except Exception as e:
+            log.exception("batch on %s failed; failing its %d job(s)", self.key[0], len(self.slots))
+            for slot in list(self.slots.values()):
+                self._finish_error(
+                    slot.job,
+                    slot.execution,
+                    slot.envelope,
+                    slot.started,
+                    GenerationError(f"{type(e).__name__}: {e}"),
+                )
+            self.slots.clear()
         finally:
             if self.gen is not None:
                 self.gen.close()
