@@ -1,10 +1,12 @@
 """When to speculate: measure each (target, draft) pair and run what is fastest.
 
 ``--speculative auto`` (the default) treats plain decoding and each draft
-length k as arms of a bandit per (target, draft) pair. Each arm is tried once,
-then the fastest measured one runs, and every ``probe_every``-th job re-measures
-the arm measured longest ago, so a pair whose draft stopped (or started)
-paying can win its place back. Speed is generated tokens per second of decoding
+length k as arms of a bandit per (target, draft) pair. It measures plain
+decoding and the default k, then climbs: it tries the lengths next to the
+fastest measured one until none is faster, and runs the fastest. Every
+``probe_every``-th job re-measures plain or a neighbour (the one measured
+longest ago), so a pair whose draft stopped (or started) paying can win its
+place back. Speed is generated tokens per second of decoding
 (time to first token excluded), smoothed over jobs. A job that fixes
 ``num_draft_tokens`` gets exactly that. Greedy output is identical whichever
 arm runs: speculative decoding never changes it.
@@ -80,20 +82,31 @@ class SpeculationPolicy:
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1
-            arms = (PLAIN, *self.ks)
-            for k in arms:
-                if pair.arms.get(k, Arm()).runs == 0:
+            measured = {k: a for k, a in pair.arms.items() if a.runs}
+            for k in (PLAIN, self.default_k):
+                if k not in measured:
                     return Decision(k, f"auto: measuring {_name(k)}")
+            best = max(measured, key=lambda k: measured[k].tokens_per_s)
+            near = self._neighbours(best)
+            for k in near:
+                if k not in measured:
+                    return Decision(k, f"auto: trying {_name(k)}, next to the best ({_name(best)})")
             if pair.jobs % self.probe_every == 0:
-                oldest = min(arms, key=lambda k: pair.arms[k].measured_at)
-                return Decision(oldest, f"auto: re-measuring {_name(oldest)}")
-            best = max(arms, key=lambda k: pair.arms[k].tokens_per_s)
-            plain = pair.arms[PLAIN].tokens_per_s
-            speed = pair.arms[best].tokens_per_s
+                probe = min((*near, PLAIN), key=lambda k: measured[k].measured_at)
+                if probe != best:
+                    return Decision(probe, f"auto: re-measuring {_name(probe)}")
+            speed, plain = measured[best].tokens_per_s, measured[PLAIN].tokens_per_s
             return Decision(
                 best,
                 f"auto: {_name(best)} fastest measured ({speed:.1f} tok/s; plain {plain:.1f})",
             )
+
+    def _neighbours(self, k: int) -> tuple[int, ...]:
+        """Draft lengths next to ``k`` (hill climbing instead of trying every length)."""
+        if k == PLAIN:
+            return (min(self.ks),)
+        i = self.ks.index(k) if k in self.ks else 0
+        return tuple(self.ks[j] for j in (i - 1, i + 1) if 0 <= j < len(self.ks))
 
     def record(self, target: str, draft: str, decision: Decision, out: GenerationOutput) -> None:
         """Feed back a finished job's decoding speed."""
