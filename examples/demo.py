@@ -86,7 +86,7 @@ def run(*args: str, env: dict[str, str]) -> str:
 
 def table(results_path: Path) -> None:
     rows = [json.loads(x) for x in results_path.read_text().splitlines()]
-    head = f"{'custom_id':<14}{'status':<7}{'finish':<7}{'tok':>5}{'tok/s':>8}{'accept':>8}"
+    head = f"{'custom_id':<14}{'status':<7}{'finish':<7}{'tok':>5}{'tok/s':>8}{'k':>6}{'accept':>8}"
     head += f"{'warm':>6}  text"
     print(head)
     print("-" * len(head))
@@ -98,12 +98,17 @@ def table(results_path: Path) -> None:
         m = body["mlxq_metrics"]
         choice = body["choices"][0]
         acc = "-" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.2f}"
+        k = (
+            str(m["num_draft_tokens"])
+            if m["speculative"]
+            else ("plain" if m["draft_model"] else "-")
+        )
         text = choice["message"]["content"].replace("\n", " ")[:40]
         warm = "yes" if m["cache_hit"] else "no"
         print(
             f"{row['custom_id']:<14}{row['response']['status_code']:<7}"
             f"{choice['finish_reason']:<7}{body['usage']['completion_tokens']:>5}"
-            f"{m['generation_tokens_per_s'] or 0:>8.1f}{acc:>8}{warm:>6}"
+            f"{m['generation_tokens_per_s'] or 0:>8.1f}{k:>6}{acc:>8}{warm:>6}"
             f"  {text}"
         )
 
