@@ -29,6 +29,7 @@ from producer.localredis import LocalRedis
 from schemas import ChatRequest
 from worker import runtime
 from worker.cache import ModelCache
+from worker.policy import SpeculationPolicy
 from worker.engine import prompt_tokens
 from worker.rqworker import MlxqWorker
 
@@ -77,7 +78,9 @@ def direct(cache: ModelCache, reqs: list[dict]) -> tuple[int, float, list[str]]:
 
 def queued(conn: Redis, cache: ModelCache, reqs: list[dict]) -> tuple[int, float, list[str]]:
     """Submit through the producer API and run a burst worker: (tokens, seconds, texts)."""
-    runtime.install(runtime.WorkerRuntime(cache=cache, worker_id="bench"))
+    # "always": the same decoding as the direct calls (k=3), so the ratio is overhead only.
+    policy = SpeculationPolicy("always", default_k=3)
+    runtime.install(runtime.WorkerRuntime(cache=cache, worker_id="bench", policy=policy))
     client = Client(connection=conn)
     start = time.perf_counter()
     summary = client.submit(reqs)

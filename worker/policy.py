@@ -89,7 +89,9 @@ class SpeculationPolicy:
             best = max(measured, key=lambda k: measured[k].tokens_per_s)
             near = self._neighbours(best)
             for k in near:
-                if k not in measured:
+                # One job is a noisy reading: a neighbour that looked slower gets a
+                # second look before the climb stops at it.
+                if k not in measured or measured[k].runs < 2:
                     return Decision(k, f"auto: trying {_name(k)}, next to the best ({_name(best)})")
             if pair.jobs % self.probe_every == 0:
                 probe = min((*near, PLAIN), key=lambda k: measured[k].measured_at)
