@@ -29,8 +29,8 @@ from producer.localredis import LocalRedis
 from schemas import ChatRequest
 from worker import runtime
 from worker.cache import ModelCache
-from worker.policy import SpeculationPolicy
 from worker.engine import prompt_tokens
+from worker.policy import SpeculationPolicy
 from worker.rqworker import MlxqWorker
 
 OUT = Path(__file__).parent / "out"
