@@ -1,15 +1,24 @@
 """When to speculate: measure each (target, draft) pair and run what is fastest.
 
-``--speculative auto`` (the default) treats plain decoding and each draft
-length k as arms of a bandit per (target, draft) pair. It measures plain
-decoding and the default k, then climbs: it tries the lengths next to the
-fastest measured one until none is faster, and runs the fastest. Every
-``probe_every``-th job re-measures plain or a neighbour (the one measured
-longest ago), so a pair whose draft stopped (or started) paying can win its
-place back. Speed is generated tokens per second of decoding
-(time to first token excluded), smoothed over jobs. A job that fixes
+``--speculative auto`` (the default) decides per (target, draft) pair from
+measurements on real jobs, with a model that keeps them few and robust:
+
+- plain decoding speed (tokens/s, time to first token excluded);
+- the draft's acceptance, pooled over all speculative jobs of the pair
+  (p = accepted / (accepted + rounds), the chance the target agrees with the
+  next draft token);
+- the time of one speculative round for the draft lengths tried, fitted as a
+  line in k (it is a draft pass per token plus one verify pass).
+
+It measures plain decoding, the default k and twice that, then predicts every
+k's speed as expected tokens per round, (1 - p^(k+1)) / (1 - p), over the
+round time, and runs the fastest of plain and the predictions. Per-job speed
+varies with how predictable each job's text is, but round times and pooled
+acceptance do not, so the choice settles after three jobs. Every
+``probe_every``-th job re-measures plain or the chosen k, so a pair whose draft
+stops (or starts) paying changes its choice. A job that fixes
 ``num_draft_tokens`` gets exactly that. Greedy output is identical whichever
-arm runs: speculative decoding never changes it.
+runs: speculative decoding never changes it.
 """
 
 from __future__ import annotations
@@ -39,13 +48,13 @@ class Decision:
 @dataclass
 class Arm:
     runs: int = 0
-    tokens_per_s: float = 0.0
+    value: float = 0.0  # plain: tokens/s; k > 0: seconds per round
     measured_at: int = -1  # the pair's job counter at the last measurement
+    accepted: float = 0.0  # k > 0: draft tokens accepted and rounds (slowly forgotten)
+    rounds: float = 0.0
 
     def update(self, value: float, at: int, weight: float = 0.3) -> None:
-        self.tokens_per_s = (
-            value if self.runs == 0 else ((1 - weight) * self.tokens_per_s + weight * value)
-        )
+        self.value = value if self.runs == 0 else (1 - weight) * self.value + weight * value
         self.runs += 1
         self.measured_at = at
 
@@ -54,6 +63,44 @@ class Arm:
 class PairStats:
     arms: dict[int, Arm] = field(default_factory=dict)
     jobs: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """p: the chance the target agrees with the next draft token.
+
+        A round at length k accepts p (1 - p^k) / (1 - p) tokens on average;
+        p is solved (bisection) so that this matches the accepted tokens
+        measured over all rounds of all lengths tried.
+        """
+        data = [(k, a.accepted, a.rounds) for k, a in self.arms.items() if k != PLAIN and a.rounds]
+        if not data or sum(acc for _, acc, _ in data) == 0:
+            return 0.0
+        target = sum(acc for _, acc, _ in data)
+        lo, hi = 0.0, 0.995
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if sum(r * _mean_accepted(mid, k) for k, _, r in data) < target:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def round_seconds(self, k: int) -> float:
+        """Seconds per round at draft length k: a line fitted to the lengths measured."""
+        points = [(j, a.value) for j, a in self.arms.items() if j != PLAIN and a.runs]
+        if len(points) == 1:
+            return points[0][1]
+        n = len(points)
+        mean_k = sum(j for j, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        var = sum((j - mean_k) ** 2 for j, _ in points)
+        slope = sum((j - mean_k) * (t - mean_t) for j, t in points) / var if var else 0.0
+        return max(mean_t + max(slope, 0.0) * (k - mean_k), 1e-6)
+
+    def predicted_tokens_per_s(self, k: int) -> float:
+        p = self.acceptance
+        per_round = (1 - p ** (k + 1)) / (1 - p)
+        return per_round / self.round_seconds(k)
 
 
 class SpeculationPolicy:
@@ -82,50 +129,63 @@ class SpeculationPolicy:
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1
-            measured = {k: a for k, a in pair.arms.items() if a.runs}
-            for k in (PLAIN, self.default_k):
-                if k not in measured:
+            second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))
+            for k in (PLAIN, self.default_k, second):
+                if pair.arms.get(k, Arm()).runs == 0:
                     return Decision(k, f"auto: measuring {_name(k)}")
-            best = max(measured, key=lambda k: measured[k].tokens_per_s)
-            near = self._neighbours(best)
-            for k in near:
-                # One job is a noisy reading: a neighbour that looked slower gets a
-                # second look before the climb stops at it.
-                if k not in measured or measured[k].runs < 2:
-                    return Decision(k, f"auto: trying {_name(k)}, next to the best ({_name(best)})")
+            plain = pair.arms[PLAIN].value
+            predicted = {k: pair.predicted_tokens_per_s(k) for k in self.ks}
+            best_k = max(predicted, key=predicted.__getitem__)
+            best = best_k if predicted[best_k] > plain else PLAIN
             if pair.jobs % self.probe_every == 0:
-                probe = min((*near, PLAIN), key=lambda k: measured[k].measured_at)
-                if probe != best:
+                probe = PLAIN if best != PLAIN else self.default_k
+                if pair.arms.get(best, Arm()).measured_at > pair.arms[probe].measured_at:
                     return Decision(probe, f"auto: re-measuring {_name(probe)}")
-            speed, plain = measured[best].tokens_per_s, measured[PLAIN].tokens_per_s
             return Decision(
                 best,
-                f"auto: {_name(best)} fastest measured ({speed:.1f} tok/s; plain {plain:.1f})",
+                f"auto: {_name(best)} fastest (predicted k={best_k} "
+                f"{predicted[best_k]:.1f} tok/s at acceptance {pair.acceptance:.2f}; "
+                f"plain {plain:.1f} tok/s measured)",
             )
 
-    def _neighbours(self, k: int) -> tuple[int, ...]:
-        """Draft lengths next to ``k`` (hill climbing instead of trying every length)."""
-        if k == PLAIN:
-            return (min(self.ks),)
-        i = self.ks.index(k) if k in self.ks else 0
-        return tuple(self.ks[j] for j in (i - 1, i + 1) if 0 <= j < len(self.ks))
-
     def record(self, target: str, draft: str, decision: Decision, out: GenerationOutput) -> None:
-        """Feed back a finished job's decoding speed."""
+        """Feed back a finished job's speed, acceptance and round time."""
         decode_s = out.total_time_s - out.time_to_first_token_s
         if out.completion_tokens < 2 or decode_s <= 0:
             return
-        speed = (out.completion_tokens - 1) / decode_s
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
-            pair.arms.setdefault(decision.k, Arm()).update(speed, pair.jobs)
+            arm = pair.arms.setdefault(decision.k, Arm())
+            if decision.k == PLAIN:
+                arm.update((out.completion_tokens - 1) / decode_s, pair.jobs)
+                return
+            rounds = out.completion_tokens - out.draft_tokens_accepted
+            if rounds <= 0:
+                return
+            arm.update(decode_s / rounds, pair.jobs)
+            for other in pair.arms.values():  # older evidence fades
+                other.accepted *= 0.9
+                other.rounds *= 0.9
+            arm.accepted += out.draft_tokens_accepted
+            arm.rounds += rounds
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Measured tokens/s per arm, per pair (for the fleet registry and logs)."""
-        return {
-            f"{t} + {d}": {_name(k): round(a.tokens_per_s, 2) for k, a in sorted(p.arms.items())}
-            for (t, d), p in self.pairs.items()
-        }
+        """Per pair: plain tok/s, acceptance, and predicted tok/s per k (registry, logs)."""
+        out: dict[str, dict[str, float]] = {}
+        for (t, d), p in self.pairs.items():
+            row: dict[str, float] = {}
+            if PLAIN in p.arms:
+                row["plain decoding"] = round(p.arms[PLAIN].value, 2)
+            if any(k != PLAIN for k in p.arms):
+                row["acceptance"] = round(p.acceptance, 3)
+                row |= {f"k={k}": round(p.predicted_tokens_per_s(k), 2) for k in self.ks}
+            out[f"{t} + {d}"] = row
+        return out
+
+
+def _mean_accepted(p: float, k: int) -> float:
+    """Expected draft tokens accepted in a round of length k at per-token acceptance p."""
+    return p * (1 - p**k) / (1 - p)
 
 
 def _name(k: int) -> str:
