@@ -14,9 +14,11 @@ It measures plain decoding, the default k and twice that, then predicts every
 k's speed as expected tokens per round, (1 - p^(k+1)) / (1 - p), over the
 round time, and runs the fastest of plain and the predictions. Per-job speed
 varies with how predictable each job's text is, but round times and pooled
-acceptance do not, so the choice settles after three jobs. Every
-``probe_every``-th job re-measures plain or the chosen k, so a pair whose draft
-stops (or starts) paying changes its choice. A job that fixes
+acceptance do not, so the choice settles after three jobs. While plain wins,
+every ``probe_every``-th job runs the default k again (a pair whose draft
+starts paying switches); while a draft wins, every ``10 * probe_every``-th job
+re-measures plain, and every speculative job keeps measuring acceptance (a
+draft that stops paying is dropped). A job that fixes
 ``num_draft_tokens`` gets exactly that. Greedy output is identical whichever
 runs: speculative decoding never changes it.
 """
@@ -137,10 +139,16 @@ class SpeculationPolicy:
             predicted = {k: pair.predicted_tokens_per_s(k) for k in self.ks}
             best_k = max(predicted, key=predicted.__getitem__)
             best = best_k if predicted[best_k] > plain else PLAIN
-            if pair.jobs % self.probe_every == 0:
-                probe = PLAIN if best != PLAIN else self.default_k
-                if pair.arms.get(best, Arm()).measured_at > pair.arms[probe].measured_at:
-                    return Decision(probe, f"auto: re-measuring {_name(probe)}")
+            # Re-measure what is not running: the draft often while plain wins (a
+            # cheap probe), plain rarely while the draft wins (plain speed hardly
+            # drifts, and each speculative job keeps measuring acceptance).
+            probe, every = (
+                (self.default_k, self.probe_every)
+                if best == PLAIN
+                else (PLAIN, 10 * self.probe_every)
+            )
+            if pair.jobs % every == 0:
+                return Decision(probe, f"auto: re-measuring {_name(probe)}")
             return Decision(
                 best,
                 f"auto: {_name(best)} fastest (predicted k={best_k} "
