@@ -208,17 +208,18 @@ def cancel_batch(conn: Redis, batch_id: str) -> tuple[int, int]:
     Running jobs finish normally. Returns (cancelled, still running).
     """
     status = batch_status(conn, batch_id)
+    ttl = int(conn.hget(keys.batch_key(batch_id), "result_ttl") or keys.DEFAULT_RESULT_TTL)
     cancelled = 0
     for queue in batch_queues(conn, batch_id):
         removed = [
             j.decode() for j in conn.eval(_CANCEL, 1, keys.rq_queue_key(queue), f"{batch_id}-")
         ]
+        custom = _custom_ids(conn, removed) if removed else {}
         for job_id in removed:
-            custom_id = _custom_ids(conn, [job_id]).get(job_id) or ""
             record = ResultRecord(
                 job_id=job_id,
                 batch_id=batch_id,
-                custom_id=custom_id,
+                custom_id=custom.get(job_id) or "",
                 status="cancelled",
                 status_code=499,
                 error=ErrorInfo(
@@ -228,7 +229,6 @@ def cancel_batch(conn: Redis, batch_id: str) -> tuple[int, int]:
                 ),
                 finished_at=time.time(),
             )
-            ttl = int(conn.hget(keys.batch_key(batch_id), "result_ttl") or keys.DEFAULT_RESULT_TTL)
             write_result(conn, record, ttl)
             conn.hset(keys.rq_job_key(job_id), "status", "canceled")
             cancelled += 1

@@ -225,19 +225,8 @@ class BatchRunner:
         """RQ's success bookkeeping for one job of the batch."""
         job.ended_at = rq_now()
         with self.conn.pipeline() as pipe:
-            ttl = job.get_result_ttl(self.worker.default_result_ttl)
-            if ttl != 0:
-                job._handle_success(
-                    ttl,
-                    pipeline=pipe,
-                    worker_name=self.worker.name,
-                    execution_id=execution.id,
-                    execution_started_at=execution.created_at,
-                    execution_ended_at=job.ended_at,
-                )
-            job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)
+            self.worker.finish_success(job, execution, pipe)
             execution.delete(job=job, pipeline=pipe)
-            self.worker.increment_successful_job_count(pipeline=pipe)
             pipe.execute()
 
     def _finish(self, uid: int, finish: str) -> None:
@@ -310,7 +299,8 @@ class BatchRunner:
             if at >= 0:
                 slot.text = slot.text[:at]
                 slot.detokenizer = None
-                self.gen.remove([r.uid])
+                if r.finish_reason is None:  # else the generator has dropped it already
+                    self.gen.remove([r.uid])
                 self._finish(r.uid, "stop")
             elif r.finish_reason == "length":
                 slot.detokenizer = None

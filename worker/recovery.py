@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from schemas import ErrorInfo, MlxqError, ResultRecord, keys
 from schemas.store import has_result, write_result
@@ -60,15 +62,10 @@ def requeue(conn: Redis, queue: str, job_id: str) -> None:
 
 def _custom_id(conn: Redis, job_id: str) -> tuple[str, int]:
     """The job's custom_id and result TTL, read from its JSON payload when possible."""
-    import json
-    import zlib
-
-    raw = conn.hget(keys.rq_job_key(job_id), "data")
     try:
-        data = json.loads(zlib.decompress(raw) if raw else b"null")
-        envelope = data[2][0]
+        envelope = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).args[0]
         return str(envelope["custom_id"]), int(envelope.get("result_ttl", keys.DEFAULT_RESULT_TTL))
-    except Exception:
+    except Exception:  # a missing or broken job hash must not stop the recovery pass
         return "", keys.DEFAULT_RESULT_TTL
 
 

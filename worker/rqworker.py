@@ -31,6 +31,7 @@ from typing import Any
 from redis import Redis
 from rq import Queue, SimpleWorker
 from rq.exceptions import DequeueTimeout, NoSuchJobError
+from rq.executions import Execution
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now
@@ -257,23 +258,27 @@ class MlxqWorker(SimpleWorker):
         # RQ also sends a job heartbeat here (a round trip); the lease is ours.
         job.ended_at = now()
 
+    def finish_success(self, job: Job, execution: Execution | None, pipe: Any) -> None:
+        """RQ's success bookkeeping for one job, queued on ``pipe`` (no dependents to watch)."""
+        self.increment_successful_job_count(pipeline=pipe)
+        if job.started_at and job.ended_at:
+            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+        result_ttl = job.get_result_ttl(self.default_result_ttl)
+        if result_ttl != 0:
+            job._handle_success(
+                result_ttl,
+                pipeline=pipe,
+                worker_name=self.name,
+                execution_id=execution.id if execution else None,
+                execution_started_at=execution.created_at if execution else None,
+                execution_ended_at=job.ended_at,
+            )
+        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry: Any) -> None:
-        """RQ's success bookkeeping in one MULTI/EXEC (mlxq jobs have no dependents to watch)."""
+        """RQ's success bookkeeping in one MULTI/EXEC."""
         with self.connection.pipeline() as pipe:
-            self.increment_successful_job_count(pipeline=pipe)
-            if job.started_at and job.ended_at:
-                self.increment_total_working_time(job.ended_at - job.started_at, pipe)
-            result_ttl = job.get_result_ttl(self.default_result_ttl)
-            if result_ttl != 0:
-                job._handle_success(
-                    result_ttl,
-                    pipeline=pipe,
-                    worker_name=self.name,
-                    execution_id=self.execution.id if self.execution else None,
-                    execution_started_at=self.execution.created_at if self.execution else None,
-                    execution_ended_at=job.ended_at,
-                )
-            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            self.finish_success(job, self.execution, pipe)
             self.cleanup_execution(job, pipeline=pipe)
             pipe.execute()
 
