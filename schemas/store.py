@@ -10,6 +10,7 @@ from schemas.result import ResultRecord
 
 if TYPE_CHECKING:
     from redis import Redis
+    from redis.commands.core import Script
 
 # Atomically: write the record only if none exists (first write wins), then
 # bump the batch counter and announce the job on the batch's done list.
@@ -30,19 +31,29 @@ return 0
 def write_result(conn: Redis, record: ResultRecord, ttl: int) -> bool:
     """Store ``record`` unless the job already has one. True if this call wrote it."""
     batch = record.batch_id
-    written = conn.eval(
-        _WRITE_ONCE,
-        3,
-        keys.result_key(record.job_id),
-        keys.batch_key(batch),
-        keys.batch_done_key(batch),
-        record.model_dump_json(),
-        int(ttl),
-        record.status,
-        record.job_id,
-        repr(record.finished_at),
+    written = _write_once_script(conn)(
+        keys=[keys.result_key(record.job_id), keys.batch_key(batch), keys.batch_done_key(batch)],
+        args=[
+            record.model_dump_json(),
+            int(ttl),
+            record.status,
+            record.job_id,
+            repr(record.finished_at),
+        ],
+        client=conn,
     )
     return bool(written)
+
+
+_script: Script | None = None
+
+
+def _write_once_script(conn: Redis) -> Script:
+    """The write-once script; calls send it by SHA (EVALSHA), loading it when Redis lacks it."""
+    global _script
+    if _script is None:
+        _script = conn.register_script(_WRITE_ONCE)
+    return _script
 
 
 def has_result(conn: Redis, job_id: str) -> bool:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 from rq import Queue
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from producer import Client
@@ -145,7 +146,6 @@ def test_hostile_job_hash_runs_nothing_and_worker_goes_on(conn, redis_url, tiny,
     run_worker(redis_url)
     assert not marker.exists()
     assert read_result(conn, good.job_ids[0]).status == "succeeded"
-    from rq.job import Job
 
     job = Job.fetch("evil-1", connection=conn, serializer=JSONSerializer)
     assert job.get_status() == "failed"
@@ -157,10 +157,15 @@ def test_duplicate_enqueue_runs_once_and_writes_one_result(conn, redis_url, tiny
     s = client.submit({"x": chat(tiny.target, max_tokens=3)})
     job_id = s.job_ids[0]
     conn.rpush(keys.rq_queue_key("mlxq"), job_id)  # the same job queued twice
-    run_worker(redis_url)
+    rt = run_worker(redis_url)
     assert conn.hget(keys.batch_key(s.batch_id), "succeeded") == b"1"
     assert conn.llen(keys.batch_done_key(s.batch_id)) == 1
     assert json.loads(conn.get(keys.result_key(job_id)))["status"] == "succeeded"
+    # The second run saw the result as it started and generated nothing.
+    job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+    returned = sorted(r.return_value["status"] for r in job.results())
+    assert returned == ["duplicate", "succeeded"]
+    assert rt.stats.jobs_done == 1
 
 
 def test_invalid_payload_gets_a_failed_record(conn, redis_url, tiny):

@@ -156,7 +156,9 @@ def main(
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from worker import runtime
+    # Import the job code (mlx-lm, transformers: ~1-2 s) before registering, so
+    # the first job does not pay for it and "registered" means "ready".
+    from worker import jobs, runtime  # noqa: F401
     from worker.cache import ModelCache
     from worker.policy import SpeculationPolicy
     from worker.rqworker import MlxqWorker

@@ -228,7 +228,10 @@ def run_chat_job(payload: dict[str, Any]) -> dict[str, Any]:
     rt = runtime.current()
     conn: Redis = rq_job.connection
     ids = _ids(payload, rq_job.id)
-    if has_result(conn, ids[0]):
+    existed = getattr(rq_job, "result_existed", None)  # read by the worker as the job started
+    if existed is None:
+        existed = has_result(conn, ids[0])
+    if existed:
         log.info("job %s already has a result; not running it again", ids[0])
         return {"status": "duplicate"}
     envelope = None

@@ -64,6 +64,10 @@ def _job_function() -> Callable[..., Any]:
 class SafeJob(Job):
     """An RQ job that can only ever call mlxq's job function."""
 
+    #: Whether the job's result record existed when it started (read in the start
+    #: MULTI/EXEC; None when unknown), so the job need not ask Redis again.
+    result_existed: bool | None = None
+
     def __init__(
         self, id: str | None = None, connection: Any = None, serializer: Any = None
     ) -> None:
@@ -212,6 +216,8 @@ class MlxqWorker(SimpleWorker):
         self._published_at = 0.0
         self._beat_at = 0.0
         self._suspension_checked_at = 0.0
+        self._prepared_job_id: str | None = None
+        self._state_written: str | None = None
 
     # -- leases -------------------------------------------------------------
     def get_heartbeat_ttl(self, job: Job) -> int:
@@ -244,9 +250,48 @@ class MlxqWorker(SimpleWorker):
         if self._cold:
             raise SystemExit(0)
 
+    # -- per-job round trips -------------------------------------------------
+    # RQ spends two MULTI/EXECs before a job starts and a lone HSET after it ends;
+    # in a fleet every round trip is CPU on a shared Redis, so mlxq uses one each.
+    def prepare_execution(self, job: Job) -> Execution:
+        """The execution record, worker state and job start in one MULTI/EXEC."""
+        with self.connection.pipeline() as pipe:
+            ttl = self.get_heartbeat_ttl(job)
+            self.execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
+            self.set_state("busy", pipeline=pipe)
+            self._start_job(job, pipe)
+            pipe.exists(keys.result_key(job.id))
+            *_, existed = pipe.execute()
+        if isinstance(job, SafeJob):
+            job.result_existed = bool(existed)
+        self._prepared_job_id = job.id
+        return self.execution
+
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        # Every dequeue goes through an intermediate list, whatever the number of queues.
-        super().prepare_job_execution(job, remove_from_intermediate_queue=True)
+        if self._prepared_job_id == job.id:  # done with the execution record
+            self._prepared_job_id = None
+            return
+        with self.connection.pipeline() as pipe:
+            self._start_job(job, pipe)
+            pipe.execute()
+
+    def _start_job(self, job: Job, pipe: Any) -> None:
+        """RQ's prepare_job_execution, queued on ``pipe``; the id always leaves the
+        intermediate list (every dequeue goes through one, whatever the number of queues)."""
+        self.set_current_job_id(job.id, pipeline=pipe)
+        self.set_current_job_working_time(0, pipeline=pipe)
+        ttl = self.get_heartbeat_ttl(job)
+        self.heartbeat(ttl, pipeline=pipe)
+        job.heartbeat(now(), ttl, pipeline=pipe)
+        job.prepare_for_execution(self.name, pipeline=pipe)
+        pipe.lrem(keys.rq_intermediate_key(job.origin), 1, job.id)
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        # The worker is set idle with its last job's bookkeeping; skip the repeat.
+        if pipeline is None and state == self._state_written:
+            return
+        self._state_written = state if pipeline is None else None
+        super().set_state(state, pipeline=pipeline)
 
     def check_for_suspension(self, burst: bool) -> None:
         # `rq suspend` is honoured within a second; not one round trip per job.
@@ -280,7 +325,9 @@ class MlxqWorker(SimpleWorker):
         with self.connection.pipeline() as pipe:
             self.finish_success(job, self.execution, pipe)
             self.cleanup_execution(job, pipeline=pipe)
+            super().set_state("idle", pipeline=pipe)
             pipe.execute()
+        self._state_written = "idle"
 
     # -- recovery -----------------------------------------------------------
     def recover(self) -> recovery.RecoveryReport:
