@@ -1,8 +1,10 @@
 """Fleet simulation: N worker processes on one Redis, each job's compute replaced by a sleep.
 
 Shows the queue layer's overhead and scaling: jobs/s against the ideal
-(workers / sleep). Generation is SIMULATED by a fixed sleep (bench/fleet_worker.py);
-dequeue, leases, validation and result writing are the real code.
+(workers / sleep), and against plain RQ SimpleWorkers running the same sleep (the
+anchor: RQ's own per-job cost, with no leases, validation or result records).
+Generation is SIMULATED by a fixed sleep (bench/fleet_worker.py); dequeue, leases,
+validation and result writing are the real code.
 
     .venv/bin/python -m bench.fleet [--workers 1,2,4,8] [--sleep-ms 50] [--jobs-per-worker 40]
 """
@@ -19,6 +21,8 @@ import time
 from pathlib import Path
 
 from redis import Redis
+from rq import Queue
+from rq.serializers import JSONSerializer
 
 from bench.plots import grouped_bars
 from producer import Client
@@ -28,49 +32,63 @@ from schemas import keys
 OUT = Path(__file__).parent / "out"
 
 
-def run(url: str, workers: int, sleep_s: float, jobs: int) -> float:
-    conn = Redis.from_url(url)
-    conn.flushall()
-    procs = [
+def _start(url: str, workers: int, sleep_s: float, kind: str) -> list[subprocess.Popen[bytes]]:
+    def argv(i: int) -> list[str]:
+        if kind == "rq":
+            return ["--rq", url, f"r{i}"]
+        return [str(sleep_s), "--name", f"f{i}", "--max-batch", "1"]
+
+    return [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.fleet_worker",
-                str(sleep_s),
-                "--name",
-                f"f{i}",
-                "--max-batch",
-                "1",
-            ],
+            [sys.executable, "-m", "bench.fleet_worker", *argv(i)],
             env=os.environ | {"MLXQ_REDIS_URL": url},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         for i in range(workers)
     ]
+
+
+def run(url: str, workers: int, sleep_s: float, jobs: int, kind: str) -> float:
+    """Jobs/s of ``workers`` processes: mlxq workers, or plain RQ SimpleWorkers (``kind="rq"``)."""
+    conn = Redis.from_url(url)
+    conn.flushall()
+    procs = _start(url, workers, sleep_s, kind)
     try:
         deadline = time.monotonic() + 60
-        while Redis.from_url(url).scard("rq:workers") < workers:  # all started and listening
+        while conn.scard("rq:workers") < workers:  # all started and listening
             if time.monotonic() > deadline:
                 raise SystemExit("workers did not start")
             time.sleep(0.05)
-        body = {"model": "simulated", "messages": [{"role": "user", "content": "x"}]}
         start = time.monotonic()
-        s = Client(connection=conn).submit([body] * jobs)
-        done_key = keys.batch_done_key(s.batch_id)
+        if kind == "rq":
+            done_key = "bench:rq-anchor:done"
+            queue = Queue("rq-anchor", connection=conn, serializer=JSONSerializer)
+            func = "bench.fleet_worker.rq_sleep_job"
+            queue.enqueue_many(
+                [Queue.prepare_data(func, args=(sleep_s, done_key)) for _ in range(jobs)]
+            )
+        else:
+            body = {"model": "simulated", "messages": [{"role": "user", "content": "x"}]}
+            s = Client(connection=conn).submit([body] * jobs)
+            done_key = keys.batch_done_key(s.batch_id)
         for _ in range(jobs):  # block on the done list: no polling load on the 2 cores
             if conn.blpop([done_key], timeout=60) is None:
                 raise SystemExit("fleet stalled")
         elapsed = time.monotonic() - start
-        succeeded = int(conn.hget(keys.batch_key(s.batch_id), "succeeded") or 0)
-        if succeeded != jobs:
-            raise SystemExit(f"only {succeeded} of {jobs} simulated jobs succeeded")
+        if kind != "rq":
+            succeeded = int(conn.hget(keys.batch_key(s.batch_id), "succeeded") or 0)
+            if succeeded != jobs:
+                raise SystemExit(f"only {succeeded} of {jobs} simulated jobs succeeded")
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in procs:
-            p.wait(30)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise SystemExit(f"a {kind} worker ignored SIGTERM for 30 s") from None
     return jobs / elapsed
 
 
@@ -85,14 +103,19 @@ def main() -> None:
     print("SIMULATED compute: each job sleeps", args.sleep_ms, "ms instead of generating")
     with LocalRedis() as server:
         for n in (int(x) for x in args.workers.split(",")):
-            rate = run(server.url, n, sleep_s, n * args.jobs_per_worker)
+            jobs = n * args.jobs_per_worker
+            rate = run(server.url, n, sleep_s, jobs, "mlxq")
+            anchor = run(server.url, n, sleep_s, jobs, "rq")
             ideal = n / sleep_s
             rows.append(
                 {
                     "workers": n,
                     "jobs_per_s": round(rate, 1),
+                    "plain_rq_jobs_per_s": round(anchor, 1),
                     "ideal_jobs_per_s": ideal,
                     "of_ideal": round(rate / ideal, 3),
+                    "plain_rq_of_ideal": round(anchor / ideal, 3),
+                    "of_plain_rq": round(rate / anchor, 3),
                 }
             )
             print(rows[-1], flush=True)
@@ -104,7 +127,8 @@ def main() -> None:
         f"Fleet simulation ({args.sleep_ms:g} ms simulated jobs)",
         [str(r["workers"]) for r in rows],
         {
-            "measured": [r["jobs_per_s"] for r in rows],
+            "mlxq": [r["jobs_per_s"] for r in rows],
+            "plain RQ SimpleWorker": [r["plain_rq_jobs_per_s"] for r in rows],
             "ideal": [r["ideal_jobs_per_s"] for r in rows],
         },
         "jobs/s",

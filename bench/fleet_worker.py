@@ -40,7 +40,33 @@ class SleepGenerator:
         )
 
 
+def rq_sleep_job(seconds: float, done_key: str) -> int:
+    """The anchor: a plain RQ job doing the same sleep and announcing itself on a list."""
+    from rq import get_current_job
+
+    time.sleep(seconds)
+    job = get_current_job()
+    assert job is not None
+    job.connection.rpush(done_key, job.id)
+    return 1
+
+
+def rq_main(url: str, name: str) -> None:
+    """A plain RQ SimpleWorker (no fork, JSON): RQ's own per-job cost, for comparison."""
+    from redis import Redis
+    from rq import Queue, SimpleWorker
+    from rq.serializers import JSONSerializer
+
+    conn = Redis.from_url(url)
+    queue = Queue("rq-anchor", connection=conn, serializer=JSONSerializer)
+    worker = SimpleWorker([queue], connection=conn, serializer=JSONSerializer, name=name)
+    worker.work(logging_level="WARNING", with_scheduler=False)
+
+
 def main() -> None:
+    if sys.argv[1] == "--rq":
+        rq_main(sys.argv[2], sys.argv[3])
+        return
     seconds = float(sys.argv[1])
     jobs.ChatGenerator.get_or_create = classmethod(  # type: ignore[method-assign]
         lambda cls, *a, **k: SleepGenerator(seconds)

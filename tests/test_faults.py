@@ -341,3 +341,54 @@ def test_second_sigterm_mid_batch_requeues_every_job(conn, redis_url, tiny, work
     assert all(read_result(conn, j) is None for j in s.job_ids)
     run_worker(redis_url, max_batch=4)
     assert all(one_result(conn, j).status == "succeeded" for j in s.job_ids)
+
+
+def test_sigterm_during_success_bookkeeping_stops_after_the_job(conn, redis_url, tiny, monkeypatch):
+    # A SIGTERM landing while the finished job's bookkeeping is in flight must
+    # mean "stop after this job", never an exception inside the bookkeeping.
+    from redis.client import Pipeline
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker import runtime as rt_mod
+    from worker.rqworker import MlxqWorker
+
+    rt_mod.install(rt_mod.WorkerRuntime(worker_id="sig"))
+    worker = MlxqWorker(
+        [Queue("mlxq", connection=conn, serializer=JSONSerializer)], connection=conn, name="sig"
+    )
+    in_success = {"on": False}
+    real_success, real_execute = MlxqWorker.handle_job_success, Pipeline.execute
+
+    def success(self, *a, **k):
+        in_success["on"] = True
+        try:
+            return real_success(self, *a, **k)
+        finally:
+            in_success["on"] = False
+
+    def execute(self, *a, **k):
+        if in_success["on"]:
+            worker.request_stop(signal.SIGTERM, None)
+        return real_execute(self, *a, **k)
+
+    monkeypatch.setattr(MlxqWorker, "handle_job_success", success)
+    monkeypatch.setattr(Pipeline, "execute", execute)
+    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)] * 2)
+    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    assert one_result(conn, s.job_ids[0]).status == "succeeded"
+    assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [s.job_ids[1].encode()]
+
+
+def test_sigterm_while_idle_after_jobs_exits_at_once(conn, redis_url, tiny, workers):
+    # After its jobs the worker waits in the dequeue (15 s with the default lease):
+    # a SIGTERM must stop it now, not when that wait ends.
+    w = workers("--max-batch", "1", name="after")
+    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)] * 2)
+    assert Client(connection=conn).wait(s.batch_id, timeout=60).done == 2
+    wait_for(lambda: conn.hget("rq:worker:after", "state") == b"idle")
+    time.sleep(0.5)
+    started = time.monotonic()
+    w.signal(signal.SIGTERM)
+    assert w.wait(30) == 0
+    assert time.monotonic() - started < 5

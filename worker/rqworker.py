@@ -287,8 +287,10 @@ class MlxqWorker(SimpleWorker):
         pipe.lrem(keys.rq_intermediate_key(job.origin), 1, job.id)
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
-        # The worker is set idle with its last job's bookkeeping; skip the repeat.
+        # Redis already holds "idle" from the last job's bookkeeping: skip the repeat
+        # write, but always update the in-process state, which signal handling reads.
         if pipeline is None and state == self._state_written:
+            self._state = state
             return
         self._state_written = state if pipeline is None else None
         super().set_state(state, pipeline=pipeline)
@@ -325,7 +327,9 @@ class MlxqWorker(SimpleWorker):
         with self.connection.pipeline() as pipe:
             self.finish_success(job, self.execution, pipe)
             self.cleanup_execution(job, pipeline=pipe)
-            super().set_state("idle", pipeline=pipe)
+            # Only Redis hears "idle" here: in process the worker stays busy until
+            # RQ's dequeue loop, so a SIGTERM now still means "stop after this job".
+            pipe.hset(self.key, "state", "idle")
             pipe.execute()
         self._state_written = "idle"
 
