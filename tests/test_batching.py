@@ -7,6 +7,7 @@ from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from worker import runtime
 from worker.cache import ModelCache
+from worker.policy import SpeculationPolicy
 
 
 def _jobs(tiny):
@@ -114,3 +115,64 @@ def test_a_surprise_in_the_batch_fails_that_job_and_the_worker_goes_on(
     assert records["boom"].status == "failed"
     assert "RuntimeError: tokenizer exploded" in records["boom"].error.message
     assert records["ok1"].status == records["ok2"].status == "succeeded"
+
+
+def _draft_jobs(tiny, n: int) -> dict[str, dict]:
+    return {
+        f"j{i}": chat(
+            tiny.target,
+            content=f"job {i} " + "word " * i,
+            max_tokens=10 + i,
+            temperature=0,
+            draft_model=tiny.draft,
+        )
+        for i in range(n)
+    }
+
+
+def _seeded_policy(tiny) -> SpeculationPolicy:
+    """A policy that has measured the pair one job at a time (plain, k=3, k=6)."""
+    from tests.test_policy import synthetic
+
+    policy = SpeculationPolicy("auto", default_k=3)
+    for _ in range(3):
+        d = policy.choose(tiny.target, tiny.draft)
+        policy.record(tiny.target, tiny.draft, d, synthetic(d.k, 0.8))
+    return policy
+
+
+def test_deep_queue_of_draft_jobs_is_batched_when_batching_measures_faster(conn, redis_url, tiny):
+    jobs = _draft_jobs(tiny, 6)
+    s = Client(connection=conn).submit(jobs, batch_id="spec")
+    rt = runtime.WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("always"))
+    run_worker(redis_url, runtime=rt, max_batch=4)
+    alone = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    assert all(r.metrics.speculative and r.metrics.batch_size == 1 for r in alone.values())
+
+    policy = _seeded_policy(tiny)
+    rt = runtime.WorkerRuntime(cache=ModelCache(), policy=policy)
+    for round_, reason in (("measure", "measuring batching"), ("exploit", "beats one at a time")):
+        s = Client(connection=conn).submit(jobs, batch_id=round_)
+        run_worker(redis_url, runtime=rt, max_batch=4)
+        got = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+        assert max(r.metrics.batch_size for r in got.values()) > 1
+        for cid, r in got.items():
+            assert r.status == "succeeded", r.error
+            assert not r.metrics.speculative and reason in r.metrics.speculation_reason
+            assert r.metrics.draft_model == tiny.draft
+            text = r.response.choices[0].message.content
+            assert text == alone[cid].response.choices[0].message.content
+        # The batches' aggregate speed was measured and fed back to the policy.
+        assert policy.batches[(tiny.target, None)].by_size
+
+
+def test_deep_queue_of_draft_jobs_speculates_when_batching_measures_slower(conn, redis_url, tiny):
+    policy = _seeded_policy(tiny)
+    policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0)  # batches crawl
+    s = Client(connection=conn).submit(_draft_jobs(tiny, 4))
+    run_worker(
+        redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache(), policy=policy), max_batch=4
+    )
+    records = [read_result(conn, j) for j in s.job_ids]
+    assert all(r.metrics.batch_size == 1 for r in records)
+    assert all(r.metrics.speculative for r in records)

@@ -114,3 +114,29 @@ def test_greedy_output_is_identical_whatever_the_policy_runs(conn, redis_url, ti
         assert 0 in ran and 3 in ran and len(ran) >= 3
         assert all(r.metrics.acceptance_rate is None for r in drafted if not r.metrics.speculative)
     assert records[-1].metrics.speculation_reason is None  # no draft named
+
+
+def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
+    policy = SpeculationPolicy("auto", default_k=3)
+    assert policy.batch_instead("t", "d", None, depth=8) is None  # measure the pair first
+    drive(policy, p=0.8, jobs=3)  # plain, k=3, k=6 measured one at a time
+    assert policy.batch_instead("t", "d", None, depth=1) is None  # nothing else waits
+    first = policy.batch_instead("t", "d", None, depth=8)
+    assert first is not None and first.k == PLAIN and "measuring batching" in first.reason
+    alone = max(true_speed(k, 0.8) for k in range(1, 9))
+    policy.record_batch("t", None, 8, tokens=int(40 * alone), seconds=10.0)  # 4x alone
+    won = policy.batch_instead("t", "d", None, depth=7)  # nearest measured size: 8
+    assert won is not None and won.k == PLAIN and "beats one at a time" in won.reason
+    assert policy.batch_instead("t", "d", None, depth=8, fixed_k=3) is None  # the job's k rules
+    assert policy.batch_instead("t", "d", "an-adapter", depth=8).reason.startswith(
+        "auto: measuring"
+    )
+
+    slow = SpeculationPolicy("auto", default_k=3)
+    drive(slow, p=0.8, jobs=3)
+    slow.record_batch("t", None, 8, tokens=int(5 * alone), seconds=10.0)  # 0.5x alone
+    assert slow.batch_instead("t", "d", None, depth=8) is None  # speculating one at a time wins
+
+    assert SpeculationPolicy("always").batch_instead("t", "d", None, depth=8) is None
+    never = SpeculationPolicy("never").batch_instead("t", "d", None, depth=2)
+    assert never is not None and never.k == PLAIN

@@ -1,8 +1,9 @@
 """Continuous batching: queued jobs on the same model (no draft) decode together.
 
-When the worker dequeues a batchable job (no draft model, not streaming, and
-greedy or unseeded: a seeded sampling job runs alone so its seed means what it
-says), it keeps taking further compatible jobs from the same queue, up to
+When the worker dequeues a batchable job (not streaming, greedy or unseeded: a
+seeded sampling job runs alone so its seed means what it says; and no draft
+model, unless the speculation policy measured batching the waiting jobs to be
+faster than speculating one at a time, see ``worker.policy``), it keeps taking further compatible jobs from the same queue, up to
 ``max_batch``, also while the batch runs (a slot freed by a finished job is
 filled at the next step). All of them decode together through mlx-lm's
 ``BatchGenerator``, each with its own sampler, logits processors, stop strings
@@ -35,6 +36,7 @@ from schemas.store import has_result, write_result
 from worker import recovery, runtime
 from worker.engine import GenerationOutput, _find_stop, _processors, params_for, prompt_tokens
 from worker.generator import ChatGenerator
+from worker.policy import Decision
 
 if TYPE_CHECKING:
     from worker.rqworker import MlxqWorker
@@ -44,12 +46,25 @@ log = logging.getLogger(__name__)
 BatchKey = tuple[str, str | None]
 
 
-def batch_key(envelope: JobEnvelope) -> BatchKey | None:
-    """(model, adapter) for a job that may share a batch; None if it must run alone."""
+def batch_key(
+    envelope: JobEnvelope, rt: runtime.WorkerRuntime, depth: int
+) -> tuple[BatchKey, Decision | None] | None:
+    """The (model, adapter) batch a job may join, or None if it runs alone.
+
+    A job naming a draft joins only when the speculation policy finds batching
+    ``depth`` jobs faster than speculating one at a time; the policy's decision
+    (plain decoding, and why) comes along for its metrics.
+    """
     req = envelope.request
-    if req.draft_model or req.stream or (req.seed is not None and req.temperature > 0):
+    if req.stream or (req.seed is not None and req.temperature > 0):
         return None
-    return (req.model, req.adapter)
+    key = (req.model, req.adapter)
+    if not req.draft_model:
+        return key, None
+    decision = rt.policy.batch_instead(
+        req.model, req.draft_model, req.adapter, depth, req.num_draft_tokens
+    )
+    return (key, decision) if decision is not None else None
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,6 +93,7 @@ class Slot:
     max_tokens: int
     stop: tuple[str, ...]
     detokenizer: Any
+    decision: Decision | None = None  # a draft job's: batched instead of speculating
     admitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     text: str = ""
@@ -105,8 +121,8 @@ class Slot:
 class BatchRunner:
     """Runs one continuous batch for (model, adapter) on behalf of a worker."""
 
-    def __init__(self, worker: MlxqWorker, queue: Queue, key: BatchKey) -> None:
-        self.worker, self.queue, self.key = worker, queue, key
+    def __init__(self, worker: MlxqWorker, queue: Queue, key: BatchKey, depth: int = 1) -> None:
+        self.worker, self.queue, self.key, self.depth = worker, queue, key, depth
         self.rt = runtime.current()
         self.conn = worker.connection
         self.slots: dict[int, Slot] = {}
@@ -125,7 +141,7 @@ class BatchRunner:
             pipe.execute()
         return execution
 
-    def _claim(self) -> Job | None:
+    def _claim(self) -> tuple[Job, Decision | None] | None:
         """LMOVE the next job of our queue; hand it back if it cannot join this batch."""
         raw = self.conn.lmove(self.queue.key, keys.rq_intermediate_key(self.queue.name))
         if raw is None:
@@ -137,14 +153,12 @@ class BatchRunner:
             self._hand_back(job_id)
             return None
         envelope = envelope_of(job)
-        if (
-            envelope is None
-            or batch_key(envelope) != self.key
-            or job.func_name != keys.JOB_FUNCTION
-        ):
+        depth = max(self.depth, len(self.slots) + 1)
+        taken = None if envelope is None else batch_key(envelope, self.rt, depth)
+        if taken is None or taken[0] != self.key or job.func_name != keys.JOB_FUNCTION:
             self._hand_back(job_id)
             return None
-        return job
+        return job, taken[1]
 
     def _hand_back(self, job_id: str) -> None:
         pipe = self.conn.pipeline()
@@ -153,7 +167,7 @@ class BatchRunner:
         pipe.execute()
         self._pause_claims_until = time.monotonic() + 1.0
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Job, decision: Decision | None = None) -> None:
         """Register ``job`` as started and put it into the batch (or finish it at once)."""
         from worker.jobs import Start
 
@@ -167,6 +181,8 @@ class BatchRunner:
         try:
             target = self._target(envelope)
             req = envelope.request
+            if req.draft_model:  # batched without it, but still only if allowed
+                self.rt.check_allowed(req.draft_model, "draft model")
             prompt = prompt_tokens(target.tokenizer, req)
             params = params_for(
                 req,
@@ -200,6 +216,7 @@ class BatchRunner:
             params.max_tokens,
             params.stop,
             target.tokenizer.detokenizer,
+            decision,
         )
 
     def _target(self, envelope: JobEnvelope) -> Any:
@@ -246,6 +263,7 @@ class BatchRunner:
             out,
             self.generator,
             batched_with=len(self.slots) + 1,
+            decision=slot.decision,
         )
         write_result(self.conn, record, slot.envelope.result_ttl)
         self._bookkeep(slot.job, slot.execution)
@@ -271,11 +289,12 @@ class BatchRunner:
             len(self.slots) < self.worker.max_batch
             and not self.worker._stop_requested
             and time.monotonic() >= self._pause_claims_until
-            and (job := self._claim()) is not None
+            and (taken := self._claim()) is not None
         ):
-            self._admit(job)
+            self._admit(*taken)
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One decoding step of the batch; the number of tokens it produced."""
         assert self.gen is not None
         _, responses = self.gen.next()
         now = time.perf_counter()
@@ -305,6 +324,7 @@ class BatchRunner:
             elif r.finish_reason == "length":
                 slot.detokenizer = None
                 self._finish(r.uid, "length")
+        return len(responses)
 
     def _expire(self) -> None:
         now = time.perf_counter()
@@ -322,21 +342,39 @@ class BatchRunner:
                     JobTimeoutError(f"job timed out after {timeout}s (in a batch)"),
                 )
 
-    def run(self, first: Job) -> None:
+    def _measure(self, size: int, tokens: int, seconds: float) -> None:
+        """Pool (tokens, seconds) per batch size; report to the policy every 32 steps."""
+        pooled = self._speeds.setdefault(size, [0, 0.0, 0])
+        pooled[0] += tokens
+        pooled[1] += seconds
+        pooled[2] += 1
+        if pooled[2] >= 32:
+            self._report(size)
+
+    def _report(self, size: int) -> None:
+        tokens, seconds, _ = self._speeds.pop(size)
+        self.rt.policy.record_batch(self.key[0], self.key[1], size, int(tokens), seconds)
+
+    def run(self, first: Job, decision: Decision | None = None) -> None:
         from worker.rqworker import ColdShutdown
 
+        self._speeds: dict[int, list[Any]] = {}
         try:
-            self._admit(first)
+            self._admit(first, decision)
             self._fill()  # take the queued companions before the first step
             last_beat = time.monotonic()
             while self.slots:
-                self._step()
+                size, t = len(self.slots), time.perf_counter()
+                produced = self._step()
                 self._expire()
                 self._fill()
+                self._measure(size, produced, time.perf_counter() - t)
                 if time.monotonic() - last_beat >= self.worker.lease_s / 3:
                     last_beat = time.monotonic()
                     self._renew_leases()
                     self.worker.heartbeat()
+            for size in list(self._speeds):
+                self._report(size)
         except ColdShutdown:
             for slot in self.slots.values():
                 with self.conn.pipeline() as pipe:

@@ -21,6 +21,14 @@ re-measures plain, and every speculative job keeps measuring acceptance (a
 draft that stops paying is dropped). A job that fixes
 ``num_draft_tokens`` gets exactly that. Greedy output is identical whichever
 runs: speculative decoding never changes it.
+
+Batching or speculating. Speculation speeds up one sequence; continuous
+batching (``worker.batching``) multiplies throughput when many jobs wait.
+When a job with a draft is dequeued and more jobs wait in its queue, auto
+compares the pair's best single-stream speed (plain or predicted best k, once
+measured) with the target's measured aggregate speed in batches of about that
+many jobs, and batches the jobs without the draft when that is faster. The
+first time a deep queue meets a measured pair, it batches once to measure.
 """
 
 from __future__ import annotations
@@ -105,6 +113,20 @@ class PairStats:
         return per_round / self.round_seconds(k)
 
 
+@dataclass
+class BatchRates:
+    """A target's measured aggregate decoding speed (tokens/s) by batch size."""
+
+    by_size: dict[int, Arm] = field(default_factory=dict)
+
+    def rate(self, size: int) -> float | None:
+        """Speed at the measured size nearest ``size`` (ties: the smaller), or None."""
+        if not self.by_size:
+            return None
+        nearest = min(self.by_size, key=lambda n: (abs(n - size), n))
+        return self.by_size[nearest].value
+
+
 class SpeculationPolicy:
     """Chooses plain or speculative decoding (and k) per job, from measurements."""
 
@@ -119,7 +141,57 @@ class SpeculationPolicy:
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
         self.mode, self.default_k, self.ks, self.probe_every = mode, default_k, ks, probe_every
         self.pairs: dict[tuple[str, str], PairStats] = {}
+        self.batches: dict[tuple[str, str | None], BatchRates] = {}
         self._lock = threading.Lock()
+
+    def batch_instead(
+        self,
+        target: str,
+        draft: str,
+        adapter: str | None,
+        depth: int,
+        fixed_k: int | None = None,
+    ) -> Decision | None:
+        """Plain decoding in a batch for a draft job with ``depth`` jobs waiting, or None.
+
+        None means: run it alone, as :meth:`choose` decides.
+        """
+        if depth < 2 or fixed_k is not None or self.mode == "always":
+            return None
+        if self.mode == "never":
+            return Decision(PLAIN, "policy never: draft ignored, batched")
+        with self._lock:
+            pair = self.pairs.get((target, draft))
+            if pair is None or any(pair.arms.get(k, Arm()).runs == 0 for k in self._explore()):
+                return None  # measure the pair one job at a time first
+            alone = max(
+                pair.arms[PLAIN].value, max(pair.predicted_tokens_per_s(k) for k in self.ks)
+            )
+            rates = self.batches.get((target, adapter))
+            batched = rates.rate(depth) if rates else None
+            if batched is None:
+                return Decision(PLAIN, f"auto: measuring batching ({depth} jobs waiting)")
+            if batched > alone:
+                return Decision(
+                    PLAIN,
+                    f"auto: batching about {depth} jobs ({batched:.1f} tok/s) beats "
+                    f"one at a time ({alone:.1f} tok/s)",
+                )
+            return None
+
+    def record_batch(
+        self, target: str, adapter: str | None, size: int, tokens: int, seconds: float
+    ) -> None:
+        """Feed back ``tokens`` decoded in ``seconds`` by a batch of ``size`` jobs."""
+        if size < 1 or tokens < 1 or seconds <= 0:
+            return
+        with self._lock:
+            rates = self.batches.setdefault((target, adapter), BatchRates())
+            rates.by_size.setdefault(size, Arm()).update(tokens / seconds, 0)
+
+    def _explore(self) -> tuple[int, ...]:
+        second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))
+        return (PLAIN, self.default_k, second)
 
     def choose(self, target: str, draft: str, fixed_k: int | None = None) -> Decision:
         if self.mode == "never":
@@ -131,8 +203,7 @@ class SpeculationPolicy:
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1
-            second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))
-            for k in (PLAIN, self.default_k, second):
+            for k in self._explore():
                 if pair.arms.get(k, Arm()).runs == 0:
                     return Decision(k, f"auto: measuring {_name(k)}")
             plain = pair.arms[PLAIN].value

@@ -230,12 +230,16 @@ class MlxqWorker(SimpleWorker):
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         if self.max_batch > 1 and (envelope := batching.envelope_of(job)) is not None:
-            key = batching.batch_key(envelope)
-            if key is not None and job.func_name == keys.JOB_FUNCTION:
+            depth = 1
+            if envelope.request.draft_model:  # batch or speculate: how many wait?
+                depth += min(self.connection.llen(queue.key), self.max_batch - 1)
+            taken = batching.batch_key(envelope, runtime.current(), depth)
+            if taken is not None and job.func_name == keys.JOB_FUNCTION:
+                key, decision = taken
                 self.set_state("busy")
                 self.set_current_job_id(job.id)
                 try:
-                    batching.BatchRunner(self, queue, key).run(job)
+                    batching.BatchRunner(self, queue, key, depth).run(job, decision)
                 finally:
                     self.set_current_job_id(None)
                 return
