@@ -1,0 +1,146 @@
+"""Batch or speculate: a deep queue of draft jobs through a real worker, three ways.
+
+N greedy jobs naming a draft wait in the queue at once; an in-process mlxq
+worker (real Redis, real RQ dequeue, real result records) serves them:
+
+- speculate one at a time: ``--max-batch 1``, ``--speculative auto`` (its
+  policy warmed by a first pass, so it runs its best draft length);
+- batch without the draft: ``--max-batch 8``, ``--speculative never``;
+- auto: ``--max-batch 8``, ``--speculative auto``, from a fresh policy (cold:
+  it first measures the pair one job at a time, then a batch) and again with
+  what it measured (warm).
+
+Throughput is completion tokens over wall time from submit to the last
+result. Synthetic models (bench/fixtures.py).
+
+    .venv/bin/python -m bench.deepqueue [--jobs 16] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+from redis import Redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from bench.fixtures import model
+from bench.plots import grouped_bars
+from producer import Client
+from producer.localredis import LocalRedis
+from schemas.store import read_results
+from worker import runtime
+from worker.cache import ModelCache
+from worker.policy import SpeculationPolicy
+from worker.rqworker import MlxqWorker
+
+OUT = Path(__file__).parent / "out"
+
+
+def bodies(target: str, draft: str, n: int, max_tokens: int) -> list[dict]:
+    return [
+        {
+            "model": target,
+            "draft_model": draft,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": f"Job {i}: tell me about queues."}],
+        }
+        for i in range(n)
+    ]
+
+
+def serve(url: str, jobs: list[dict], rt: runtime.WorkerRuntime, max_batch: int) -> dict:
+    """Submit ``jobs`` at once, serve them with one worker; throughput and what ran."""
+    conn = Redis.from_url(url)
+    runtime.install(rt)
+    start = time.perf_counter()
+    s = Client(connection=conn).submit(jobs)
+    worker = MlxqWorker(
+        [Queue("mlxq", connection=conn, serializer=JSONSerializer)],
+        connection=conn,
+        name=f"deep-{time.monotonic_ns()}",
+        max_batch=max_batch,
+    )
+    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    elapsed = time.perf_counter() - start
+    records = read_results(conn, s.job_ids)
+    if not all(r is not None and r.status == "succeeded" for r in records):
+        raise SystemExit("a job did not succeed")
+    tokens = sum(r.response.usage.completion_tokens for r in records if r and r.response)
+    ran = Counter(  # a batch's last job finishes alone (batch_size 1): the reason tells
+        "batched"
+        if r.metrics.batch_size > 1 or "batch" in (r.metrics.speculation_reason or "")
+        else f"alone k={r.metrics.num_draft_tokens or 0}"
+        for r in records
+        if r
+    )
+    texts = [r.response.choices[0].message.content for r in records if r and r.response]
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ran": dict(ran), "texts": texts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=8)
+    args = ap.parse_args()
+    target = model("wide")
+    cache = ModelCache()
+    report: dict = {"target": target, "jobs": args.jobs, "max_tokens": args.max_tokens}
+    rows: dict[str, dict] = {}
+    with LocalRedis() as server:
+        for name, draft in (
+            ("copy (synthetic)", model("copy")),
+            ("unrelated (synthetic)", model("unrelated")),
+        ):
+            jobs = bodies(target, draft, args.jobs, args.max_tokens)
+
+            def rt(policy: SpeculationPolicy) -> runtime.WorkerRuntime:
+                return runtime.WorkerRuntime(cache=cache, worker_id="deep", policy=policy)
+
+            alone_policy = SpeculationPolicy("auto")
+            serve(server.url, jobs, rt(alone_policy), 1)  # warm the models and the policy
+            alone = serve(server.url, jobs, rt(alone_policy), 1)
+            batched = serve(server.url, jobs, rt(SpeculationPolicy("never")), args.max_batch)
+            auto_policy = SpeculationPolicy("auto")
+            cold = serve(server.url, jobs, rt(auto_policy), args.max_batch)
+            warm = serve(server.url, jobs, rt(auto_policy), args.max_batch)
+            best = max(alone["tok_s"], batched["tok_s"])
+            row = {
+                "tok_s": {
+                    "speculate one at a time": round(alone["tok_s"], 2),
+                    "batch without draft": round(batched["tok_s"], 2),
+                    "auto cold": round(cold["tok_s"], 2),
+                    "auto warm": round(warm["tok_s"], 2),
+                },
+                "ran": {"alone": alone["ran"], "auto cold": cold["ran"], "auto warm": warm["ran"]},
+                "auto_warm_over_best": round(warm["tok_s"] / best, 3),
+                "auto_cold_over_best": round(cold["tok_s"] / best, 3),
+                "greedy_outputs_equal": alone["texts"] == batched["texts"] == warm["texts"],
+                "batch_speeds_measured": {
+                    str(k): {str(n): round(a.value, 1) for n, a in v.by_size.items()}
+                    for k, v in auto_policy.batches.items()
+                },
+            }
+            rows[name] = row
+            print(name, json.dumps(row), flush=True)
+    report["pairs"] = rows
+    OUT.mkdir(exist_ok=True)
+    (OUT / "deepqueue.json").write_text(json.dumps(report, indent=1))
+    names = list(rows)
+    grouped_bars(
+        OUT / "deepqueue.png",
+        f"{args.jobs} queued draft jobs: batch or speculate",
+        names,
+        {k: [rows[n]["tok_s"][k] for n in names] for k in rows[names[0]]["tok_s"]},
+        "tokens/s",
+    )
+
+
+if __name__ == "__main__":
+    main()
