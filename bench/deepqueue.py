@@ -5,6 +5,7 @@ worker (real Redis, real RQ dequeue, real result records) serves them:
 
 - speculate one at a time: ``--max-batch 1``, ``--speculative auto`` (its
   policy warmed by a first pass, so it runs its best draft length);
+  (a batched pass warms MLX's buffers for batches before anything is timed)
 - batch without the draft: ``--max-batch 8``, ``--speculative never``;
 - auto: ``--max-batch 8``, ``--speculative auto``, from a fresh policy (cold:
   it first measures the pair one job at a time, then a batch) and again with
@@ -105,6 +106,7 @@ def main() -> None:
 
             alone_policy = SpeculationPolicy("auto")
             serve(server.url, jobs, rt(alone_policy), 1)  # warm the models and the policy
+            serve(server.url, jobs, rt(SpeculationPolicy("never")), args.max_batch)  # and batches
             alone = serve(server.url, jobs, rt(alone_policy), 1)
             batched = serve(server.url, jobs, rt(SpeculationPolicy("never")), args.max_batch)
             auto_policy = SpeculationPolicy("auto")
