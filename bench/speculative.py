@@ -6,14 +6,17 @@ reports acceptance (accepted / proposed), tokens/s, speedup over plain
 decoding, and the speedup predicted from the measured acceptance and the
 measured costs of one draft step and of verifying k + 1 tokens:
 
-    predicted = tokens_per_round / (k * t_draft / t_step + t_verify(k + 1) / t_step)
+    predicted = (P + N) / (P + R * (k * t_draft / t_step + t_verify(k + 1) / t_step))
 
-where t_step is one 1-token forward pass of the target, t_verify(k + 1) a
-(k + 1)-token pass (measured alternating with t_step, so noise hits both
-alike) and tokens_per_round = generated / rounds is the measured acceptance.
-The model leaves out per-round Python work (sampling, syncing, cache
-rewinds), so it overestimates most at large k. Each speedup is taken against a
-plain run made right before it.
+per prompt, where t_step is one 1-token forward pass of the target,
+t_verify(k + 1) a (k + 1)-token pass (measured alternating with t_step, so noise
+hits both alike), N the tokens generated, R the rounds (N - accepted: the
+measured acceptance) and P the prompt's prefill in plain decode steps (measured
+on the plain run). Prefill is paid once by both runs, so it weighs more on the
+faster one: leaving it out overestimated k=8 by ~25%. The model still leaves out
+per-round Python work (sampling, syncing, cache rewinds). Each prompt runs
+plain and speculative back to back; speedup and measured/predicted are
+medians over those pairs.
 
 Every speculative output is checked equal to the plain greedy output.
 
@@ -77,35 +80,75 @@ def cost_ratio(
     )
 
 
-def run(gen: ChatGenerator, target: str, draft: str | None, k: int, max_tokens: int) -> dict:
-    tokens = accepted = proposed = 0
-    outputs = []
+def generate(gen: ChatGenerator, target: str, draft: str | None, k: int, prompt: str, n: int):
+    body = {
+        "model": target,
+        "temperature": 0,
+        "max_tokens": n,
+        "messages": [{"role": "user", "content": prompt}],
+    }
+    if draft:
+        body |= {"draft_model": draft, "num_draft_tokens": k}
     start = time.perf_counter()
-    for prompt in PROMPTS:
-        body = {
-            "model": target,
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": prompt}],
-        }
-        if draft:
-            body |= {"draft_model": draft, "num_draft_tokens": k}
-        out = gen.generate(ChatRequest.model_validate(body))
-        tokens += out.completion_tokens
-        accepted += out.draft_tokens_accepted
-        proposed += out.draft_tokens_proposed
-        outputs.append(out.token_ids)
-    elapsed = time.perf_counter() - start
-    rounds = tokens - accepted  # each round ends with one token of the target's own
+    out = gen.generate(ChatRequest.model_validate(body))
+    return out, time.perf_counter() - start
+
+
+def paired(
+    plain_gen: ChatGenerator,
+    gen: ChatGenerator,
+    target: str,
+    draft: str,
+    k: int,
+    max_tokens: int,
+    reps: int,
+) -> dict:
+    """Plain and speculative runs of each prompt back to back, ``reps`` times.
+
+    The speedup is the median of the per-pair time ratios: each pair ran at
+    nearly the same moment, so machine noise cancels instead of landing on one
+    side (plain runs minutes apart differed by 30% on a shared 2-core host).
+    """
+    tokens = accepted = proposed = 0
+    plain_s = spec_s = 0.0
+    pairs, equal = [], True
+    for _ in range(reps):
+        for prompt in PROMPTS:
+            p_out, p_s = generate(plain_gen, target, None, 0, prompt, max_tokens)
+            s_out, s_s = generate(gen, target, draft, k, prompt, max_tokens)
+            equal &= p_out.token_ids == s_out.token_ids
+            n = s_out.completion_tokens
+            # The prompt's prefill, in units of this plain run's own decode step.
+            step = (p_s - p_out.time_to_first_token_s) / max(p_out.completion_tokens - 1, 1)
+            pairs.append(
+                {
+                    "ratio": (p_s / p_out.completion_tokens) / (s_s / n),
+                    "tokens": n,
+                    "rounds": n - s_out.draft_tokens_accepted,
+                    "prefill_steps": p_out.time_to_first_token_s / step,
+                }
+            )
+            tokens += n
+            accepted += s_out.draft_tokens_accepted
+            proposed += s_out.draft_tokens_proposed
+            plain_s, spec_s = plain_s + p_s, spec_s + s_s
     return {
         "tokens": tokens,
-        "seconds": elapsed,
-        "tok_s": tokens / elapsed,
+        "plain_tok_s": tokens / plain_s,
+        "tok_s": tokens / spec_s,
+        "speedup": statistics.median(p["ratio"] for p in pairs),
         "accepted": accepted,
         "proposed": proposed,
-        "rounds": rounds,
-        "outputs": outputs,
+        "rounds": tokens - accepted,  # each round ends with one token of the target's own
+        "pairs": pairs,
+        "equal": equal,
     }
+
+
+def predict(pair: dict, k: int, draft_over_step: float, verify_over_step: float) -> float:
+    """The pair's speedup from its measured prefill, tokens and rounds and the pass costs."""
+    prefill, tokens, rounds = pair["prefill_steps"], pair["tokens"], pair["rounds"]
+    return (prefill + tokens) / (prefill + rounds * (k * draft_over_step + verify_over_step))
 
 
 def parse_ks(text: str) -> list[int]:
@@ -126,6 +169,7 @@ def main() -> None:
     )
     ap.add_argument("--ks", default="1-8")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2, help="passes over the prompts per k")
     args = ap.parse_args()
     target = args.target or model("wide")
     drafts = dict(d.split("=", 1) for d in args.draft) or {
@@ -134,43 +178,43 @@ def main() -> None:
     }
     cache = ModelCache()
     plain_gen = ChatGenerator.get_or_create(target, cache=cache)
-    run(plain_gen, target, None, 0, 4)  # warm up
+    generate(plain_gen, target, None, 0, PROMPTS[0], 4)  # warm up
     t_plain, _, _ = cost_ratio(plain_gen.target.model, 1)
     report: dict = {
         "target": target,
         "synthetic": args.target is None,
         "prompts": len(PROMPTS),
+        "reps": args.reps,
         "max_tokens": args.max_tokens,
         "t_plain_step_ms": round(t_plain * 1e3, 2),
         "pairs": {},
     }
-    plain_outputs = None
     for name, draft in drafts.items():
         gen = ChatGenerator.get_or_create(target, draft, cache=cache)
         t_draft, _, _ = cost_ratio(gen.draft.model, 1)
         rows = []
         for k in parse_ks(args.ks):
-            # Plain and speculative runs back to back: the speedup is a same-moment ratio.
-            plain = run(plain_gen, target, None, 0, args.max_tokens)
-            plain_outputs = plain_outputs or plain["outputs"]
-            r = run(gen, target, draft, k, args.max_tokens)
+            r = paired(plain_gen, gen, target, draft, k, args.max_tokens, args.reps)
             t_verify, verify_over_step, t_step = cost_ratio(gen.target.model, k + 1)
             per_round = r["tokens"] / max(r["rounds"], 1)
-            predicted = per_round / (k * t_draft / t_step + verify_over_step)
-            speedup = r["tok_s"] / plain["tok_s"]
+            each = [predict(p, k, t_draft / t_step, verify_over_step) for p in r["pairs"]]
+            predicted = statistics.median(each)
+            fit = statistics.median(x["ratio"] / e for x, e in zip(r["pairs"], each, strict=True))
+            prefill = statistics.median(x["prefill_steps"] for x in r["pairs"])
             row = {
                 "k": k,
                 "acceptance": round(r["accepted"] / r["proposed"], 3) if r["proposed"] else None,
                 "tokens_per_round": round(per_round, 3),
-                "plain_tok_s": round(plain["tok_s"], 2),
+                "plain_tok_s": round(r["plain_tok_s"], 2),
                 "tok_s": round(r["tok_s"], 2),
-                "speedup": round(speedup, 3),
+                "speedup": round(r["speedup"], 3),
                 "predicted_speedup": round(predicted, 3),
-                "measured_over_predicted": round(speedup / predicted, 3),
+                "measured_over_predicted": round(fit, 3),
+                "prefill_steps": round(prefill, 2),
                 "t_draft_step_ms": round(t_draft * 1e3, 2),
                 "t_verify_ms": round(t_verify * 1e3, 2),
                 "t_step_ms": round(t_step * 1e3, 2),
-                "greedy_equal_to_plain": r["outputs"] == plain_outputs == plain["outputs"],
+                "greedy_equal_to_plain": r["equal"],
             }
             rows.append(row)
             print(name, row, flush=True)
