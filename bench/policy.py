@@ -1,9 +1,10 @@
 """Speculation policy: auto against fixed choices, per (target, draft) pair, same jobs.
 
-Runs the same N greedy jobs with plain decoding, with fixed draft lengths and
-with ``--speculative auto`` (which spends its first jobs measuring every arm),
-and reports auto's throughput against the best fixed choice, over all N jobs
-and after its exploration. Synthetic models (bench/fixtures.py).
+Runs N greedy jobs with ``--speculative auto`` from a fresh policy (cold: it
+spends its first jobs measuring), then the same jobs again with the policy
+warm, each job also run by plain decoding and every fixed draft length right
+next to auto's run (noise hits all arms alike), and reports auto's throughput
+against the best fixed choice. Synthetic models (bench/fixtures.py).
 
     .venv/bin/python -m bench.policy [--jobs 16] [--max-tokens 32]
 """
@@ -25,7 +26,10 @@ from worker.policy import DEFAULT_KS, PLAIN, Decision, SpeculationPolicy
 OUT = Path(__file__).parent / "out"
 
 
-def jobs(target: str, draft: str, n: int, max_tokens: int) -> list[ChatRequest]:
+def jobs(
+    target: str, draft: str, n: int, max_tokens: int, contents: list[str] | None = None
+) -> list[ChatRequest]:
+    contents = contents or [f"Job {i}: tell me about queues." for i in range(n)]
     return [
         ChatRequest.model_validate(
             {
@@ -33,11 +37,18 @@ def jobs(target: str, draft: str, n: int, max_tokens: int) -> list[ChatRequest]:
                 "draft_model": draft,
                 "temperature": 0,
                 "max_tokens": max_tokens,
-                "messages": [{"role": "user", "content": f"Job {i}: tell me about queues."}],
+                "messages": [{"role": "user", "content": contents[i % len(contents)]}],
             }
         )
         for i in range(n)
     ]
+
+
+def one(gen: ChatGenerator, req: ChatRequest, decision: Decision) -> tuple[int, float, object]:
+    """(tokens, seconds, output) of one job run as ``decision`` says."""
+    start = time.perf_counter()
+    out = gen.generate(req, num_draft_tokens=decision.k or None, use_draft=decision.speculative)
+    return out.completion_tokens, time.perf_counter() - start, out
 
 
 def run(gen: ChatGenerator, reqs: list[ChatRequest], choose) -> list[tuple[int, float]]:
@@ -46,9 +57,8 @@ def run(gen: ChatGenerator, reqs: list[ChatRequest], choose) -> list[tuple[int, 
     last = None
     for req in reqs:
         decision: Decision = choose(last)
-        start = time.perf_counter()
-        out = gen.generate(req, num_draft_tokens=decision.k or None, use_draft=decision.speculative)
-        timings.append((out.completion_tokens, time.perf_counter() - start))
+        tokens, seconds, out = one(gen, req, decision)
+        timings.append((tokens, seconds))
         last = (decision, out)
     return timings
 
@@ -61,38 +71,55 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--trained",
+        action="store_true",
+        help="also the pair trained on CPython sources (bench/trained.py; ~10 min once)",
+    )
     args = ap.parse_args()
-    target = model("wide")
-    pairs = {
-        "copy (synthetic)": (model("copy"), (2, 4, 6, 8)),
-        "unrelated (synthetic)": (model("unrelated"), (1, 2)),
+    wide = model("wide")
+    pairs: dict[str, tuple[str, str, tuple[int, ...], list[str] | None]] = {
+        "copy (synthetic)": (wide, model("copy"), (2, 4, 6, 8), None),
+        "unrelated (synthetic)": (wide, model("unrelated"), (1, 2), None),
     }
+    if args.trained:
+        from bench.trained import ensure_pair, prompts
+
+        t, d = ensure_pair()
+        pairs["cpython (trained)"] = (t, d, (1, 2, 3, 4), prompts(args.jobs))
     cache = ModelCache()
     report: dict = {
-        "target": target,
         "jobs": args.jobs,
         "max_tokens": args.max_tokens,
         "arms_explored_by_auto": 1 + len(DEFAULT_KS),
         "pairs": {},
     }
-    for name, (draft, fixed_ks) in pairs.items():
+    for name, (target, draft, fixed_ks, contents) in pairs.items():
         gen = ChatGenerator.get_or_create(target, draft, cache=cache)
-        reqs = jobs(target, draft, args.jobs, args.max_tokens)
+        reqs = jobs(target, draft, args.jobs, args.max_tokens, contents)
         gen.generate(reqs[0], use_draft=False)  # warm up
-        fixed = {}
-        for k in (PLAIN, *fixed_ks):
-            fixed[k] = run(gen, reqs, lambda _, k=k: Decision(k, "fixed"))
         policy = SpeculationPolicy("auto")
 
-        def choose(last, policy=policy, draft=draft):
+        def choose(last, policy=policy, target=target, draft=draft):
             if last is not None:
                 policy.record(target, draft, *last)
             return policy.choose(target, draft)
 
         auto = run(gen, reqs, choose)  # from scratch: includes its exploring
-        warm = run(gen, reqs, choose)  # the same jobs again, policy already measured
+        # Warm: the same jobs again, each run by auto (policy already measured) and
+        # by every fixed arm back to back, so machine noise hits all of them alike.
+        fixed: dict[int, list[tuple[int, float]]] = {k: [] for k in (PLAIN, *fixed_ks)}
+        warm, last = [], None
+        for req in reqs:
+            for k in fixed:
+                fixed[k].append(one(gen, req, Decision(k, "fixed"))[:2])
+            decision = choose(last)
+            tokens, seconds, out = one(gen, req, decision)
+            warm.append((tokens, seconds))
+            last = (decision, out)
         best_k = max(fixed, key=lambda k: rate(fixed[k]))
         row = {
+            "target": target,
             "tok_s": {
                 ("plain" if k == PLAIN else f"k={k}"): round(rate(v), 2) for k, v in fixed.items()
             }

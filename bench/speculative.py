@@ -102,6 +102,7 @@ def paired(
     k: int,
     max_tokens: int,
     reps: int,
+    prompts: list[str] = PROMPTS,
 ) -> dict:
     """Plain and speculative runs of each prompt back to back, ``reps`` times.
 
@@ -113,7 +114,7 @@ def paired(
     plain_s = spec_s = 0.0
     pairs, equal = [], True
     for _ in range(reps):
-        for prompt in PROMPTS:
+        for prompt in prompts:
             p_out, p_s = generate(plain_gen, target, None, 0, prompt, max_tokens)
             s_out, s_s = generate(gen, target, draft, k, prompt, max_tokens)
             equal &= p_out.token_ids == s_out.token_ids
@@ -167,63 +168,74 @@ def main() -> None:
         default=[],
         help="NAME=PATH_OR_HUB_ID (repeatable) [default: synthetic copy, unrelated]",
     )
+    ap.add_argument(
+        "--trained",
+        action="store_true",
+        help="also the pair trained on CPython sources (bench/trained.py; ~10 min once)",
+    )
     ap.add_argument("--ks", default="1-8")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2, help="passes over the prompts per k")
     args = ap.parse_args()
-    target = args.target or model("wide")
-    drafts = dict(d.split("=", 1) for d in args.draft) or {
-        "copy (synthetic)": model("copy"),
-        "unrelated (synthetic)": model("unrelated"),
-    }
+    # (target, {name: draft}, prompts) groups
+    groups = [
+        (
+            args.target or model("wide"),
+            dict(d.split("=", 1) for d in args.draft)
+            or {"copy (synthetic)": model("copy"), "unrelated (synthetic)": model("unrelated")},
+            PROMPTS,
+        )
+    ]
+    if args.trained:
+        from bench.trained import ensure_pair, prompts
+
+        t, d = ensure_pair()
+        groups.append((t, {"cpython (trained)": d}, prompts()))
     cache = ModelCache()
-    plain_gen = ChatGenerator.get_or_create(target, cache=cache)
-    generate(plain_gen, target, None, 0, PROMPTS[0], 4)  # warm up
-    t_plain, _, _ = cost_ratio(plain_gen.target.model, 1)
     report: dict = {
-        "target": target,
         "synthetic": args.target is None,
-        "prompts": len(PROMPTS),
         "reps": args.reps,
         "max_tokens": args.max_tokens,
-        "t_plain_step_ms": round(t_plain * 1e3, 2),
         "pairs": {},
     }
-    for name, draft in drafts.items():
-        gen = ChatGenerator.get_or_create(target, draft, cache=cache)
-        t_draft, _, _ = cost_ratio(gen.draft.model, 1)
-        rows = []
-        for k in parse_ks(args.ks):
-            r = paired(plain_gen, gen, target, draft, k, args.max_tokens, args.reps)
-            t_verify, verify_over_step, t_step = cost_ratio(gen.target.model, k + 1)
-            per_round = r["tokens"] / max(r["rounds"], 1)
-            each = [predict(p, k, t_draft / t_step, verify_over_step) for p in r["pairs"]]
-            predicted = statistics.median(each)
-            fit = statistics.median(x["ratio"] / e for x, e in zip(r["pairs"], each, strict=True))
-            prefill = statistics.median(x["prefill_steps"] for x in r["pairs"])
-            row = {
-                "k": k,
-                "acceptance": round(r["accepted"] / r["proposed"], 3) if r["proposed"] else None,
-                "tokens_per_round": round(per_round, 3),
-                "plain_tok_s": round(r["plain_tok_s"], 2),
-                "tok_s": round(r["tok_s"], 2),
-                "speedup": round(r["speedup"], 3),
-                "predicted_speedup": round(predicted, 3),
-                "measured_over_predicted": round(fit, 3),
-                "prefill_steps": round(prefill, 2),
-                "t_draft_step_ms": round(t_draft * 1e3, 2),
-                "t_verify_ms": round(t_verify * 1e3, 2),
-                "t_step_ms": round(t_step * 1e3, 2),
-                "greedy_equal_to_plain": r["equal"],
-            }
-            rows.append(row)
-            print(name, row, flush=True)
-        report["pairs"][name] = {"draft": draft, "rows": rows}
+    for target, drafts, prompts_ in groups:
+        plain_gen = ChatGenerator.get_or_create(target, cache=cache)
+        generate(plain_gen, target, None, 0, prompts_[0], 4)  # warm up
+        for name, draft in drafts.items():
+            gen = ChatGenerator.get_or_create(target, draft, cache=cache)
+            t_draft, _, _ = cost_ratio(gen.draft.model, 1)
+            rows = []
+            for k in parse_ks(args.ks):
+                r = paired(plain_gen, gen, target, draft, k, args.max_tokens, args.reps, prompts_)
+                rows.append(_row(k, r, gen, t_draft))
+                print(name, rows[-1], flush=True)
+            report["pairs"][name] = {"target": target, "draft": draft, "rows": rows}
     OUT.mkdir(exist_ok=True)
     (OUT / "speculative.json").write_text(json.dumps(report, indent=1))
     plot(report, OUT / "speculative.png")
     if not all(r["greedy_equal_to_plain"] for p in report["pairs"].values() for r in p["rows"]):
         raise SystemExit("speculative greedy output differs from plain output")
+
+
+def _row(k: int, r: dict, gen: ChatGenerator, t_draft: float) -> dict:
+    t_verify, verify_over_step, t_step = cost_ratio(gen.target.model, k + 1)
+    each = [predict(p, k, t_draft / t_step, verify_over_step) for p in r["pairs"]]
+    fit = statistics.median(x["ratio"] / e for x, e in zip(r["pairs"], each, strict=True))
+    return {
+        "k": k,
+        "acceptance": round(r["accepted"] / r["proposed"], 3) if r["proposed"] else None,
+        "tokens_per_round": round(r["tokens"] / max(r["rounds"], 1), 3),
+        "plain_tok_s": round(r["plain_tok_s"], 2),
+        "tok_s": round(r["tok_s"], 2),
+        "speedup": round(r["speedup"], 3),
+        "predicted_speedup": round(statistics.median(each), 3),
+        "measured_over_predicted": round(fit, 3),
+        "prefill_steps": round(statistics.median(x["prefill_steps"] for x in r["pairs"]), 2),
+        "t_draft_step_ms": round(t_draft * 1e3, 2),
+        "t_verify_ms": round(t_verify * 1e3, 2),
+        "t_step_ms": round(t_step * 1e3, 2),
+        "greedy_equal_to_plain": r["equal"],
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -244,7 +256,7 @@ def plot(report: dict, path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("num_draft_tokens (k)")
     ax.set_ylabel("speedup over plain decoding")
-    title = "synthetic models" if report["synthetic"] else report["target"]
+    title = "synthetic and trained models" if report["synthetic"] else "hub models"
     ax.set_title(f"Speculative decoding, {title}, greedy, CPU")
     ax.legend(fontsize=8)
     fig.tight_layout()

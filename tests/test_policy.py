@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from producer import Client
@@ -75,10 +77,22 @@ def test_auto_runs_plain_when_the_draft_does_not_pay_and_probes_back():
     assert chosen[:3] == [PLAIN, 3, 6]
     exploit = chosen[3:]
     assert exploit.count(PLAIN) >= len(exploit) - 3  # plain, but for periodic probes
-    assert set(exploit) == {PLAIN, 3}  # it re-measured the draft now and then
+    assert set(exploit) == {PLAIN, 1}  # it re-measured the draft (at k=1) now and then
     # The draft starts agreeing (say the workload changed): probes pick it up.
     chosen = drive(policy, p=0.85, jobs=40)
     assert chosen[-10:].count(PLAIN) <= 2 and max(chosen[-10:]) >= 4  # plain: probes only
+
+
+def test_probes_of_a_losing_draft_back_off_to_one_in_160_jobs():
+    policy = SpeculationPolicy("auto", default_k=3, probe_every=10)
+    chosen = drive(policy, p=0.0, jobs=600)
+    probes = [i for i, k in enumerate(chosen[3:], start=4) if k != PLAIN]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[:4] == [20, 40, 80, 160] and set(gaps[4:]) == {160}
+    assert len(probes) <= 8  # vs 60 at a fixed one in ten
+    # The backoff ends as soon as the draft wins again.
+    chosen = drive(policy, p=0.9, jobs=200)
+    assert chosen[-20:].count(PLAIN) == 0
 
 
 def test_fixed_k_and_the_other_modes():

@@ -3,11 +3,12 @@
 When the worker dequeues a batchable job (not streaming, greedy or unseeded: a
 seeded sampling job runs alone so its seed means what it says; and no draft
 model, unless the speculation policy measured batching the waiting jobs to be
-faster than speculating one at a time, see ``worker.policy``), it keeps taking further compatible jobs from the same queue, up to
-``max_batch``, also while the batch runs (a slot freed by a finished job is
-filled at the next step). All of them decode together through mlx-lm's
-``BatchGenerator``, each with its own sampler, logits processors, stop strings
-and max_tokens, and each gets its own result record and metrics.
+faster than speculating one at a time, see ``worker.policy``), it keeps taking
+further compatible jobs from the same queue, up to ``max_batch``, also while
+the batch runs (a slot freed by a finished job is filled at the next step).
+All of them decode together through mlx-lm's ``BatchGenerator``, each with its
+own sampler, logits processors, stop strings and max_tokens, and each gets its
+own result record and metrics.
 
 Every job taken is registered as started (with a lease the heartbeat thread
 renews) before it joins the batch, so a worker that dies mid-batch loses

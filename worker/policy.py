@@ -15,8 +15,10 @@ k's speed as expected tokens per round, (1 - p^(k+1)) / (1 - p), over the
 round time, and runs the fastest of plain and the predictions. Per-job speed
 varies with how predictable each job's text is, but round times and pooled
 acceptance do not, so the choice settles after three jobs. While plain wins,
-every ``probe_every``-th job runs the default k again (a pair whose draft
-starts paying switches); while a draft wins, every ``10 * probe_every``-th job
+a job runs the draft again at k=1 after ``probe_every`` jobs, then after twice
+as many each time it still loses, up to 16x (a pair whose draft starts paying
+switches; one that never pays costs ever less); while a draft wins, every
+``10 * probe_every``-th job
 re-measures plain, and every speculative job keeps measuring acceptance (a
 draft that stops paying is dropped). A job that fixes
 ``num_draft_tokens`` gets exactly that. Greedy output is identical whichever
@@ -49,6 +51,7 @@ class Decision:
 
     k: int
     reason: str
+    probe: bool = False  # a re-measurement of an arm that is not winning
 
     @property
     def speculative(self) -> bool:
@@ -73,6 +76,8 @@ class Arm:
 class PairStats:
     arms: dict[int, Arm] = field(default_factory=dict)
     jobs: int = 0
+    last_probe: int = 0  # the job counter at the last re-measurement
+    probe_interval: int = 0  # jobs between draft probes while plain wins (0: not yet set)
 
     @property
     def acceptance(self) -> float:
@@ -210,16 +215,23 @@ class SpeculationPolicy:
             predicted = {k: pair.predicted_tokens_per_s(k) for k in self.ks}
             best_k = max(predicted, key=predicted.__getitem__)
             best = best_k if predicted[best_k] > plain else PLAIN
-            # Re-measure what is not running: the draft often while plain wins (a
-            # cheap probe), plain rarely while the draft wins (plain speed hardly
-            # drifts, and each speculative job keeps measuring acceptance).
-            probe, every = (
-                (self.default_k, self.probe_every)
-                if best == PLAIN
-                else (PLAIN, 10 * self.probe_every)
-            )
-            if pair.jobs % every == 0:
-                return Decision(probe, f"auto: re-measuring {_name(probe)}")
+            # Re-measure what is not running. While plain wins: the draft at the
+            # cheapest length (k=1 measures acceptance as well as any), after
+            # probe_every jobs, then twice as long after each probe that changes
+            # nothing, up to 16x (a draft that loses costs ever less; one that
+            # starts paying is found within 16 * probe_every jobs). While a draft
+            # wins: plain every 10 * probe_every jobs (plain speed hardly drifts,
+            # and each speculative job keeps measuring acceptance).
+            if best == PLAIN:
+                probe, every = min(self.ks), pair.probe_interval or self.probe_every
+            else:
+                probe, every = PLAIN, 10 * self.probe_every
+                pair.probe_interval = self.probe_every
+            if pair.jobs - pair.last_probe >= every:
+                pair.last_probe = pair.jobs
+                if best == PLAIN:
+                    pair.probe_interval = min(2 * every, 16 * self.probe_every)
+                return Decision(probe, f"auto: re-measuring {_name(probe)}", probe=True)
             return Decision(
                 best,
                 f"auto: {_name(best)} fastest (predicted k={best_k} "
@@ -242,9 +254,12 @@ class SpeculationPolicy:
             if rounds <= 0:
                 return
             arm.update(decode_s / rounds, pair.jobs)
-            for other in pair.arms.values():  # older evidence fades
-                other.accepted *= 0.9
-                other.rounds *= 0.9
+            # Older evidence fades; a probe after a long plain stretch is a fresh
+            # look at today's workload, so it mostly replaces what came before.
+            fade = 0.1 if decision.probe else 0.9
+            for other in pair.arms.values():
+                other.accepted *= fade
+                other.rounds *= fade
             arm.accepted += out.draft_tokens_accepted
             arm.rounds += rounds
 
