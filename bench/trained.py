@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from bench.fixtures import cache_dir
-from worker.tinymodels import SPECIAL_TOKENS, TinySpec, model_config
+from worker.tinymodels import SPECIAL_TOKENS, TinySpec, model_config, save_tokenizer
 
 VOCAB = 1024
 SEQ = 128
@@ -105,21 +105,7 @@ def _tokenizer(path: Path, texts: list[str]) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "pad_token": "<pad>",
-        "model_max_length": 1_000_000,
-        "add_bos_token": False,
-        "chat_template": CODE_TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    (path / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
-    )
+    save_tokenizer(tok, path, CODE_TEMPLATE)
 
 
 def _train(path: Path, recipe: Recipe, data: mx.array, eos: int) -> float:

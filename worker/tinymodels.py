@@ -13,6 +13,7 @@ import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -92,6 +93,11 @@ def write_tokenizer(path: Path, vocab: int = 512, seed: int = 0) -> None:
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     if tok.get_vocab_size() != vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {vocab}")
+    save_tokenizer(tok, path, CHAT_TEMPLATE, unk_token="<unk>")
+
+
+def save_tokenizer(tok: Any, path: Path, chat_template: str, unk_token: str | None = None) -> None:
+    """Save a ``tokenizers.Tokenizer`` in the HF form ``mlx_lm.load`` reads."""
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     config = {
@@ -99,11 +105,10 @@ def write_tokenizer(path: Path, vocab: int = 512, seed: int = 0) -> None:
         "bos_token": "<s>",
         "eos_token": "</s>",
         "pad_token": "<pad>",
-        "unk_token": "<unk>",
         "model_max_length": 1_000_000,
         "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
+        "chat_template": chat_template,
+    } | ({"unk_token": unk_token} if unk_token else {})
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     (path / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
