@@ -33,7 +33,7 @@ from rq.queue import Queue
 from rq.utils import now as rq_now
 
 from schemas import GenerationError, JobEnvelope, JobTimeoutError, MlxqError, keys
-from schemas.store import has_result, write_result
+from schemas.store import write_result
 from worker import recovery, runtime
 from worker.engine import GenerationOutput, _find_stop, _processors, params_for, prompt_tokens
 from worker.generator import ChatGenerator
@@ -130,17 +130,20 @@ class BatchRunner:
         self.generator: ChatGenerator | None = None
         self.gen: BatchGenerator | None = None
         self._pause_claims_until = 0.0
+        self._speeds: dict[int, list[Any]] = {}  # batch size -> [tokens, seconds, steps]
 
     # -- taking jobs ------------------------------------------------------
-    def _register(self, job: Job) -> Execution:
+    def _register(self, job: Job) -> tuple[Execution, bool]:
+        """Start ``job`` (one MULTI/EXEC); also whether its result record already exists."""
         with self.conn.pipeline() as pipe:
             execution = Execution.create(
                 job, self.worker.lease_s, pipeline=pipe, worker_name=self.worker.name
             )
             job.prepare_for_execution(self.worker.name, pipeline=pipe)
             pipe.lrem(keys.rq_intermediate_key(self.queue.name), 1, job.id)
-            pipe.execute()
-        return execution
+            pipe.exists(keys.result_key(job.id))
+            *_, existed = pipe.execute()
+        return execution, bool(existed)
 
     def _claim(self) -> tuple[Job, Decision | None] | None:
         """LMOVE the next job of our queue; hand it back if it cannot join this batch."""
@@ -148,6 +151,10 @@ class BatchRunner:
         if raw is None:
             return None
         job_id = raw.decode()
+        if any(slot.job.id == job_id for slot in self.slots.values()):
+            # A second copy of a job running in this batch: that run finishes it.
+            self.conn.lrem(keys.rq_intermediate_key(self.queue.name), 1, job_id)
+            return None
         try:
             job = self.worker.job_class.fetch(job_id, connection=self.conn)
         except Exception:
@@ -173,10 +180,10 @@ class BatchRunner:
         from worker.jobs import Start
 
         started = Start()
-        execution = self._register(job)
+        execution, existed = self._register(job)
         envelope = envelope_of(job)
         assert envelope is not None
-        if has_result(self.conn, job.id):
+        if existed:
             self._bookkeep(job, execution)
             return
         try:
@@ -359,7 +366,6 @@ class BatchRunner:
     def run(self, first: Job, decision: Decision | None = None) -> None:
         from worker.rqworker import ColdShutdown
 
-        self._speeds: dict[int, list[Any]] = {}
         try:
             self._admit(first, decision)
             self._fill()  # take the queued companions before the first step
