@@ -112,10 +112,10 @@ class PairStats:
         slope = sum((j - mean_k) * (t - mean_t) for j, t in points) / var if var else 0.0
         return max(mean_t + max(slope, 0.0) * (k - mean_k), 1e-6)
 
-    def predicted_tokens_per_s(self, k: int) -> float:
+    def predicted(self, ks: tuple[int, ...]) -> dict[int, float]:
+        """Predicted tokens/s for each draft length in ``ks`` (acceptance solved once)."""
         p = self.acceptance
-        per_round = (1 - p ** (k + 1)) / (1 - p)
-        return per_round / self.round_seconds(k)
+        return {k: (1 - p ** (k + 1)) / (1 - p) / self.round_seconds(k) for k in ks}
 
 
 @dataclass
@@ -169,9 +169,7 @@ class SpeculationPolicy:
             pair = self.pairs.get((target, draft))
             if pair is None or any(pair.arms.get(k, Arm()).runs == 0 for k in self._explore()):
                 return None  # measure the pair one job at a time first
-            alone = max(
-                pair.arms[PLAIN].value, max(pair.predicted_tokens_per_s(k) for k in self.ks)
-            )
+            alone = max(pair.arms[PLAIN].value, *pair.predicted(self.ks).values())
             rates = self.batches.get((target, adapter))
             batched = rates.rate(depth) if rates else None
             if batched is None:
@@ -212,7 +210,7 @@ class SpeculationPolicy:
                 if pair.arms.get(k, Arm()).runs == 0:
                     return Decision(k, f"auto: measuring {_name(k)}")
             plain = pair.arms[PLAIN].value
-            predicted = {k: pair.predicted_tokens_per_s(k) for k in self.ks}
+            predicted = pair.predicted(self.ks)
             best_k = max(predicted, key=predicted.__getitem__)
             best = best_k if predicted[best_k] > plain else PLAIN
             # Re-measure what is not running. While plain wins: the draft at the
@@ -272,7 +270,7 @@ class SpeculationPolicy:
                 row["plain decoding"] = round(p.arms[PLAIN].value, 2)
             if any(k != PLAIN for k in p.arms):
                 row["acceptance"] = round(p.acceptance, 3)
-                row |= {f"k={k}": round(p.predicted_tokens_per_s(k), 2) for k in self.ks}
+                row |= {f"k={k}": round(v, 2) for k, v in p.predicted(self.ks).items()}
             out[f"{t} + {d}"] = row
         return out
 
