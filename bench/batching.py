@@ -18,13 +18,12 @@ from redis import Redis
 
 from bench.fixtures import model
 from bench.plots import grouped_bars
-from producer import Client
+from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
 from worker import runtime
 from worker.cache import ModelCache
 from worker.engine import prompt_tokens
-from worker.rqworker import MlxqWorker
 
 OUT = Path(__file__).parent / "out"
 
@@ -42,16 +41,9 @@ def bodies(target: str, n: int, max_tokens: int) -> list[dict]:
 
 
 def through_worker(conn: Redis, cache: ModelCache, reqs: list[dict], max_batch: int) -> tuple:
-    runtime.install(runtime.WorkerRuntime(cache=cache, worker_id=f"bench-{max_batch}"))
-    client = Client(connection=conn)
-    start = time.perf_counter()
-    s = client.submit(reqs)
-    MlxqWorker(["mlxq"], connection=conn, name=f"b{time.monotonic_ns()}", max_batch=max_batch).work(
-        burst=True, with_scheduler=False, logging_level="WARNING"
-    )
-    elapsed = time.perf_counter() - start
-    records = client.results(s.batch_id)
-    tokens = sum(r.response.usage.completion_tokens for r in records)
+    rt = runtime.WorkerRuntime(cache=cache, worker_id=f"bench-{max_batch}")
+    records, elapsed = burst(conn, reqs, rt, max_batch)
+    tokens = sum(r.response.usage.completion_tokens for r in records if r.response)
     return tokens / elapsed, [r.response.choices[0].message.content for r in records]
 
 

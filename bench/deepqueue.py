@@ -21,23 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
 from redis import Redis
-from rq import Queue
-from rq.serializers import JSONSerializer
 
 from bench.fixtures import model
 from bench.plots import grouped_bars
-from producer import Client
+from bench.serve import burst
 from producer.localredis import LocalRedis
-from schemas.store import read_results
 from worker import runtime
 from worker.cache import ModelCache
 from worker.policy import SpeculationPolicy
-from worker.rqworker import MlxqWorker
 
 OUT = Path(__file__).parent / "out"
 
@@ -57,30 +52,15 @@ def bodies(target: str, draft: str, n: int, max_tokens: int) -> list[dict]:
 
 def serve(url: str, jobs: list[dict], rt: runtime.WorkerRuntime, max_batch: int) -> dict:
     """Submit ``jobs`` at once, serve them with one worker; throughput and what ran."""
-    conn = Redis.from_url(url)
-    runtime.install(rt)
-    start = time.perf_counter()
-    s = Client(connection=conn).submit(jobs)
-    worker = MlxqWorker(
-        [Queue("mlxq", connection=conn, serializer=JSONSerializer)],
-        connection=conn,
-        name=f"deep-{time.monotonic_ns()}",
-        max_batch=max_batch,
-    )
-    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
-    elapsed = time.perf_counter() - start
-    records = read_results(conn, s.job_ids)
-    if not all(r is not None and r.status == "succeeded" for r in records):
-        raise SystemExit("a job did not succeed")
-    tokens = sum(r.response.usage.completion_tokens for r in records if r and r.response)
+    records, elapsed = burst(Redis.from_url(url), jobs, rt, max_batch)
+    tokens = sum(r.response.usage.completion_tokens for r in records if r.response)
     ran = Counter(  # a batch's last job finishes alone (batch_size 1): the reason tells
         "batched"
         if r.metrics.batch_size > 1 or "batch" in (r.metrics.speculation_reason or "")
         else f"alone k={r.metrics.num_draft_tokens or 0}"
         for r in records
-        if r
     )
-    texts = [r.response.choices[0].message.content for r in records if r and r.response]
+    texts = [r.response.choices[0].message.content for r in records if r.response]
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "ran": dict(ran), "texts": texts}
 
 

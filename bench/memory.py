@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from redis import Redis
 
 from bench.fixtures import model
 from bench.plots import grouped_bars
-from producer import Client
+from bench.serve import burst
 from producer.localredis import LocalRedis
 from worker import runtime
 from worker.cache import ModelCache, resolve_path, weight_bytes
-from worker.rqworker import MlxqWorker
 
 OUT = Path(__file__).parent / "out"
 
@@ -35,12 +33,8 @@ def run_job(conn: Redis, target: str, draft: str | None, max_tokens: int) -> dic
     }
     if draft:
         body["draft_model"] = draft
-    client = Client(connection=conn)
-    s = client.submit([body])
-    MlxqWorker(["mlxq"], connection=conn, name=f"mem{time.monotonic_ns()}").work(
-        burst=True, with_scheduler=False, logging_level="WARNING"
-    )
-    m = client.results(s.batch_id)[0].metrics
+    (record,), _ = burst(conn, [body])
+    m = record.metrics
     weights = weight_bytes(resolve_path(target)) + (
         weight_bytes(resolve_path(draft)) if draft else 0
     )

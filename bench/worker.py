@@ -19,19 +19,16 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from redis import Redis
-from rq import Queue
-from rq.serializers import JSONSerializer
 
 from bench.fixtures import bench_pair
 from bench.plots import grouped_bars
-from producer import Client
+from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
 from worker import runtime
 from worker.cache import ModelCache
 from worker.engine import prompt_tokens
 from worker.policy import SpeculationPolicy
-from worker.rqworker import MlxqWorker
 
 OUT = Path(__file__).parent / "out"
 TOPICS = ["queues", "caches", "drafts", "fleets", "tokens", "batches", "metrics", "restarts"]
@@ -80,36 +77,19 @@ def queued(conn: Redis, cache: ModelCache, reqs: list[dict]) -> tuple[int, float
     """Submit through the producer API and run a burst worker: (tokens, seconds, texts)."""
     # "always": the same decoding as the direct calls (k=3), so the ratio is overhead only.
     policy = SpeculationPolicy("always", default_k=3)
-    runtime.install(runtime.WorkerRuntime(cache=cache, worker_id="bench", policy=policy))
-    client = Client(connection=conn)
-    start = time.perf_counter()
-    summary = client.submit(reqs)
-    worker = MlxqWorker(
-        [Queue("mlxq", connection=conn, serializer=JSONSerializer)],
-        connection=conn,
-        name=f"bench{time.monotonic_ns()}",
-    )
-    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
-    elapsed = time.perf_counter() - start
-    records = client.results(summary.batch_id)
-    assert all(r is not None and r.status == "succeeded" for r in records), records
-    tokens = sum(r.response.usage.completion_tokens for r in records)
-    return tokens, elapsed, [r.response.choices[0].message.content for r in records]
+    rt = runtime.WorkerRuntime(cache=cache, worker_id="bench", policy=policy)
+    records, elapsed = burst(conn, reqs, rt)
+    tokens = sum(r.response.usage.completion_tokens for r in records if r.response)
+    return tokens, elapsed, [r.response.choices[0].message.content for r in records if r.response]
 
 
 def cold_warm(conn: Redis, target: str, draft: str | None) -> dict:
     cache = ModelCache()
     runtime.install(runtime.WorkerRuntime(cache=cache, worker_id="bench"))
-    client = Client(connection=conn)
     out = {}
     for label in ("cold", "warm"):
-        s = client.submit(requests(target, draft, 16)[:1])
-        MlxqWorker(
-            [Queue("mlxq", connection=conn, serializer=JSONSerializer)],
-            connection=conn,
-            name=f"cw{time.monotonic_ns()}",
-        ).work(burst=True, with_scheduler=False, logging_level="WARNING")
-        m = client.results(s.batch_id)[0].metrics
+        (record,), _ = burst(conn, requests(target, draft, 16)[:1])
+        m = record.metrics
         out[label] = {
             "total_s": round(m.total_time_s, 4),
             "load_s": round(m.load_time_s, 4),

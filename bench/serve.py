@@ -1,0 +1,45 @@
+"""Serve submitted jobs with one in-process mlxq worker (the real Redis and RQ path)."""
+
+from __future__ import annotations
+
+import time
+
+from redis import Redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from producer import Client
+from schemas import ResultRecord
+from worker import runtime
+from worker.rqworker import MlxqWorker
+
+
+def burst(
+    conn: Redis,
+    bodies: list[dict],
+    rt: runtime.WorkerRuntime | None = None,
+    max_batch: int = 1,
+) -> tuple[list[ResultRecord], float]:
+    """Submit ``bodies`` and serve them with a burst worker (``rt`` installed first).
+
+    Returns every job's result record, in order, and the seconds from submit to
+    the last result. Exits if a job did not succeed: a benchmark of failures
+    measures nothing.
+    """
+    if rt is not None:
+        runtime.install(rt)
+    client = Client(connection=conn)
+    start = time.perf_counter()
+    s = client.submit(bodies)
+    MlxqWorker(
+        [Queue("mlxq", connection=conn, serializer=JSONSerializer)],
+        connection=conn,
+        name=f"bench{time.monotonic_ns()}",
+        max_batch=max_batch,
+    ).work(burst=True, with_scheduler=False, logging_level="WARNING")
+    elapsed = time.perf_counter() - start
+    records = client.results(s.batch_id)
+    failed = [r for r in records if r is None or r.status != "succeeded"]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(records)} jobs did not succeed: {failed[0]}")
+    return [r for r in records if r is not None], elapsed
