@@ -10,6 +10,7 @@ from schemas.result import ResultRecord
 
 if TYPE_CHECKING:
     from redis import Redis
+    from redis.client import Pipeline
     from redis.commands.core import Script
 
 # Atomically: write the record only if none exists (first write wins), then
@@ -28,21 +29,30 @@ return 0
 """
 
 
+def _write_once_call(record: ResultRecord, ttl: int) -> tuple[list[str], list[object]]:
+    """The write-once script's keys and arguments for ``record``."""
+    batch = record.batch_id
+    at = repr(record.finished_at)
+    return (
+        [keys.result_key(record.job_id), keys.batch_key(batch), keys.batch_done_key(batch)],
+        [record.model_dump_json(), int(ttl), record.status, record.job_id, at],
+    )
+
+
 def write_result(conn: Redis, record: ResultRecord, ttl: int) -> bool:
     """Store ``record`` unless the job already has one. True if this call wrote it."""
-    batch = record.batch_id
-    written = _write_once_script(conn)(
-        keys=[keys.result_key(record.job_id), keys.batch_key(batch), keys.batch_done_key(batch)],
-        args=[
-            record.model_dump_json(),
-            int(ttl),
-            record.status,
-            record.job_id,
-            repr(record.finished_at),
-        ],
-        client=conn,
-    )
-    return bool(written)
+    script_keys, args = _write_once_call(record, ttl)
+    return bool(_write_once_script(conn)(keys=script_keys, args=args, client=conn))
+
+
+def queue_write_result(pipe: Pipeline, record: ResultRecord, ttl: int) -> None:
+    """Queue the write of ``record`` on ``pipe``; its reply there is 1 if it wrote, else 0.
+
+    Sent as EVAL, not EVALSHA: a pipeline cannot load a script Redis lost (after
+    a restart) without an extra round trip, and Redis caches EVAL's script too.
+    """
+    script_keys, args = _write_once_call(record, ttl)
+    pipe.eval(_WRITE_ONCE, len(script_keys), *script_keys, *args)
 
 
 _script: Script | None = None

@@ -343,41 +343,41 @@ def test_second_sigterm_mid_batch_requeues_every_job(conn, redis_url, tiny, work
     assert all(one_result(conn, j).status == "succeeded" for j in s.job_ids)
 
 
-def test_sigterm_during_success_bookkeeping_stops_after_the_job(conn, redis_url, tiny, monkeypatch):
-    # A SIGTERM landing while the finished job's bookkeeping is in flight must
-    # mean "stop after this job", never an exception inside the bookkeeping.
-    from redis.client import Pipeline
+def test_sigterm_while_taking_the_next_job_stops_after_the_job(conn, redis_url, tiny, monkeypatch):
+    # A SIGTERM landing as the worker takes its next job must mean "stop after
+    # the last job": that job's bookkeeping is applied once, and the job just
+    # taken is handed back unstarted, neither run nor stranded.
     from rq import Queue
     from rq.serializers import JSONSerializer
 
     from worker import runtime as rt_mod
+    from worker.dequeue import MlxqQueue
     from worker.rqworker import MlxqWorker
 
     rt_mod.install(rt_mod.WorkerRuntime(worker_id="sig"))
     worker = MlxqWorker(
         [Queue("mlxq", connection=conn, serializer=JSONSerializer)], connection=conn, name="sig"
     )
-    in_success = {"on": False}
-    real_success, real_execute = MlxqWorker.handle_job_success, Pipeline.execute
+    real_move = MlxqQueue._move_fetch
+    takes = []
 
-    def success(self, *a, **k):
-        in_success["on"] = True
-        try:
-            return real_success(self, *a, **k)
-        finally:
-            in_success["on"] = False
-
-    def execute(self, *a, **k):
-        if in_success["on"]:
+    def move_fetch(connection, queue):
+        found = real_move(connection, queue)
+        takes.append(found)
+        if len(takes) == 2:  # as the second take's reply arrives
             worker.request_stop(signal.SIGTERM, None)
-        return real_execute(self, *a, **k)
+        return found
 
-    monkeypatch.setattr(MlxqWorker, "handle_job_success", success)
-    monkeypatch.setattr(Pipeline, "execute", execute)
+    monkeypatch.setattr(MlxqQueue, "_move_fetch", staticmethod(move_fetch))
     s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)] * 2)
     worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    assert len(takes) == 2 and takes[1] is not None
     assert one_result(conn, s.job_ids[0]).status == "succeeded"
     assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [s.job_ids[1].encode()]
+    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
+    assert conn.hget("rq:job:" + s.job_ids[0], "status") == b"finished"
+    assert conn.hget("rq:job:" + s.job_ids[1], "status") == b"queued"
+    assert int(conn.hget(worker.key, "successful_job_count") or 0) == 1
 
 
 def test_sigterm_while_idle_after_jobs_exits_at_once(conn, redis_url, tiny, workers):

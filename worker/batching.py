@@ -35,6 +35,7 @@ from rq.utils import now as rq_now
 from schemas import GenerationError, JobEnvelope, JobTimeoutError, MlxqError, keys
 from schemas.store import write_result
 from worker import recovery, runtime
+from worker.dequeue import hand_back
 from worker.engine import GenerationOutput, _find_stop, _processors, params_for, prompt_tokens
 from worker.generator import ChatGenerator
 from worker.policy import Decision
@@ -169,10 +170,7 @@ class BatchRunner:
         return job, taken[1]
 
     def _hand_back(self, job_id: str) -> None:
-        pipe = self.conn.pipeline()
-        pipe.lrem(keys.rq_intermediate_key(self.queue.name), 1, job_id)
-        pipe.lpush(self.queue.key, job_id)
-        pipe.execute()
+        hand_back(self.conn, self.queue, job_id)
         self._pause_claims_until = time.monotonic() + 1.0
 
     def _admit(self, job: Job, decision: Decision | None = None) -> None:

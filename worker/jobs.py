@@ -257,8 +257,13 @@ def run_chat_job(payload: dict[str, Any]) -> dict[str, Any]:
         ChunkWriter(conn, envelope.job_id, "", envelope.request.model, ttl).error(
             record.error.model_dump(mode="json")
         )
+    if reraise is None and getattr(rq_job, "defers_result", False):
+        # MlxqWorker writes it with the job's success bookkeeping (one round trip).
+        rq_job.deferred_result = (record, ttl)
+        log.info("job %s %s", ids[0], record.status)
+        return {"status": record.status}
     written = write_result(conn, record, ttl)
     log.info("job %s %s%s", ids[0], record.status, "" if written else " (a result already existed)")
     if reraise is not None:
         raise reraise
-    return {"status": record.status, "written": written}
+    return {"status": record.status}

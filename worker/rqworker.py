@@ -18,7 +18,6 @@ Reliability on top of RQ (see ``worker.recovery``):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -28,16 +27,18 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
-from redis import Redis
 from rq import Queue, SimpleWorker
-from rq.exceptions import DequeueTimeout, NoSuchJobError
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from schemas import InvalidRequestError, keys
+from schemas import InvalidRequestError, ResultRecord, keys
+from schemas.store import queue_write_result, write_result
 from worker import batching, recovery, registry, runtime
+from worker.bookkeeping import Bookkeeper, Finished
+from worker.dequeue import MlxqQueue, dequeuing, hand_back
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class SafeJob(Job):
     #: Whether the job's result record existed when it started (read in the start
     #: MULTI/EXEC; None when unknown), so the job need not ask Redis again.
     result_existed: bool | None = None
+    #: Set by the worker: the job leaves its result record in ``deferred_result``
+    #: and the worker writes it with the job's success bookkeeping (no round trip
+    #: of its own).
+    defers_result: bool = False
+    deferred_result: tuple[ResultRecord, int] | None = None
 
     def __init__(
         self, id: str | None = None, connection: Any = None, serializer: Any = None
@@ -111,82 +117,6 @@ class SafeJob(Job):
         return self._result
 
 
-def dead_letter(conn: Redis, job_id: str, reason: str) -> None:
-    """Record a job that cannot run at all (no or corrupt job hash) on ``mlxq:dead``."""
-    entry = json.dumps({"job_id": job_id, "reason": reason, "at": time.time()})
-    pipe = conn.pipeline()
-    pipe.lpush(keys.DEAD_LETTERS, entry)
-    pipe.ltrim(keys.DEAD_LETTERS, 0, keys.DEAD_LETTERS_MAX - 1)
-    pipe.execute()
-    log.warning("dead-lettered job %s: %s", job_id, reason)
-
-
-class MlxqQueue(Queue):
-    """A queue whose multi-queue dequeue is as safe as RQ's single-queue one."""
-
-    #: Seconds one blocking wait lasts when several queues are served.
-    BLOCK_S = 1
-
-    @classmethod
-    def dequeue_any(  # type: ignore[override]
-        cls,
-        queues: Iterable[Queue],
-        timeout: int | None,
-        connection: Redis,
-        job_class: type[Job] | None = None,
-        serializer: Any = None,
-        death_penalty_class: Any = None,
-    ) -> tuple[Job, Queue] | None:
-        queues = list(queues)
-        job_cls = job_class or SafeJob
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            taken = cls._take(queues, connection, deadline)
-            if taken is None:
-                return None
-            queue, job_id = taken
-            try:
-                job = job_cls.fetch(job_id, connection=connection, serializer=serializer)
-            except NoSuchJobError:
-                connection.lrem(keys.rq_intermediate_key(queue.name), 1, job_id)
-                dead_letter(connection, job_id, f"queue {queue.name!r} held an id with no job hash")
-                continue
-            except Exception as e:
-                connection.lrem(keys.rq_intermediate_key(queue.name), 1, job_id)
-                connection.hset(keys.rq_job_key(job_id), "status", "failed")
-                dead_letter(connection, job_id, f"corrupt job hash: {type(e).__name__}: {e}")
-                continue
-            return job, queue
-
-    @classmethod
-    def _take(
-        cls, queues: list[Queue], connection: Redis, deadline: float | None
-    ) -> tuple[Queue, str] | None:
-        """LMOVE the next job id (first queue first) into that queue's intermediate list."""
-        while True:
-            for queue in queues:
-                job_id = cls._move(connection, queue, None)
-                if job_id is not None:
-                    return queue, job_id
-            if deadline is None:
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DequeueTimeout(0, [q.key for q in queues])
-            # One queue: block on it for the whole wait. Several: block briefly on
-            # the first, then look at all of them again.
-            wait = max(1, int(left)) if len(queues) == 1 else max(1, min(int(left), cls.BLOCK_S))
-            job_id = cls._move(connection, queues[0], wait)
-            if job_id is not None:
-                return queues[0], job_id
-
-    @staticmethod
-    def _move(connection: Redis, queue: Queue, block: int | None) -> str | None:
-        src, dst = queue.key, keys.rq_intermediate_key(queue.name)
-        raw = connection.lmove(src, dst) if block is None else connection.blmove(src, dst, block)
-        return raw.decode() if raw is not None else None
-
-
 class MlxqWorker(SimpleWorker):
     """A non-forking worker: models stay loaded in this process across jobs."""
 
@@ -217,7 +147,9 @@ class MlxqWorker(SimpleWorker):
         self._beat_at = 0.0
         self._suspension_checked_at = 0.0
         self._prepared_job_id: str | None = None
-        self._state_written: str | None = None
+        self._idle_owed = False
+        self.taking = False
+        self._books = Bookkeeper(self)
 
     # -- leases -------------------------------------------------------------
     def get_heartbeat_ttl(self, job: Job) -> int:
@@ -236,6 +168,7 @@ class MlxqWorker(SimpleWorker):
             taken = batching.batch_key(envelope, runtime.current(), depth)
             if taken is not None and job.func_name == keys.JOB_FUNCTION:
                 key, decision = taken
+                self._books.drain()  # the batch checks results in Redis as jobs join
                 self.set_state("busy")
                 self.set_current_job_id(job.id)
                 try:
@@ -244,13 +177,15 @@ class MlxqWorker(SimpleWorker):
                     self.set_current_job_id(None)
                 return
         self.prepare_execution(job)
-        self._beat = _Heartbeat(self, job, interval=max(0.5, self.lease_s / 3))
-        self._beat.start()
+        self._books.release()  # the last job's bookkeeping goes while this one runs
+        if self._beat is None:  # one thread for the worker's life: none started per job
+            self._beat = _Heartbeat(self, interval=max(0.5, self.lease_s / 3))
+            self._beat.start()
+        self._beat.watch(job)
         try:
             self.perform_job(job, queue)
         finally:
-            self._beat.stop()
-            self._beat = None
+            self._beat.release()
         if self._cold:
             raise SystemExit(0)
 
@@ -259,6 +194,10 @@ class MlxqWorker(SimpleWorker):
     # in a fleet every round trip is CPU on a shared Redis, so mlxq uses one each.
     def prepare_execution(self, job: Job) -> Execution:
         """The execution record, worker state and job start in one MULTI/EXEC."""
+        # A copy of a job whose finished run is still with the bookkeeper: its
+        # record is not in Redis yet. (Asked before the EXISTS below, so a send
+        # completing in between is seen by one or the other.)
+        finished_here = self._books.has(job.id)
         with self.connection.pipeline() as pipe:
             ttl = self.get_heartbeat_ttl(job)
             self.execution = Execution.create(job, ttl, pipeline=pipe, worker_name=self.name)
@@ -267,7 +206,9 @@ class MlxqWorker(SimpleWorker):
             pipe.exists(keys.result_key(job.id))
             *_, existed = pipe.execute()
         if isinstance(job, SafeJob):
-            job.result_existed = bool(existed)
+            job.result_existed = bool(existed) or finished_here
+            job.defers_result = True
+        self._idle_owed = False
         self._prepared_job_id = job.id
         return self.execution
 
@@ -291,13 +232,23 @@ class MlxqWorker(SimpleWorker):
         pipe.lrem(keys.rq_intermediate_key(job.origin), 1, job.id)
 
     def set_state(self, state: str, pipeline: Any = None) -> None:
-        # Redis already holds "idle" from the last job's bookkeeping: skip the repeat
-        # write, but always update the in-process state, which signal handling reads.
-        if pipeline is None and state == self._state_written:
+        # RQ says "idle" before every dequeue. Redis hears it only when the worker
+        # really waits (going_idle): on a busy queue it goes from job to job.
+        if pipeline is None and state == "idle":
             self._state = state
+            self._idle_owed = True
             return
-        self._state_written = state if pipeline is None else None
         super().set_state(state, pipeline=pipeline)
+
+    def going_idle(self) -> None:
+        """The queues are empty: send held bookkeeping, tell Redis the worker is idle."""
+        self._books.release()
+        if self._idle_owed:
+            with self.connection.pipeline() as pipe:
+                pipe.hset(self.key, "state", "idle")
+                pipe.hdel(self.key, "current_job")
+                pipe.execute()
+            self._idle_owed = False
 
     def check_for_suspension(self, burst: bool) -> None:
         # `rq suspend` is honoured within a second; not one round trip per job.
@@ -308,9 +259,19 @@ class MlxqWorker(SimpleWorker):
     def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
         # RQ also sends a job heartbeat here (a round trip); the lease is ours.
         job.ended_at = now()
+        if self._beat is not None:
+            self._beat.release()  # no beat may touch the execution record from here on
 
-    def finish_success(self, job: Job, execution: Execution | None, pipe: Any) -> None:
-        """RQ's success bookkeeping for one job, queued on ``pipe`` (no dependents to watch)."""
+    def finish_success(self, job: Job, execution: Execution | None, pipe: Any) -> int | None:
+        """RQ's success bookkeeping for one job, queued on ``pipe`` (no dependents to watch).
+
+        A result record the job deferred is queued first; returns its reply's index.
+        """
+        write_at = None
+        if isinstance(job, SafeJob) and job.deferred_result is not None:
+            write_at = len(pipe.command_stack)
+            queue_write_result(pipe, *job.deferred_result)
+            job.deferred_result = None
         self.increment_successful_job_count(pipeline=pipe)
         if job.started_at and job.ended_at:
             self.increment_total_working_time(job.ended_at - job.started_at, pipe)
@@ -325,17 +286,37 @@ class MlxqWorker(SimpleWorker):
                 execution_ended_at=job.ended_at,
             )
         job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        return write_at
 
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry: Any) -> None:
-        """RQ's success bookkeeping in one MULTI/EXEC."""
-        with self.connection.pipeline() as pipe:
-            self.finish_success(job, self.execution, pipe)
-            self.cleanup_execution(job, pipeline=pipe)
-            # Only Redis hears "idle" here: in process the worker stays busy until
-            # RQ's dequeue loop, so a SIGTERM now still means "stop after this job".
-            pipe.hset(self.key, "state", "idle")
-            pipe.execute()
-        self._state_written = "idle"
+        """RQ's success bookkeeping and the job's result record: sent by the bookkeeper
+        thread once the next job has started (:mod:`worker.bookkeeping`)."""
+        self._books.hold(Finished(job, self.execution))
+        self.execution = None
+
+    def dequeue_job_and_maintain_ttl(
+        self, timeout: int | None, max_idle_time: int | None = None
+    ) -> tuple[Job, Queue] | None:
+        with dequeuing(self):
+            taken = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        if taken is not None and self._stop_requested:
+            # Stop was asked while the job was being taken: give it back, unstarted.
+            job, queue = taken
+            hand_back(self.connection, queue, job.id)
+            raise StopRequested()
+        return taken
+
+    def _shutdown(self) -> None:
+        # Between jobs RQ stops at once by raising from the signal handler. During
+        # a take that would strand the job just taken: stop when the take returns.
+        if self.taking:
+            self._stop_requested = True
+            return
+        super()._shutdown()
+
+    def run_maintenance_tasks(self) -> None:
+        self._books.release()
+        super().run_maintenance_tasks()
 
     # -- recovery -----------------------------------------------------------
     def recover(self) -> recovery.RecoveryReport:
@@ -392,6 +373,10 @@ class MlxqWorker(SimpleWorker):
             log.debug("publishing worker state failed: %s", e)
 
     def register_death(self) -> None:
+        if self._beat is not None:
+            self._beat.close()
+        if self._books.is_alive():
+            self._books.close()
         try:
             registry.unpublish(self.connection, self.name)
         finally:
@@ -401,6 +386,9 @@ class MlxqWorker(SimpleWorker):
     def register_birth(self) -> None:
         self._reclaim_name()
         super().register_birth()
+        if not self._books.is_alive():
+            self._books = Bookkeeper(self)
+            self._books.start()
 
     def _reclaim_name(self) -> None:
         """Take over our name from a previous process of ours on this host that died."""
@@ -421,6 +409,10 @@ class MlxqWorker(SimpleWorker):
         log.warning("worker %s: previous process (pid %s) died; name reclaimed", self.name, pid)
 
     def handle_job_failure(self, job: Job, queue: Queue, *args: Any, **kwargs: Any) -> None:
+        if isinstance(job, SafeJob) and job.deferred_result is not None:
+            # The job finished (its record is final) before something else failed.
+            write_result(self.connection, *job.deferred_result)
+            job.deferred_result = None
         if self._cold:
             # Cold shutdown: hand the job back instead of failing it.
             with self.connection.pipeline() as pipe:
@@ -453,29 +445,53 @@ def _alive(pid: int) -> bool:
 
 
 class _Heartbeat(threading.Thread):
-    """Renews the running job's lease (and runs recovery passes) while the job computes."""
+    """Renews the running job's lease (and runs recovery passes) while the job computes.
 
-    def __init__(self, worker: MlxqWorker, job: Job, interval: float) -> None:
-        super().__init__(name=f"mlxq-heartbeat-{job.id}", daemon=True)
-        self.worker, self.job, self.interval = worker, job, interval
-        self._stop_event = threading.Event()
+    One thread serves all of a worker's jobs: starting and joining a thread per
+    job put two thread hand-offs on every job's critical path, each waiting for
+    the scheduler on a busy host. The thread wakes every ``interval`` seconds and
+    beats for whichever job is being watched; ``release`` waits for a beat in
+    progress, so no beat for a finished job lands after its bookkeeping.
+    """
+
+    def __init__(self, worker: MlxqWorker, interval: float) -> None:
+        super().__init__(name=f"mlxq-heartbeat-{worker.name}", daemon=True)
+        self.worker, self.interval = worker, interval
+        self._lock = threading.Lock()
+        self._job: Job | None = None
+        self._closed = threading.Event()
         self._last_recovery = time.monotonic()
 
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=5)
+    def watch(self, job: Job) -> None:
+        """Beat for ``job`` from now until :meth:`release`."""
+        with self._lock:
+            self._job = job
+
+    def release(self) -> None:
+        """Stop beating for the current job (after a beat in progress ends)."""
+        with self._lock:
+            self._job = None
+
+    def close(self) -> None:
+        self._closed.set()
+        self.release()
 
     def run(self) -> None:
-        while not self._stop_event.wait(self.interval):
-            try:
-                if self.worker.execution is None:
-                    continue
-                self.worker.maintain_heartbeats(self.job)
-                self.worker.set_current_job_working_time(
-                    (now() - self.job.started_at).total_seconds() if self.job.started_at else 0
-                )
-                if time.monotonic() - self._last_recovery >= self.worker.maintenance_interval:
-                    self._last_recovery = time.monotonic()
-                    self.worker.recover()
-            except Exception as e:  # Redis may be briefly away; the lease has slack
-                log.warning("heartbeat for job %s failed: %s", self.job.id, e)
+        while not self._closed.wait(self.interval):
+            with self._lock:
+                if self._job is not None:
+                    self._beat(self._job)
+
+    def _beat(self, job: Job) -> None:
+        try:
+            if self.worker.execution is None:
+                return
+            self.worker.maintain_heartbeats(job)
+            self.worker.set_current_job_working_time(
+                (now() - job.started_at).total_seconds() if job.started_at else 0
+            )
+            if time.monotonic() - self._last_recovery >= self.worker.maintenance_interval:
+                self._last_recovery = time.monotonic()
+                self.worker.recover()
+        except Exception as e:  # Redis may be briefly away; the lease has slack
+            log.warning("heartbeat for job %s failed: %s", job.id, e)
