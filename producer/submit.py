@@ -16,6 +16,9 @@ from schemas import ChatRequest, keys
 
 DEFAULT_JOB_TIMEOUT = 3600
 DEFAULT_CHUNK = 1000
+#: The first chunk's size; each next one doubles, up to the chunk size, so
+#: workers start on the first jobs while the rest are still being enqueued.
+FIRST_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -95,11 +98,12 @@ def submit_items(
     (:func:`schemas.keys.queue_for_model`), which workers started with
     ``--model`` serve; ``"queue"`` puts every job on ``queue``.
 
-    Each chunk goes in one MULTI/EXEC transaction together with the batch's job
-    list and counter, so an interruption never leaves a job the batch does not
-    know about, and the job list tells exactly what is in: rerunning with the
-    same ``batch_id`` enqueues only what is missing. Duplicate custom_ids within
-    ``items`` are enqueued once.
+    Chunks grow from ``FIRST_CHUNK`` items to ``chunk_size`` (workers start on
+    the first jobs at once). Each chunk goes in one MULTI/EXEC transaction
+    together with the batch's job list and counter, so an interruption never
+    leaves a job the batch does not know about, and the job list tells exactly
+    what is in: rerunning with the same ``batch_id`` enqueues only what is
+    missing. Duplicate custom_ids within ``items`` are enqueued once.
     """
     batch_id = keys.validate_batch_id(batch_id or new_batch_id())
     is_new = _register_batch(conn, batch_id, queue, result_ttl, source)
@@ -110,8 +114,8 @@ def submit_items(
     submitted = present = 0
     job_ids: list[str] = []
     now = time.time()
-    for start in range(0, len(items), chunk_size):
-        chunk = items[start : start + chunk_size]
+    for start, stop in _chunks(len(items), chunk_size):
+        chunk = items[start:stop]
         ids = [keys.job_id_for(batch_id, item.custom_id) for item in chunk]
         job_ids.extend(ids)
         fresh = []
@@ -150,6 +154,17 @@ def submit_items(
         if progress:
             progress(len(chunk))
     return SubmitSummary(batch_id, queue, submitted, present, job_ids)
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """(start, stop) of each chunk: FIRST_CHUNK items, then twice as many each time, up to
+    ``size``."""
+    bounds, start, step = [], 0, min(FIRST_CHUNK, size)
+    while start < n:
+        bounds.append((start, min(n, start + step)))
+        start += step
+        step = min(size, step * 2)
+    return bounds
 
 
 def _envelope(

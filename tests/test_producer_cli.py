@@ -110,6 +110,26 @@ def test_resubmission_with_same_batch_id_adds_nothing(tmp_path, conn, redis_url)
     assert conn.hget(keys.batch_key("again"), "total") == b"5"
 
 
+def test_large_submits_start_with_a_small_chunk_and_keep_order(conn):
+    from producer.submit import FIRST_CHUNK, SubmitItem, _chunks, submit_items
+    from schemas import ChatRequest
+
+    # Workers can start after the first FIRST_CHUNK jobs; chunks double up to the size.
+    assert _chunks(200, 64) == [(0, 32), (32, 96), (96, 160), (160, 200)]
+    assert _chunks(5, 1000) == [(0, 5)]
+    assert _chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert FIRST_CHUNK == 32
+    items = [
+        SubmitItem(str(i), ChatRequest.model_validate(chat("m", content=str(i))))
+        for i in range(200)
+    ]
+    s = submit_items(conn, items, batch_id="ramp", chunk_size=64)
+    assert s.submitted == 200
+    queued = [j.decode() for j in conn.lrange(keys.rq_queue_key("mlxq"), 0, -1)]
+    assert queued == s.job_ids == [keys.job_id_for("ramp", str(i)) for i in range(200)]
+    assert conn.hget(keys.batch_key("ramp"), "total") == b"200"
+
+
 def test_defaults_fill_missing_model_and_draft(tmp_path, conn, redis_url):
     lines = [
         {"messages": [{"role": "user", "content": "x"}]},
