@@ -2,7 +2,10 @@
 
 Counts what the promise is about: every job ends with exactly one result record.
 
-    .venv/bin/python -m bench.soak [--jobs 300] [--workers 3] [--seconds 240]
+    .venv/bin/python -m bench.soak [--jobs 300] [--workers 3] [--seconds 240] [--max-batch 8]
+
+``--max-batch 1`` runs every job on the one-at-a-time path, where a finished
+job's bookkeeping is sent after the next job starts (kills land in between too).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from worker.tinymodels import TinySpec, ensure_model
 OUT = Path(__file__).parent / "out"
 
 
-def start_worker(url: str, name: str, lease: int) -> subprocess.Popen:
+def start_worker(url: str, name: str, lease: int, max_batch: int) -> subprocess.Popen:
     exe = str(Path(sys.executable).with_name("worker"))
     env = os.environ | {"MLXQ_REDIS_URL": url}
+    args = ["--name", name, "--lease-seconds", str(lease), "--max-crashes", "5"]
     return subprocess.Popen(
-        [exe, "--name", name, "--lease-seconds", str(lease), "--max-crashes", "5"],
+        [exe, *args, "--max-batch", str(max_batch)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -45,6 +49,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=240, help="give up after this long")
     ap.add_argument("--lease", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-batch", type=int, default=8, help="the workers' --max-batch")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     OUT.mkdir(exist_ok=True)
@@ -69,7 +74,8 @@ def main() -> None:
         }
         summary = Client(connection=conn).submit(requests)
         procs = {
-            f"w{i}": start_worker(server.url, f"w{i}", args.lease) for i in range(args.workers)
+            f"w{i}": start_worker(server.url, f"w{i}", args.lease, args.max_batch)
+            for i in range(args.workers)
         }
         start = time.monotonic()
         next_kill = start + rng.uniform(1, 4)
@@ -88,7 +94,7 @@ def main() -> None:
                 new_name = name if reuse else f"{name}-{kills}"
                 same_name += reuse
                 del procs[name]
-                procs[new_name] = start_worker(server.url, new_name, args.lease)
+                procs[new_name] = start_worker(server.url, new_name, args.lease, args.max_batch)
                 restarts += 1
                 next_kill = time.monotonic() + rng.uniform(1, 4)
             time.sleep(0.1)
@@ -104,6 +110,7 @@ def main() -> None:
         report = {
             "jobs_submitted": args.jobs,
             "workers": args.workers,
+            "max_batch": args.max_batch,
             "kills_sigkill": kills,
             "restarts": restarts,
             "restarts_same_name": same_name,
