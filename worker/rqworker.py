@@ -8,7 +8,10 @@ callbacks and webhooks named in job hashes, and never unpickles.
 
 Reliability on top of RQ (see ``worker.recovery``):
 - every dequeue moves the job id atomically into the queue's intermediate list
-  (LMOVE), also when serving several queues, where RQ would use a lossy BLPOP;
+  (LMOVE), also when serving several queues, where RQ would use a lossy BLPOP
+  (``worker.dequeue``);
+- a finished job keeps its lease until its result and bookkeeping are in Redis
+  (sent off the job path, ``worker.bookkeeping``);
 - a running job holds a short lease that a heartbeat thread renews, so a dead
   worker's job is requeued within about ``lease + lease/2`` seconds;
 - a second SIGTERM requeues the current job instead of failing it;
@@ -190,8 +193,9 @@ class MlxqWorker(SimpleWorker):
             raise SystemExit(0)
 
     # -- per-job round trips -------------------------------------------------
-    # RQ spends two MULTI/EXECs before a job starts and a lone HSET after it ends;
-    # in a fleet every round trip is CPU on a shared Redis, so mlxq uses one each.
+    # RQ spends about five round trips between two jobs. mlxq: one takes the job
+    # (LMOVE and its hash, worker.dequeue), one starts it (below); the last job's
+    # end goes from the bookkeeper thread while this one runs.
     def prepare_execution(self, job: Job) -> Execution:
         """The execution record, worker state and job start in one MULTI/EXEC."""
         # A copy of a job whose finished run is still with the bookkeeper: its
