@@ -350,25 +350,25 @@ def test_sigterm_while_taking_the_next_job_stops_after_the_job(conn, redis_url, 
     from rq import Queue
     from rq.serializers import JSONSerializer
 
+    from worker import dequeue
     from worker import runtime as rt_mod
-    from worker.dequeue import MlxqQueue
     from worker.rqworker import MlxqWorker
 
     rt_mod.install(rt_mod.WorkerRuntime(worker_id="sig"))
     worker = MlxqWorker(
         [Queue("mlxq", connection=conn, serializer=JSONSerializer)], connection=conn, name="sig"
     )
-    real_move = MlxqQueue._move_fetch
+    real_take = dequeue.take
     takes = []
 
-    def move_fetch(connection, queue):
-        found = real_move(connection, queue)
+    def take(connection, queue):
+        found = real_take(connection, queue)
         takes.append(found)
         if len(takes) == 2:  # as the second take's reply arrives
             worker.request_stop(signal.SIGTERM, None)
         return found
 
-    monkeypatch.setattr(MlxqQueue, "_move_fetch", staticmethod(move_fetch))
+    monkeypatch.setattr(dequeue, "take", take)
     s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)] * 2)
     worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
     assert len(takes) == 2 and takes[1] is not None

@@ -35,7 +35,7 @@ from rq.utils import now as rq_now
 from schemas import GenerationError, JobEnvelope, JobTimeoutError, MlxqError, keys
 from schemas.store import write_result
 from worker import recovery, runtime
-from worker.dequeue import hand_back
+from worker.dequeue import hand_back, job_from, take
 from worker.engine import GenerationOutput, _find_stop, _processors, params_for, prompt_tokens
 from worker.generator import ChatGenerator
 from worker.policy import Decision
@@ -148,16 +148,16 @@ class BatchRunner:
 
     def _claim(self) -> tuple[Job, Decision | None] | None:
         """LMOVE the next job of our queue; hand it back if it cannot join this batch."""
-        raw = self.conn.lmove(self.queue.key, keys.rq_intermediate_key(self.queue.name))
-        if raw is None:
+        found = take(self.conn, self.queue)
+        if found is None:
             return None
-        job_id = raw.decode()
+        job_id, data = found
         if any(slot.job.id == job_id for slot in self.slots.values()):
             # A second copy of a job running in this batch: that run finishes it.
             self.conn.lrem(keys.rq_intermediate_key(self.queue.name), 1, job_id)
             return None
         try:
-            job = self.worker.job_class.fetch(job_id, connection=self.conn)
+            job = job_from(self.worker.job_class, job_id, data, self.conn)
         except Exception:
             self._hand_back(job_id)
             return None

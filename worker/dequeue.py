@@ -58,6 +58,45 @@ def hand_back(conn: Redis, queue: Queue, job_id: str) -> None:
     pipe.execute()
 
 
+def take(connection: Redis, queue: Queue) -> tuple[str, dict[bytes, bytes] | None] | None:
+    """LMOVE the queue's next id into its intermediate list and read its job hash, in one
+    script: (id, job hash), or None if the queue is empty.
+
+    Sent as EVAL: Redis caches the script by its hash all the same, and a
+    restarted Redis needs no reload.
+    """
+    inter = keys.rq_intermediate_key(queue.name)
+    taken = connection.eval(_TAKE, 2, queue.key, inter, keys.rq_job_key(""))
+    if not taken:
+        return None
+    job_id = taken[0].decode()
+    if ":" in job_id:  # RQ reads such an id as an execution key: let fetch parse it
+        return job_id, None
+    fields = taken[1]
+    return job_id, dict(zip(fields[::2], fields[1::2], strict=True))
+
+
+def job_from(
+    job_cls: type[Job],
+    job_id: str,
+    data: dict[bytes, bytes] | None,
+    connection: Redis,
+    serializer: Any = None,
+) -> Job:
+    """The job from the hash :func:`take` read (fetched when it read none).
+
+    Raises NoSuchJobError when the id has no job hash, anything else when the
+    hash is corrupt.
+    """
+    if data is None:
+        return job_cls.fetch(job_id, connection=connection, serializer=serializer)
+    if not data:
+        raise NoSuchJobError(job_id)
+    job = job_cls(job_id, connection=connection, serializer=serializer)
+    job.restore(data)
+    return job
+
+
 @contextmanager
 def dequeuing(worker: MlxqWorker) -> Iterator[None]:
     """Mark ``worker`` as the one dequeuing in this thread."""
@@ -106,13 +145,7 @@ class MlxqQueue(Queue):
                 return None
             queue, job_id, data = taken
             try:
-                if data is None:
-                    job = job_cls.fetch(job_id, connection=connection, serializer=serializer)
-                elif not data:
-                    raise NoSuchJobError(job_id)
-                else:
-                    job = job_cls(job_id, connection=connection, serializer=serializer)
-                    job.restore(data)
+                job = job_from(job_cls, job_id, data, connection, serializer)
             except NoSuchJobError:
                 connection.lrem(keys.rq_intermediate_key(queue.name), 1, job_id)
                 dead_letter(connection, job_id, f"queue {queue.name!r} held an id with no job hash")
@@ -138,7 +171,7 @@ class MlxqQueue(Queue):
         while True:
             for queue in queues:
                 with _taking(worker):
-                    found = cls._move_fetch(connection, queue)
+                    found = take(connection, queue)
                 if found is not None:
                     return queue, *found
             if worker is not None:
@@ -157,22 +190,3 @@ class MlxqQueue(Queue):
             raw = connection.blmove(src, dst, wait)
             if raw is not None:
                 return queues[0], raw.decode(), None
-
-    @staticmethod
-    def _move_fetch(
-        connection: Redis, queue: Queue
-    ) -> tuple[str, dict[bytes, bytes] | None] | None:
-        """LMOVE and HGETALL in one script: (id, job hash), or None if the queue is empty.
-
-        Sent as EVAL: Redis caches the script by its hash all the same, and a
-        restarted Redis needs no reload.
-        """
-        inter = keys.rq_intermediate_key(queue.name)
-        taken = connection.eval(_TAKE, 2, queue.key, inter, keys.rq_job_key(""))
-        if not taken:
-            return None
-        job_id = taken[0].decode()
-        if ":" in job_id:  # RQ reads such an id as an execution key: let fetch parse it
-            return job_id, None
-        fields = taken[1]
-        return job_id, dict(zip(fields[::2], fields[1::2], strict=True))
