@@ -267,3 +267,28 @@ def test_job_whose_result_exists_is_not_run_again(conn, redis_url, tiny, max_bat
     assert again.stats.jobs_done == 0
     assert conn.get(keys.result_key(s.job_ids[0])) == before
     assert conn.llen(keys.rq_queue_key("mlxq")) == 0
+
+
+def test_exit_does_not_wait_on_the_pubsub_listener(conn):
+    # RQ unsubscribes before stopping its listener thread: a thread that reads the
+    # reply first waits for another message, and exit stalls a second on join.
+    import time
+
+    from rq import Queue
+
+    from worker.rqworker import MlxqWorker
+
+    worker = MlxqWorker(
+        [Queue("mlxq", connection=conn, serializer=JSONSerializer)], connection=conn
+    )
+    worker.subscribe()
+    real = worker.pubsub.unsubscribe
+
+    def unsubscribe(*a, **k):
+        real(*a, **k)
+        time.sleep(0.3)  # the listener reads the reply before anyone stops it
+
+    worker.pubsub.unsubscribe = unsubscribe
+    thread = worker.pubsub_thread
+    worker.unsubscribe()
+    assert not thread.is_alive()

@@ -376,6 +376,14 @@ class MlxqWorker(SimpleWorker):
         except Exception as e:  # the registry is informative; never fail a job for it
             log.debug("publishing worker state failed: %s", e)
 
+    def unsubscribe(self) -> None:
+        # RQ unsubscribes, then stops its pubsub listener thread. When the thread
+        # reads the unsubscribe reply before the stop, it waits for the next
+        # message again and every exit stalls for join's full second: stop first.
+        if self.pubsub_thread:
+            self.pubsub_thread.stop()
+        super().unsubscribe()
+
     def register_death(self) -> None:
         if self._beat is not None:
             self._beat.close()
