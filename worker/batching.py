@@ -147,7 +147,7 @@ class BatchRunner:
         return execution, bool(existed)
 
     def _claim(self) -> tuple[Job, Decision | None] | None:
-        """LMOVE the next job of our queue; hand it back if it cannot join this batch."""
+        """Take the next job of our queue (and its hash); hand it back if it cannot join."""
         found = take(self.conn, self.queue)
         if found is None:
             return None

@@ -219,7 +219,9 @@ def run_chat_job(payload: dict[str, Any]) -> dict[str, Any]:
     Errors the job is responsible for (bad payload, unknown or disallowed
     model, incompatible draft, over-long prompt) become a failed record and the
     function returns normally; a timeout or an unexpected error is recorded
-    and then re-raised so RQ marks the job failed too.
+    and then re-raised so RQ marks the job failed too. When the worker asks
+    (``defers_result`` on the job), a record of a job that returns normally is
+    left on the job for the worker to write with its bookkeeping.
     """
     t0 = Start()
     rq_job = get_current_job()
