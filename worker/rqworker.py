@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
@@ -42,6 +41,7 @@ from schemas.store import queue_write_result, write_result
 from worker import batching, recovery, registry, runtime
 from worker.bookkeeping import Bookkeeper, Finished
 from worker.dequeue import MlxqQueue, dequeuing, hand_back
+from worker.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class MlxqWorker(SimpleWorker):
         names = [q.name if isinstance(q, Queue) else q for q in queues]
         super().__init__(names, *args, **kwargs)
         self._cold = False
-        self._beat: _Heartbeat | None = None
+        self._beat: Heartbeat | None = None
         self._published_at = 0.0
         self._beat_at = 0.0
         self._suspension_checked_at = 0.0
@@ -182,7 +182,7 @@ class MlxqWorker(SimpleWorker):
         self.prepare_execution(job)
         self._books.release()  # the last job's bookkeeping goes while this one runs
         if self._beat is None:  # one thread for the worker's life: none started per job
-            self._beat = _Heartbeat(self, interval=max(0.5, self.lease_s / 3))
+            self._beat = Heartbeat(self, interval=max(0.5, self.lease_s / 3))
             self._beat.start()
         self._beat.watch(job)
         try:
@@ -454,56 +454,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-class _Heartbeat(threading.Thread):
-    """Renews the running job's lease (and runs recovery passes) while the job computes.
-
-    One thread serves all of a worker's jobs: starting and joining a thread per
-    job put two thread hand-offs on every job's critical path, each waiting for
-    the scheduler on a busy host. The thread wakes every ``interval`` seconds and
-    beats for whichever job is being watched; ``release`` waits for a beat in
-    progress, so no beat for a finished job lands after its bookkeeping.
-    """
-
-    def __init__(self, worker: MlxqWorker, interval: float) -> None:
-        super().__init__(name=f"mlxq-heartbeat-{worker.name}", daemon=True)
-        self.worker, self.interval = worker, interval
-        self._lock = threading.Lock()
-        self._job: Job | None = None
-        self._closed = threading.Event()
-        self._last_recovery = time.monotonic()
-
-    def watch(self, job: Job) -> None:
-        """Beat for ``job`` from now until :meth:`release`."""
-        with self._lock:
-            self._job = job
-
-    def release(self) -> None:
-        """Stop beating for the current job (after a beat in progress ends)."""
-        with self._lock:
-            self._job = None
-
-    def close(self) -> None:
-        self._closed.set()
-        self.release()
-
-    def run(self) -> None:
-        while not self._closed.wait(self.interval):
-            with self._lock:
-                if self._job is not None:
-                    self._beat(self._job)
-
-    def _beat(self, job: Job) -> None:
-        try:
-            if self.worker.execution is None:
-                return
-            self.worker.maintain_heartbeats(job)
-            self.worker.set_current_job_working_time(
-                (now() - job.started_at).total_seconds() if job.started_at else 0
-            )
-            if time.monotonic() - self._last_recovery >= self.worker.maintenance_interval:
-                self._last_recovery = time.monotonic()
-                self.worker.recover()
-        except Exception as e:  # Redis may be briefly away; the lease has slack
-            log.warning("heartbeat for job %s failed: %s", job.id, e)
