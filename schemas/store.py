@@ -11,7 +11,6 @@ from schemas.result import ResultRecord
 if TYPE_CHECKING:
     from redis import Redis
     from redis.client import Pipeline
-    from redis.commands.core import Script
 
 # Atomically: write the record only if none exists (first write wins), then
 # bump the batch counter and announce the job on the batch's done list.
@@ -42,28 +41,18 @@ def _write_once_call(record: ResultRecord, ttl: int) -> tuple[list[str], list[ob
 def write_result(conn: Redis, record: ResultRecord, ttl: int) -> bool:
     """Store ``record`` unless the job already has one. True if this call wrote it."""
     script_keys, args = _write_once_call(record, ttl)
-    return bool(_write_once_script(conn)(keys=script_keys, args=args, client=conn))
+    return bool(conn.eval(_WRITE_ONCE, len(script_keys), *script_keys, *args))
 
 
 def queue_write_result(pipe: Pipeline, record: ResultRecord, ttl: int) -> None:
     """Queue the write of ``record`` on ``pipe``; its reply there is 1 if it wrote, else 0.
 
-    Sent as EVAL, not EVALSHA: a pipeline cannot load a script Redis lost (after
-    a restart) without an extra round trip, and Redis caches EVAL's script too.
+    Both send EVAL, not EVALSHA: Redis caches the script by its hash all the
+    same, and one that restarted needs no reload (a pipeline could not do that
+    without an extra round trip).
     """
     script_keys, args = _write_once_call(record, ttl)
     pipe.eval(_WRITE_ONCE, len(script_keys), *script_keys, *args)
-
-
-_script: Script | None = None
-
-
-def _write_once_script(conn: Redis) -> Script:
-    """The write-once script; calls send it by SHA (EVALSHA), loading it when Redis lacks it."""
-    global _script
-    if _script is None:
-        _script = conn.register_script(_WRITE_ONCE)
-    return _script
 
 
 def has_result(conn: Redis, job_id: str) -> bool:

@@ -32,8 +32,8 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.utils import now as rq_now
 
-from schemas import GenerationError, JobEnvelope, JobTimeoutError, MlxqError, keys
-from schemas.store import write_result
+from schemas import GenerationError, JobEnvelope, JobTimeoutError, MlxqError, ResultRecord, keys
+from schemas.store import queue_write_result
 from worker import recovery, runtime
 from worker.dequeue import hand_back, job_from, take
 from worker.engine import GenerationOutput, _find_stop, _processors, params_for, prompt_tokens
@@ -244,10 +244,15 @@ class BatchRunner:
         return self.generator.target
 
     # -- finishing jobs ---------------------------------------------------
-    def _bookkeep(self, job: Job, execution: Execution) -> None:
-        """RQ's success bookkeeping for one job of the batch."""
+    def _bookkeep(
+        self, job: Job, execution: Execution, record: ResultRecord | None = None, ttl: int = 0
+    ) -> None:
+        """RQ's success bookkeeping for one job of the batch, with its result record if
+        given (one MULTI/EXEC, as on the one-at-a-time path)."""
         job.ended_at = rq_now()
         with self.conn.pipeline() as pipe:
+            if record is not None:
+                queue_write_result(pipe, record, ttl)
             self.worker.finish_success(job, execution, pipe)
             execution.delete(job=job, pipeline=pipe)
             pipe.execute()
@@ -271,8 +276,7 @@ class BatchRunner:
             batched_with=len(self.slots) + 1,
             decision=slot.decision,
         )
-        write_result(self.conn, record, slot.envelope.result_ttl)
-        self._bookkeep(slot.job, slot.execution)
+        self._bookkeep(slot.job, slot.execution, record, slot.envelope.result_ttl)
 
     def _finish_error(
         self, job: Job, execution: Execution, envelope: JobEnvelope, started: Any, e: MlxqError
@@ -280,8 +284,7 @@ class BatchRunner:
         from worker.jobs import record_failure
 
         record = record_failure(e, self.rt, envelope, started)
-        write_result(self.conn, record, envelope.result_ttl)
-        self._bookkeep(job, execution)
+        self._bookkeep(job, execution, record, envelope.result_ttl)
 
     # -- the loop ---------------------------------------------------------
     def _renew_leases(self) -> None:
