@@ -111,14 +111,13 @@ def test_resubmission_with_same_batch_id_adds_nothing(tmp_path, conn, redis_url)
 
 
 def test_large_submits_start_with_a_small_chunk_and_keep_order(conn):
-    from producer.submit import FIRST_CHUNK, SubmitItem, _chunks, submit_items
+    from producer.submit import SubmitItem, _chunks, submit_items
     from schemas import ChatRequest
 
-    # Workers can start after the first FIRST_CHUNK jobs; chunks double up to the size.
+    # Workers can start after the first 32 jobs; chunks double up to the size.
     assert _chunks(200, 64) == [(0, 32), (32, 96), (96, 160), (160, 200)]
     assert _chunks(5, 1000) == [(0, 5)]
     assert _chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert FIRST_CHUNK == 32
     items = [
         SubmitItem(str(i), ChatRequest.model_validate(chat("m", content=str(i))))
         for i in range(200)
