@@ -5,6 +5,7 @@ never imports mlx.
 """
 
 from schemas.errors import (
+    CancelledError,
     ContextLengthError,
     GenerationError,
     IncompatibleDraftError,
@@ -15,8 +16,10 @@ from schemas.errors import (
     ModelNotAllowedError,
     ModelNotFoundError,
     ModelTooLargeError,
+    PoisonJobError,
+    UnsafeJobError,
 )
-from schemas.job import JobEnvelope
+from schemas.job import JobEnvelope, JobRefused, StoredJob, read_job_hash
 from schemas.request import ChatRequest, Message, TextPart
 from schemas.result import (
     AssistantMessage,
@@ -35,6 +38,7 @@ __all__ = [
     "AssistantMessage",
     "BatchInputLine",
     "BatchOutputLine",
+    "CancelledError",
     "ChatCompletion",
     "ChatRequest",
     "Choice",
@@ -44,6 +48,7 @@ __all__ = [
     "IncompatibleDraftError",
     "InvalidRequestError",
     "JobEnvelope",
+    "JobRefused",
     "JobTimeoutError",
     "Message",
     "Metrics",
@@ -52,8 +57,12 @@ __all__ = [
     "ModelNotAllowedError",
     "ModelNotFoundError",
     "ModelTooLargeError",
+    "PoisonJobError",
     "ResultRecord",
+    "StoredJob",
     "TextPart",
+    "UnsafeJobError",
     "Usage",
     "describe_validation_error",
+    "read_job_hash",
 ]

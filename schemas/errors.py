@@ -74,3 +74,23 @@ class JobTimeoutError(MlxqError):
 
     code = "timeout"
     status_code = 504
+
+
+class UnsafeJobError(InvalidRequestError):
+    """The job hash is not one mlxq runs: another function, callbacks, webhooks, pickle."""
+
+    code = "unsafe_job"
+
+
+class PoisonJobError(MlxqError):
+    """The job's worker died too many times while running it."""
+
+    code = "poison_job"
+
+
+class CancelledError(MlxqError):
+    """The job was cancelled before it started (``producer cancel``)."""
+
+    code = "cancelled"
+    type = "cancelled"
+    status_code = 499

@@ -52,6 +52,14 @@ def batch_of(job_id: str) -> str:
     return job_id.rsplit("-", 1)[0]
 
 
+_JOB_ID_RE = re.compile(r"([A-Za-z0-9_-]{1,64})-[0-9a-f]{20}")
+
+
+def is_job_id(job_id: str) -> bool:
+    """Whether ``job_id`` has the form :func:`job_id_for` gives (batch id, '-', 20 hex)."""
+    return _JOB_ID_RE.fullmatch(job_id) is not None
+
+
 def result_key(job_id: str) -> str:
     """String: the job's result record (JSON), with a TTL. Written once."""
     return f"{PREFIX}:result:{job_id}"
@@ -77,11 +85,6 @@ def crashes_key(job_id: str) -> str:
     return f"{PREFIX}:crashes:{job_id}"
 
 
-def stuck_key(queue: str, job_id: str) -> str:
-    """String: when a recovering worker first saw the job stranded between dequeue and start."""
-    return f"{PREFIX}:stuck:{queue}:{job_id}"
-
-
 def queue_for_model(model: str) -> str:
     """The RQ queue of jobs routed by model (``producer submit --route model``).
 
@@ -95,6 +98,23 @@ def queue_for_model(model: str) -> str:
 def stream_key(job_id: str) -> str:
     """Stream: the job's ``chat.completion.chunk`` objects (field ``chunk``), for stream=true."""
     return f"{PREFIX}:stream:{job_id}"
+
+
+#: Hash: job id -> "<lease token> <queue>" for every job a worker holds (taken, not yet
+#: ended). The job lifecycle (``worker.lifecycle``) is the only writer.
+RUNNING = f"{PREFIX}:running"
+
+#: Sorted set: lease token (one per worker process) -> when its lease ends, in Redis
+#: server milliseconds. One lease covers every job the process holds.
+LEASES = f"{PREFIX}:leases"
+
+#: Hash: lease token -> JSON ``{"name", "host", "pid", "inbox_queue"}`` of its process.
+HOLDERS = f"{PREFIX}:holders"
+
+
+def inbox_key(token: str) -> str:
+    """List: the id a worker's blocking wait moved off its first queue, before it is taken."""
+    return f"{PREFIX}:inbox:{token}"
 
 
 #: Sorted set of worker names, scored by their last registry heartbeat (unix seconds).
@@ -121,16 +141,43 @@ def rq_queue_key(queue: str) -> str:
     return f"rq:queue:{queue}"
 
 
-def rq_intermediate_key(queue: str) -> str:
-    """List: job ids a worker has taken off the queue but not yet registered as started."""
-    return f"rq:queue:{queue}:intermediate"
-
-
-def rq_execution_key(composite: str) -> str:
-    """Hash: one execution of a job (``job_id:execution_id``), with its worker_name."""
-    return f"rq:execution:{composite}"
-
-
 def rq_started_key(queue: str) -> str:
-    """Sorted set: ``job_id:execution_id`` of running jobs, scored by lease expiry."""
+    """Sorted set: RQ's started registry, ``job_id:<lease token>`` of running jobs.
+
+    mlxq scores its entries ``+inf``: leases live in :data:`LEASES`, so RQ's own
+    cleanup of this registry never fails an mlxq job behind mlxq's back.
+    """
     return f"rq:wip:{queue}"
+
+
+def rq_finished_key(queue: str) -> str:
+    """Sorted set: RQ's finished registry (job ids scored by expiry, unix seconds)."""
+    return f"rq:finished:{queue}"
+
+
+def rq_failed_key(queue: str) -> str:
+    """Sorted set: RQ's failed registry (job ids scored by expiry, unix seconds)."""
+    return f"rq:failed:{queue}"
+
+
+def rq_results_key(job_id: str) -> str:
+    """Stream: RQ's results of a job; mlxq adds one for a failed job (its error, for rq-dashboard
+    and ``Job.latest_result()``). A succeeded job's result is the mlxq record alone."""
+    return f"rq:results:{job_id}"
+
+
+#: Set: the keys of RQ's live workers (``rq info`` and rq-dashboard read it).
+RQ_WORKERS = "rq:workers"
+
+#: String: present while ``rq suspend`` holds the workers; mlxq's take honours it.
+RQ_SUSPENDED = "rq:suspended"
+
+
+def rq_worker_key(name: str) -> str:
+    """Hash: RQ's record of a worker (state, current_job, queues, counters, heartbeat)."""
+    return f"rq:worker:{name}"
+
+
+def rq_queue_workers_key(queue: str) -> str:
+    """Set: the keys of RQ's workers listening on ``queue``."""
+    return f"rq:workers:{queue}"

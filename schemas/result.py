@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.errors import MlxqError
 
 FinishReason = Literal["stop", "length"]
 
@@ -49,6 +52,10 @@ class ErrorInfo(BaseModel):
     code: str = "server_error"
     param: str | None = None
 
+    @classmethod
+    def of(cls, error: MlxqError) -> ErrorInfo:
+        return cls(message=str(error), type=error.type, code=error.code)
+
 
 class Metrics(BaseModel):
     """What a worker measured while running one job. Times in seconds."""
@@ -88,6 +95,30 @@ class ResultRecord(BaseModel):
     error: ErrorInfo | None = None
     metrics: Metrics | None = None
     finished_at: float
+
+    @classmethod
+    def failed(
+        cls,
+        job_id: str,
+        batch_id: str,
+        custom_id: str,
+        error: MlxqError,
+        *,
+        metrics: Metrics | None = None,
+        finished_at: float | None = None,
+    ) -> ResultRecord:
+        """The record of a job that ended without a completion (the one place that builds
+        one: workers, recovery and ``producer cancel`` all use it)."""
+        return cls(
+            job_id=job_id,
+            batch_id=batch_id,
+            custom_id=custom_id,
+            status="cancelled" if error.code == "cancelled" else "failed",
+            status_code=error.status_code,
+            error=ErrorInfo.of(error),
+            metrics=metrics,
+            finished_at=time.time() if finished_at is None else finished_at,
+        )
 
 
 class BatchResponse(BaseModel):

@@ -12,23 +12,28 @@ if TYPE_CHECKING:
     from redis import Redis
     from redis.client import Pipeline
 
-# Atomically: write the record only if none exists (first write wins), then
-# bump the batch counter and announce the job on the batch's done list.
-_WRITE_ONCE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+#: Lua: write the record only if none exists (first write wins), then bump the batch
+#: counter and announce the job on the batch's done list. Sets ``wrote``. KEYS[1..3]
+#: are the result key, the batch hash and its done list; ARGV[1..5] the record JSON,
+#: the TTL, the counter field, the job id and finished_at (an empty record JSON writes
+#: nothing). The worker's end-of-job script (``worker.scripts.END``) starts with it.
+WRITE_ONCE_LUA = """
+local wrote = 0
+if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
   redis.call('HSETNX', KEYS[2], 'first_done_at', ARGV[5])
   redis.call('HSET', KEYS[2], 'last_done_at', ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('RPUSH', KEYS[3], ARGV[4])
   redis.call('EXPIRE', KEYS[3], ARGV[2])
-  return 1
+  wrote = 1
 end
-return 0
 """
 
+_WRITE_ONCE = WRITE_ONCE_LUA + "return wrote\n"
 
-def _write_once_call(record: ResultRecord, ttl: int) -> tuple[list[str], list[object]]:
+
+def write_once_call(record: ResultRecord, ttl: int) -> tuple[list[str], list[object]]:
     """The write-once script's keys and arguments for ``record``."""
     batch = record.batch_id
     at = repr(record.finished_at)
@@ -40,7 +45,7 @@ def _write_once_call(record: ResultRecord, ttl: int) -> tuple[list[str], list[ob
 
 def write_result(conn: Redis, record: ResultRecord, ttl: int) -> bool:
     """Store ``record`` unless the job already has one. True if this call wrote it."""
-    script_keys, args = _write_once_call(record, ttl)
+    script_keys, args = write_once_call(record, ttl)
     return bool(conn.eval(_WRITE_ONCE, len(script_keys), *script_keys, *args))
 
 
@@ -51,7 +56,7 @@ def queue_write_result(pipe: Pipeline, record: ResultRecord, ttl: int) -> None:
     same, and one that restarted needs no reload (a pipeline could not do that
     without an extra round trip).
     """
-    script_keys, args = _write_once_call(record, ttl)
+    script_keys, args = write_once_call(record, ttl)
     pipe.eval(_WRITE_ONCE, len(script_keys), *script_keys, *args)
 
 
