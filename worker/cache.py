@@ -74,6 +74,11 @@ class LoadedModel:
                 return int(value)
         return None
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's output layer (its config's ``vocab_size``, else the tokenizer's)."""
+        return int(self.config.get("vocab_size") or len(self.vocab()))
+
     def vocab(self) -> dict[str, int]:
         """The tokenizer's token -> id map (computed once)."""
         if self._vocab is None:

@@ -68,7 +68,7 @@ def connect(redis_url: str) -> Redis:
     type=click.IntRange(1),
     default=None,
     show_default=True,
-    help="Exit after this many jobs.",
+    help="Exit after taking this many jobs (each job of a batch counts).",
 )
 @click.option(
     "--cache-gb",
@@ -153,15 +153,12 @@ def main(
     """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
     # Import the job code (mlx-lm, transformers: ~1-2 s) before registering, so
     # the first job does not pay for it and "registered" means "ready".
-    from worker import jobs, runtime  # noqa: F401
+    from worker import runtime
     from worker.cache import ModelCache
+    from worker.loop import Worker
     from worker.policy import SpeculationPolicy
-    from worker.rqworker import MlxqWorker
 
     try:  # fail fast on a wrong URL or password; retry only once we are running
         Redis.from_url(redis_url).ping()
@@ -187,18 +184,19 @@ def main(
         click.echo(f"preloaded {model} ({entry.nbytes / 1e6:.1f} MB)", err=True)
     served = [keys.queue_for_model(m) for m in models]
     served += [q for q in queues if q not in served] if (shared or not models) else []
-    rq_queues = [Queue(q, connection=conn, serializer=JSONSerializer) for q in served]
-    worker = MlxqWorker(
-        rq_queues,
-        connection=conn,
+    worker = Worker(
+        conn,
+        served,
+        rt,
         name=rt.worker_id,
         lease_s=lease_seconds,
         max_crashes=max_crashes,
         max_batch=max_batch,
+        burst=burst,
+        max_jobs=max_jobs,
     )
-    rq_level = "INFO" if verbose else "WARNING"
     try:
-        worker.work(burst=burst, max_jobs=max_jobs, logging_level=rq_level, with_scheduler=False)
+        worker.work()
     except RuntimeError as e:  # e.g. the name is taken by a live worker
         raise click.ClickException(str(e)) from None
     sys.exit(0)

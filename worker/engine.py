@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from schemas import ChatRequest, ContextLengthError, InvalidRequestError
+from schemas import ChatRequest, ContextLengthError, InvalidRequestError, JobTimeoutError
 
 #: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
 DEFAULT_MAX_TOKENS = 512
@@ -113,7 +113,7 @@ def params_for(
     )
 
 
-def _processors(params: GenerationParams) -> list:
+def logits_processors(params: GenerationParams) -> list:
     return make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         presence_penalty=params.presence_penalty or None,
@@ -123,10 +123,38 @@ def _processors(params: GenerationParams) -> list:
     )
 
 
-def _find_stop(text: str, stops: Sequence[str], start: int) -> int:
-    """Index of the earliest stop string in ``text`` at or after ``start``; -1 if none."""
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else -1
+class StopScan:
+    """Finds stop strings in text that grows at its end (one scan per new piece)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str, grown_from: int) -> int:
+        """Index of the earliest stop string in ``text`` that may end after ``grown_from``
+        (where the text was before its newest piece); -1 if none."""
+        if not self.stops:
+            return -1
+        start = max(0, grown_from - self.longest + 1)
+        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
+        return min(hits) if hits else -1
+
+    def safe(self, text: str) -> int:
+        """How much of ``text`` can be shown: what follows could still begin a stop string."""
+        return len(text) - max(self.longest - 1, 0)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a job must be done (a ``time.perf_counter()`` value) and its timeout."""
+
+    at: float
+    timeout_s: float
+
+    def check(self) -> None:
+        """Raise :class:`JobTimeoutError` once the deadline has passed."""
+        if time.perf_counter() >= self.at:
+            raise JobTimeoutError(f"job timed out after {self.timeout_s:g}s")
 
 
 class _DraftCounter:
@@ -162,19 +190,21 @@ def generate(
     params: GenerationParams,
     draft_model: nn.Module | None = None,
     on_text: Callable[[str], None] | None = None,
+    deadline: Deadline | None = None,
 ) -> GenerationOutput:
     """Generate a completion for ``prompt``; speculative when ``draft_model`` is given.
 
     Greedy output (temperature 0) is the same with or without a draft.
     ``on_text`` receives the text as it is produced, in pieces that concatenate
     to exactly the final text: text that could still turn out to be the start
-    of a stop string is held back until it cannot.
+    of a stop string is held back until it cannot. Past ``deadline`` it raises
+    :class:`JobTimeoutError` (checked at every token).
     """
     if params.seed is not None:
         mx.random.seed(params.seed)
     kwargs: dict[str, object] = {
         "sampler": make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k),
-        "logits_processors": _processors(params),
+        "logits_processors": logits_processors(params),
     }
     counter = None
     if draft_model is not None:
@@ -185,7 +215,7 @@ def generate(
     first_token_at = None
     text, finish, tokens = "", "length", []
     last = None
-    longest_stop = max((len(s) for s in params.stop), default=0)
+    scan = StopScan(params.stop)
     emitted = 0
     for response in stream_generate(
         model, tokenizer, mx.array(prompt), max_tokens=params.max_tokens, **kwargs
@@ -196,16 +226,18 @@ def generate(
         tokens.append(int(response.token))
         if counter is not None:
             counter.add(response.from_draft)
-        search_from = max(0, len(text) - longest_stop + 1)
+        grown_from = len(text)
         text += response.text
-        if params.stop and (at := _find_stop(text, params.stop, search_from)) >= 0:
+        if (at := scan.find(text, grown_from)) >= 0:
             text, finish = text[:at], "stop"
             break
         if response.finish_reason is not None:
             finish = response.finish_reason
-        if on_text is not None and (safe := len(text) - max(longest_stop - 1, 0)) > emitted:
+        if on_text is not None and (safe := scan.safe(text)) > emitted:
             on_text(text[emitted:safe])
             emitted = safe
+        if deadline is not None:
+            deadline.check()
     if on_text is not None and len(text) > emitted:
         on_text(text[emitted:])
     end = time.perf_counter()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from schemas import ChatRequest
 from worker.cache import LoadedModel, ModelCache
-from worker.engine import GenerationOutput, generate, params_for, prompt_tokens
+from worker.engine import Deadline, GenerationOutput, generate, params_for, prompt_tokens
 
 _default_cache: ModelCache | None = None
 
@@ -86,11 +86,13 @@ class ChatGenerator:
         *,
         num_draft_tokens: int | None = None,
         use_draft: bool = True,
+        deadline: Deadline | None = None,
     ) -> GenerationOutput:
         """Run ``request`` (its messages and sampling fields) on these models.
 
         ``use_draft=False`` decodes plainly even with a draft loaded;
-        ``num_draft_tokens`` overrides the request's draft length.
+        ``num_draft_tokens`` overrides the request's draft length. Past
+        ``deadline`` it raises :class:`schemas.JobTimeoutError`.
         """
         tokenizer = self.target.tokenizer
         prompt = prompt_tokens(tokenizer, request)
@@ -98,12 +100,18 @@ class ChatGenerator:
             request,
             len(prompt),
             self.target.context_length,
-            int(self.target.config.get("vocab_size") or len(self.target.vocab())),
+            self.target.vocab_size,
             default_num_draft_tokens,
         )
         if num_draft_tokens is not None:
             params = replace(params, num_draft_tokens=num_draft_tokens)
         draft = self.draft.model if self.draft is not None and use_draft else None
         return generate(
-            self.target.model, tokenizer, prompt, params, draft_model=draft, on_text=on_text
+            self.target.model,
+            tokenizer,
+            prompt,
+            params,
+            draft_model=draft,
+            on_text=on_text,
+            deadline=deadline,
         )

@@ -1,69 +1,74 @@
-"""The thread that renews a running job's lease while the job computes."""
+"""The worker's heartbeat thread: its lease, its public state, and recovery passes.
+
+One thread per worker process, whatever the main thread is doing (loading or
+downloading a model for minutes, prefilling a long prompt, decoding a batch):
+it renews the process's lease, which covers every job the process holds,
+every third of the lease; runs a recovery pass every half lease; and
+publishes the worker's state for ``producer fleet`` every couple of seconds.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from rq.job import Job
-from rq.utils import now
-
-if TYPE_CHECKING:
-    from worker.rqworker import MlxqWorker
+from worker.lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
+#: Seconds between publishes of the worker's state (``mlxq:worker:<name>``).
+PUBLISH_EVERY_S = 2.0
+
 
 class Heartbeat(threading.Thread):
-    """Renews the running job's lease (and runs recovery passes) while the job computes.
+    """Renews the lease, recovers dead workers' jobs and publishes state, in the background."""
 
-    One thread serves all of a worker's jobs: starting and joining a thread per
-    job put two thread hand-offs on every job's critical path, each waiting for
-    the scheduler on a busy host. The thread wakes every ``interval`` seconds and
-    beats for whichever job is being watched; ``release`` waits for a beat in
-    progress, so no beat for a finished job lands after its bookkeeping.
-    """
-
-    def __init__(self, worker: MlxqWorker, interval: float) -> None:
-        super().__init__(name=f"mlxq-heartbeat-{worker.name}", daemon=True)
-        self.worker, self.interval = worker, interval
-        self._lock = threading.Lock()
-        self._job: Job | None = None
+    def __init__(self, lifecycle: Lifecycle, publish: Callable[[], None]) -> None:
+        super().__init__(name=f"mlxq-heartbeat-{lifecycle.name}", daemon=True)
+        self.lifecycle, self.publish = lifecycle, publish
+        lease_s = lifecycle.lease_ms / 1000
+        self.renew_every, self.recover_every = lease_s / 3, lease_s / 2
         self._closed = threading.Event()
-        self._last_recovery = time.monotonic()
-
-    def watch(self, job: Job) -> None:
-        """Beat for ``job`` from now until :meth:`release`."""
-        with self._lock:
-            self._job = job
-
-    def release(self) -> None:
-        """Stop beating for the current job (after a beat in progress ends)."""
-        with self._lock:
-            self._job = None
+        now = time.monotonic()
+        self._renewed = self._recovered = now
+        self._published = 0.0
 
     def close(self) -> None:
         self._closed.set()
-        self.release()
+        if self.is_alive():
+            self.join(timeout=5)
 
     def run(self) -> None:
-        while not self._closed.wait(self.interval):
-            with self._lock:
-                if self._job is not None:
-                    self._beat(self._job)
+        tick = min(self.renew_every, PUBLISH_EVERY_S, 1.0)
+        while not self._closed.wait(tick):
+            self.beat()
 
-    def _beat(self, job: Job) -> None:
-        try:
-            if self.worker.execution is None:
-                return
-            self.worker.maintain_heartbeats(job)
-            self.worker.set_current_job_working_time(
-                (now() - job.started_at).total_seconds() if job.started_at else 0
+    def beat(self) -> None:
+        """Do whatever is due (each part on its own: one failing does not stop the others)."""
+        now = time.monotonic()
+        if now - self._renewed >= self.renew_every:
+            self._renewed = now
+            self._guard("renewing the lease", self._renew)
+        if now - self._recovered >= self.recover_every:
+            self._recovered = now
+            self._guard("recovery", self.lifecycle.recover)
+        if now - self._published >= PUBLISH_EVERY_S:
+            self._published = now
+            self._guard("publishing state", self.publish)
+
+    def _renew(self) -> None:
+        if not self.lifecycle.renew():
+            log.error(
+                "worker %s: its lease had ended (stalled longer than the lease?): recovery has "
+                "given its jobs to other workers; going on under a fresh lease",
+                self.lifecycle.name,
             )
-            if time.monotonic() - self._last_recovery >= self.worker.maintenance_interval:
-                self._last_recovery = time.monotonic()
-                self.worker.recover()
-        except Exception as e:  # Redis may be briefly away; the lease has slack
-            log.warning("heartbeat for job %s failed: %s", job.id, e)
+
+    @staticmethod
+    def _guard(what: str, action: Callable[[], object]) -> None:
+        try:
+            action()
+        except Exception as e:  # Redis may be away for a while; the lease has slack
+            log.warning("heartbeat: %s failed: %s", what, e)

@@ -7,7 +7,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from schemas import ModelNotAllowedError
+from schemas import ChatRequest, ModelNotAllowedError
 from worker.cache import ModelCache
 from worker.generator import default_cache, set_default_cache
 from worker.policy import SpeculationPolicy
@@ -32,6 +32,14 @@ class WorkerRuntime:
                 f"{what} {name!r} is not allowed on this worker (allowed: "
                 f"{', '.join(self.allow_models)})"
             )
+
+    def check_request(self, request: ChatRequest) -> None:
+        """:meth:`check_allowed` for every model a request names (model, draft, adapter)."""
+        self.check_allowed(request.model)
+        if request.draft_model:
+            self.check_allowed(request.draft_model, "draft model")
+        if request.adapter:
+            self.check_allowed(request.adapter, "adapter")
 
 
 _current: WorkerRuntime | None = None

@@ -1,0 +1,515 @@
+"""The job lifecycle: take, refuse, start, renew, end, requeue, recover. Redis only, no MLX.
+
+Every job a worker runs goes through these functions, whichever engine makes
+its tokens (alone, batched, speculative, streamed); the state transitions are
+the Lua scripts of :mod:`worker.scripts`, where the key layout is documented.
+
+mlxq owns this lifecycle on RQ's data model: producers enqueue with RQ
+(``enqueue_many``), jobs are RQ job hashes on RQ queue lists, and a worker
+keeps RQ's job status, registries and worker record up to date, so ``rq info``
+and rq-dashboard show queues, workers and started / finished / failed jobs. It
+uses no RQ code: a job hash is read by :func:`schemas.read_job_hash` (JSON
+only, mlxq's function only) before anything else looks at it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from redis import Redis
+
+from schemas import (
+    InvalidRequestError,
+    JobEnvelope,
+    JobRefused,
+    Metrics,
+    MlxqError,
+    PoisonJobError,
+    ResultRecord,
+    UnsafeJobError,
+    keys,
+    read_job_hash,
+)
+from worker import scripts
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 30
+DEFAULT_MAX_CRASHES = 3
+#: How long a job's crash counter is kept.
+CRASH_MEMORY_S = 7 * 24 * 3600
+#: Longest single blocking wait (seconds): a stop request is seen at least this often.
+BLOCK_S = 1.0
+
+_RQ_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def rq_time(at: datetime | None = None) -> str:
+    """A timestamp in the format RQ stores in its hashes."""
+    return (at or datetime.now(UTC)).strftime(_RQ_TIME)
+
+
+@dataclass(frozen=True)
+class Start:
+    """When a job started: wall clock (for queue wait) and perf counter (for durations)."""
+
+    wall: float = field(default_factory=time.time)
+    perf: float = field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.perf
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job this worker holds: taken and started in Redis, not ended yet."""
+
+    id: str
+    queue: str
+    envelope: JobEnvelope
+    timeout_s: int | None = None
+    started: Start = field(default_factory=Start)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A taken job hash that is not a runnable mlxq job (see :class:`schemas.JobRefused`)."""
+
+    id: str
+    queue: str
+    refusal: JobRefused
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """One job a recovery pass acted on (``kind`` as returned by ``scripts.RECOVER``)."""
+
+    kind: str
+    job_id: str
+    queue: str
+    crashes: int
+
+
+def _version() -> str:
+    try:
+        return f"mlxq {version('mlxq')}"
+    except PackageNotFoundError:
+        return "mlxq"
+
+
+class Lifecycle:
+    """One worker process's side of the lifecycle: its lease token and its transitions."""
+
+    def __init__(
+        self,
+        conn: Redis,
+        name: str,
+        queues: list[str],
+        *,
+        lease_s: float = DEFAULT_LEASE_S,
+        max_crashes: int = DEFAULT_MAX_CRASHES,
+    ) -> None:
+        if not queues:
+            raise ValueError("a worker serves at least one queue")
+        self.conn, self.name, self.queues = conn, name, list(queues)
+        self.lease_ms = max(1000, int(lease_s * 1000))
+        self.max_crashes = max_crashes
+        self.token = secrets.token_hex(8)
+        self.inbox = keys.inbox_key(self.token)
+        self.worker_key = keys.rq_worker_key(name)
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.holder = json.dumps(
+            {"name": name, "host": self.host, "pid": self.pid, "inbox_queue": self.queues[0]}
+        )
+
+    @property
+    def worker_ttl(self) -> int:
+        """Seconds RQ's worker record outlives the last heartbeat."""
+        return max(60, 3 * self.lease_ms // 1000)
+
+    # -- birth and death --------------------------------------------------
+    def register(self) -> None:
+        """Take over the name from a dead process of ours, then start the lease and RQ's
+        worker record (``rq info``). Raises RuntimeError if the name is in use."""
+        self._reclaim_name()
+        self.renew()
+        born = rq_time()
+        with self.conn.pipeline() as pipe:
+            pipe.delete(self.worker_key)
+            pipe.hset(
+                self.worker_key,
+                mapping={
+                    "birth": born,
+                    "last_heartbeat": born,
+                    "queues": ",".join(self.queues),
+                    "pid": self.pid,
+                    "hostname": self.host,
+                    "ip_address": "",
+                    "version": _version(),
+                    "python_version": sys.version,
+                    "state": "idle",
+                    "successful_job_count": 0,
+                    "failed_job_count": 0,
+                    "total_working_time": 0,
+                },
+            )
+            pipe.sadd(keys.RQ_WORKERS, self.worker_key)
+            for q in self.queues:
+                pipe.sadd(keys.rq_queue_workers_key(q), self.worker_key)
+            pipe.expire(self.worker_key, self.worker_ttl)
+            pipe.execute()
+        self.recover()  # a predecessor's jobs come back now, not a lease from now
+
+    def unregister(self) -> list[str]:
+        """End the lease; whatever is still held goes back to its queue. RQ's record says dead."""
+        ids = self.conn.eval(
+            scripts.UNREGISTER,
+            4,
+            keys.RUNNING,
+            keys.LEASES,
+            keys.HOLDERS,
+            self.inbox,
+            self.token,
+            keys.rq_job_key(""),
+            keys.rq_started_key(""),
+            keys.rq_queue_key(""),
+            self.queues[0],
+        )
+        with self.conn.pipeline() as pipe:
+            pipe.srem(keys.RQ_WORKERS, self.worker_key)
+            for q in self.queues:
+                pipe.srem(keys.rq_queue_workers_key(q), self.worker_key)
+            pipe.hset(self.worker_key, mapping={"death": rq_time(), "state": "dead"})
+            pipe.expire(self.worker_key, 60)
+            pipe.execute()
+        handed = [i.decode() for i in ids]
+        if handed:
+            log.warning("worker %s: jobs %s handed back at exit", self.name, ", ".join(handed))
+        return handed
+
+    def _reclaim_name(self) -> None:
+        data = {k.decode(): v.decode() for k, v in self.conn.hgetall(self.worker_key).items()}
+        if data and "death" not in data:
+            pid, host = int(data.get("pid") or 0), data.get("hostname")
+            if host != self.host:
+                raise RuntimeError(
+                    f"worker name {self.name!r} is in use by a worker on host {host!r}; pick "
+                    f"another --name or wait {self.conn.ttl(self.worker_key)}s for it to expire"
+                )
+            if pid and pid != self.pid and _alive(pid):
+                raise RuntimeError(f"worker name {self.name!r} is in use by live process {pid}")
+        for token, raw in self.conn.hgetall(keys.HOLDERS).items():
+            try:
+                info = json.loads(raw)
+                ours = info["name"] == self.name and info["host"] == self.host
+                dead = ours and info["pid"] != self.pid and not _alive(int(info["pid"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if dead:  # its lease ends now: the recovery pass in register() hands its jobs back
+                self.conn.zadd(keys.LEASES, {token: 0}, xx=True)
+                log.warning(
+                    "worker %s: previous process (pid %s) died; name reclaimed",
+                    *(self.name, info["pid"]),
+                )
+
+    # -- the transitions --------------------------------------------------
+    def take(self, queues: list[str] | None = None, block_s: float = 0.0) -> Job | Refused | None:
+        """The next job of ``queues`` (default: the worker's, first queue first), started.
+
+        Waits up to ``block_s`` seconds for one (only on the worker's own queues).
+        Copies of a job held right now, or of one that has its record, are dropped
+        on the way. None when nothing came (or ``rq suspend`` holds the workers).
+        """
+        queues = queues or self.queues
+        deadline = time.monotonic() + block_s
+        while True:
+            reply = self._take_once(queues)
+            if reply == "suspended":
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                time.sleep(min(left, BLOCK_S))
+                continue
+            if reply is not None:
+                return reply
+            left = deadline - time.monotonic()
+            if left <= 0 or queues != self.queues:
+                return None
+            wait = min(left, BLOCK_S)
+            # The id moves into this process's inbox, which its lease covers; the
+            # next take pops it from there and starts it.
+            self.conn.blmove(keys.rq_queue_key(queues[0]), self.inbox, wait, "LEFT", "RIGHT")
+
+    def _take_once(self, queues: list[str]) -> Job | Refused | str | None:
+        while True:
+            now = rq_time()
+            reply = self.conn.eval(
+                scripts.TAKE,
+                5 + len(queues),
+                keys.RUNNING,
+                keys.LEASES,
+                self.inbox,
+                self.worker_key,
+                keys.RQ_SUSPENDED,
+                *[keys.rq_queue_key(q) for q in queues],
+                self.token,
+                self.lease_ms,
+                self.name,
+                now,
+                keys.rq_job_key(""),
+                keys.result_key(""),
+                keys.rq_started_key(""),
+                self.queues[0],
+                *queues,
+            )
+            if not reply:
+                return None
+            kind = reply[0].decode()
+            if kind == "suspended":
+                return kind
+            job_id, queue = reply[1].decode(), reply[2].decode()
+            if kind == "start":
+                flat = reply[3]
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                try:
+                    stored = read_job_hash(job_id, fields)
+                except JobRefused as e:
+                    return Refused(job_id, queue, e)
+                return Job(job_id, queue, stored.envelope, stored.timeout_s)
+            if kind == "missing":
+                return Refused(
+                    job_id,
+                    queue,
+                    JobRefused("missing", f"queue {queue!r} held an id with no job hash"),
+                )
+            log.info(
+                "job %s: dropped a copy (%s)", job_id, "running now" if kind == "held" else kind
+            )
+
+    def refuse(self, refused: Refused) -> bool:
+        """End a refused job: RQ's status failed, a failed record when the job can be told
+        apart as mlxq's (its batch is known), and the dead-letter list unless it was
+        merely an invalid request. True if a record was written."""
+        r = refused.refusal
+        ids = self._ids(refused.id, r.payload)
+        if r.kind == "invalid":
+            error: MlxqError = InvalidRequestError(r.reason)
+        elif r.kind == "unsafe":
+            error = UnsafeJobError(r.reason)
+        else:
+            error = MlxqError(f"job could not be read: {r.reason}")
+        if r.kind != "invalid":
+            dead_letter(self.conn, refused.id, r.reason)
+        if ids is None:
+            self._end(refused.id, refused.queue, None, keys.DEFAULT_RESULT_TTL, 0.0, r.reason)
+            return False
+        record = ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name))
+        ttl = _ttl(r.payload)
+        return self._end(refused.id, refused.queue, record, ttl, 0.0, r.reason)
+
+    def _ids(self, job_id: str, payload: dict[str, Any] | None) -> tuple[str, str, str] | None:
+        """(job id, batch id, custom_id) to put on a refused job's record, if it has a batch."""
+        if payload and payload.get("job_id") == job_id:
+            batch, custom = payload.get("batch_id"), payload.get("custom_id")
+            if isinstance(batch, str) and batch and isinstance(custom, str):
+                return job_id, batch, custom
+        batch = keys.batch_of(job_id)
+        if keys.is_job_id(job_id) and self.conn.exists(keys.batch_key(batch)):
+            return job_id, batch, ""
+        return None
+
+    def end(self, job: Job, record: ResultRecord) -> bool:
+        """Write ``record`` (once) and end the job everywhere. True if this wrote the record."""
+        return self.end_many([(job, record)])[0]
+
+    def end_many(self, ended: list[tuple[Job, ResultRecord]]) -> list[bool]:
+        """:meth:`end` for several jobs in one round trip."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            for job, record in ended:
+                exc = record.error.message if record.error else ""
+                self._end_call(
+                    pipe,
+                    job.id,
+                    job.queue,
+                    record,
+                    job.envelope.result_ttl,
+                    job.started.elapsed(),
+                    exc,
+                )
+            replies = pipe.execute()
+        for (job, _), wrote in zip(ended, replies, strict=True):
+            if not wrote:
+                log.info("job %s: a result already existed; kept the first", job.id)
+        return [bool(w) for w in replies]
+
+    def _end(
+        self,
+        job_id: str,
+        queue: str,
+        record: ResultRecord | None,
+        ttl: int,
+        worked: float,
+        exc: str,
+    ) -> bool:
+        with self.conn.pipeline(transaction=False) as pipe:
+            self._end_call(pipe, job_id, queue, record, ttl, worked, exc)
+            return bool(pipe.execute()[0])
+
+    def _end_call(
+        self,
+        pipe: Any,
+        job_id: str,
+        queue: str,
+        record: ResultRecord | None,
+        ttl: int,
+        worked: float,
+        exc: str,
+    ) -> None:
+        ok = record is not None and record.status == "succeeded"
+        batch = record.batch_id if record else keys.batch_of(job_id)
+        pipe.eval(
+            scripts.END,
+            9,
+            keys.result_key(job_id),
+            keys.batch_key(batch),
+            keys.batch_done_key(batch),
+            keys.RUNNING,
+            keys.rq_job_key(job_id),
+            keys.rq_started_key(queue),
+            keys.rq_finished_key(queue) if ok else keys.rq_failed_key(queue),
+            self.worker_key,
+            keys.rq_results_key(job_id),
+            record.model_dump_json() if record else "",
+            int(ttl),
+            record.status if record else "failed",
+            job_id,
+            repr(record.finished_at if record else time.time()),
+            self.token,
+            "finished" if ok else "failed",
+            rq_time(),
+            "successful_job_count" if ok else "failed_job_count",
+            round(worked, 6),
+            base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
+            self.name,
+        )
+
+    def requeue(self, job: Job | Refused) -> bool:
+        """Give a held job back to the front of its queue, unstarted."""
+        return bool(
+            self.conn.eval(
+                scripts.REQUEUE,
+                4,
+                keys.RUNNING,
+                keys.rq_queue_key(job.queue),
+                keys.rq_job_key(job.id),
+                keys.rq_started_key(job.queue),
+                self.token,
+                job.id,
+                job.queue,
+            )
+        )
+
+    def renew(self) -> bool:
+        """Extend this process's lease (every job it holds). False if it had ended."""
+        return bool(
+            self.conn.eval(
+                scripts.RENEW,
+                3,
+                keys.LEASES,
+                keys.HOLDERS,
+                self.worker_key,
+                self.token,
+                self.lease_ms,
+                self.holder,
+                rq_time(),
+                self.worker_ttl,
+            )
+        )
+
+    def recover(self) -> list[Recovered]:
+        """Give back the jobs of processes whose lease ended; fail poison jobs (taken here)."""
+        reply = self.conn.eval(
+            scripts.RECOVER,
+            3,
+            keys.RUNNING,
+            keys.LEASES,
+            keys.HOLDERS,
+            self.token,
+            self.max_crashes,
+            CRASH_MEMORY_S,
+            keys.rq_job_key(""),
+            keys.result_key(""),
+            keys.rq_started_key(""),
+            keys.rq_queue_key(""),
+            keys.crashes_key(""),
+            keys.inbox_key(""),
+        )
+        done = [Recovered(k.decode(), i.decode(), q.decode(), int(n)) for k, i, q, n in reply]
+        for r in done:
+            if r.kind == "poison":
+                self._poison(r)
+            elif r.kind == "requeued":
+                log.warning(
+                    "%s: job %s lost its worker (crash %d of %d allowed); requeued",
+                    self.name,
+                    r.job_id,
+                    r.crashes,
+                    self.max_crashes - 1,
+                )
+            else:
+                log.info("%s: recovery: job %s %s", self.name, r.job_id, r.kind)
+        return done
+
+    def _poison(self, r: Recovered) -> None:
+        error = PoisonJobError(
+            f"the worker running this job died {r.crashes} times (its lease ended each time); "
+            "not retried again"
+        )
+        fields = self.conn.hgetall(keys.rq_job_key(r.job_id))
+        try:
+            payload: dict[str, Any] | None = read_job_hash(r.job_id, fields).envelope.model_dump()
+        except JobRefused as e:
+            payload = e.payload
+        ids = self._ids(r.job_id, payload)
+        record = (
+            ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name)) if ids else None
+        )
+        self._end(r.job_id, r.queue, record, _ttl(payload), 0.0, str(error))
+        log.warning("%s: job %s failed: %s", self.name, r.job_id, error)
+
+
+def dead_letter(conn: Redis, job_id: str, reason: str) -> None:
+    """Record a job that could not run at all on ``mlxq:dead`` (newest first, capped)."""
+    entry = json.dumps({"job_id": job_id, "reason": reason, "at": time.time()})
+    with conn.pipeline() as pipe:
+        pipe.lpush(keys.DEAD_LETTERS, entry)
+        pipe.ltrim(keys.DEAD_LETTERS, 0, keys.DEAD_LETTERS_MAX - 1)
+        pipe.execute()
+    log.warning("dead-lettered job %s: %s", job_id, reason)
+
+
+def _ttl(payload: dict[str, Any] | None) -> int:
+    ttl = (payload or {}).get("result_ttl")
+    return ttl if isinstance(ttl, int) and ttl > 0 else keys.DEFAULT_RESULT_TTL
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,199 @@
+"""The worker loop: take a job, run it alone or in a continuous batch, end it; repeat.
+
+mlxq's own loop, not RQ's ``Worker``: it never forks (models stay loaded, and
+forking after Metal is initialised crashes on macOS), never imports a function
+named in Redis, and every job goes through one lifecycle (``worker.lifecycle``)
+whatever runs it. One heartbeat thread keeps the process's lease (which covers
+all its jobs), runs recovery and publishes the worker's state.
+
+Signals: the first SIGTERM or SIGINT is a warm stop (no new jobs; running ones
+finish, a job taken at that moment is handed back; exit 0). A second one is a
+cold stop: running jobs go back to the front of their queue, unfinished.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from redis import Redis
+
+from schemas import ResultRecord, keys
+from worker import registry
+from worker.continuous import ContinuousBatch, batch_key
+from worker.heartbeat import Heartbeat
+from worker.jobs import run_alone
+from worker.lifecycle import (
+    BLOCK_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_CRASHES,
+    Job,
+    Lifecycle,
+    Refused,
+)
+from worker.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+class ColdShutdown(BaseException):
+    """A second stop signal during a job: the job goes back to its queue, the worker exits."""
+
+
+class Worker:
+    """Serves mlxq jobs from Redis queues (first queue first) with warm models."""
+
+    def __init__(
+        self,
+        conn: Redis,
+        queues: list[str],
+        rt: WorkerRuntime,
+        *,
+        name: str,
+        lease_s: float = DEFAULT_LEASE_S,
+        max_crashes: int = DEFAULT_MAX_CRASHES,
+        max_batch: int = 1,
+        burst: bool = False,
+        max_jobs: int | None = None,
+    ) -> None:
+        self.conn, self.queues, self.rt, self.name = conn, list(queues), rt, name
+        self.lifecycle = Lifecycle(
+            conn, name, self.queues, lease_s=lease_s, max_crashes=max_crashes
+        )
+        self.max_batch, self.burst, self.max_jobs = max_batch, burst, max_jobs
+        self.taken = 0  # jobs taken (refused ones included): what --max-jobs counts
+        self.state = "starting"
+        self.current: str | None = None
+        self._stop = self._cold = self._computing = False
+
+    @property
+    def registry_ttl(self) -> int:
+        """Seconds a published state outlives the last publish (a few heartbeats)."""
+        return max(6, int(1.5 * self.lifecycle.lease_ms / 1000))
+
+    # -- running ----------------------------------------------------------
+    def work(self) -> None:
+        """Register, serve until stopped (or the queues are empty with ``burst``), unregister."""
+        restore = self._install_signals()
+        self.lifecycle.register()
+        beat = Heartbeat(self.lifecycle, self.publish)
+        beat.start()
+        self.publish()
+        try:
+            self._loop()
+        except ColdShutdown:
+            log.warning("worker %s: cold stop; running jobs handed back", self.name)
+        finally:
+            beat.close()
+            try:
+                self.lifecycle.unregister()
+            finally:
+                registry.unpublish(self.conn, self.name)
+                restore()
+
+    def _loop(self) -> None:
+        while not self._stop and (self.max_jobs is None or self.taken < self.max_jobs):
+            got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S)
+            if got is None:
+                self.state, self.current = "idle", None
+                if self.burst:
+                    return
+                continue
+            self.taken += 1
+            if isinstance(got, Refused):
+                self.lifecycle.refuse(got)
+            elif self._stop:  # the stop came while this job was being taken
+                self.lifecycle.requeue(got)
+            else:
+                self._run(got)
+
+    def _run(self, job: Job) -> None:
+        self.state, self.current = "busy", job.id
+        taken = None
+        if self.max_batch > 1:
+            depth = 1
+            if job.envelope.request.draft_model:  # batch or speculate: how many wait?
+                waiting = self.conn.llen(keys.rq_queue_key(job.queue))
+                depth += min(waiting, self.max_batch - 1)
+            taken = batch_key(job.envelope, self.rt, depth)
+        if taken is not None:
+            ContinuousBatch(self, job.queue, taken[0], depth).run(job, taken[1])
+            return
+        try:
+            with self.computing():
+                record = run_alone(job, self.rt, self.conn)
+        except BaseException:
+            self.lifecycle.requeue(job)
+            raise
+        self.finish([(job, record)])
+
+    # -- what a continuous batch asks of its worker -----------------------
+    def take_from(self, queue: str) -> Job | None:
+        """The next job of ``queue`` to join a batch (refused ones are ended on the way), or
+        None if the queue is empty or the worker must not take more."""
+        while not self._stop and (self.max_jobs is None or self.taken < self.max_jobs):
+            got = self.lifecycle.take([queue])
+            if got is None:
+                return None
+            self.taken += 1
+            if isinstance(got, Refused):
+                self.lifecycle.refuse(got)
+            elif self._stop:  # the stop came while this job was being taken
+                self.lifecycle.requeue(got)
+            else:
+                return got
+        return None
+
+    def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None:
+        """End jobs with their records (one round trip)."""
+        self.lifecycle.end_many(ended)
+        for job, record in ended:
+            log.info("job %s %s", job.id, record.status)
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Model loading and generation: a second stop signal interrupts it (ColdShutdown)."""
+        self._computing = True
+        try:
+            if self._cold:
+                raise ColdShutdown("second stop signal")
+            yield
+        finally:
+            self._computing = False
+
+    # -- signals ----------------------------------------------------------
+    def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
+        """A stop signal: warm the first time, cold the second."""
+        if not self._stop:
+            self._stop = True
+            log.warning(
+                "worker %s: stopping after the running job(s) (signal %s)", self.name, signum
+            )
+            return
+        self._cold = True
+        if self._computing:
+            raise ColdShutdown("second stop signal")
+
+    def _install_signals(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        for s in previous:
+            signal.signal(s, self.request_stop)
+
+        def restore() -> None:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+        return restore
+
+    # -- the fleet registry -----------------------------------------------
+    def publish(self) -> None:
+        """Publish this worker's state on ``mlxq:worker:<name>`` (``producer fleet``)."""
+        info = registry.worker_info(self.rt, self.name, self.queues, self.state, self.current)
+        registry.publish(self.conn, info, self.registry_ttl)

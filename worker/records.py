@@ -1,0 +1,115 @@
+"""Result records: the chat.completion and metrics of a finished job, or its error."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from importlib.metadata import PackageNotFoundError, version
+
+from schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    Choice,
+    Metrics,
+    MlxqError,
+    ResultRecord,
+    Usage,
+)
+from worker.engine import GenerationOutput
+from worker.generator import ChatGenerator
+from worker.lifecycle import Job
+from worker.policy import Decision
+from worker.runtime import WorkerRuntime
+
+
+@functools.cache
+def package_version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:24]}"
+
+
+def completion_for(job: Job, out: GenerationOutput, completion_id: str) -> ChatCompletion:
+    """The OpenAI ``chat.completion`` object for a finished generation."""
+    return ChatCompletion(
+        id=completion_id,
+        created=int(time.time()),
+        model=job.envelope.request.model,
+        choices=[
+            Choice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)
+        ],
+        usage=Usage(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            total_tokens=out.prompt_tokens + out.completion_tokens,
+        ),
+        system_fingerprint=(f"mlxq-mlx{package_version('mlx')}-mlxlm{package_version('mlx-lm')}"),
+    )
+
+
+def base_metrics(rt: WorkerRuntime, job: Job) -> Metrics:
+    """What every record of ``job`` carries, succeeded or not."""
+    return Metrics(
+        worker_id=rt.worker_id,
+        queue_wait_s=max(0.0, job.started.wall - job.envelope.submitted_at),
+        draft_model=job.envelope.request.draft_model,
+        mlx_version=package_version("mlx"),
+        mlx_lm_version=package_version("mlx-lm"),
+        total_time_s=job.started.elapsed(),
+    )
+
+
+def success(
+    job: Job,
+    rt: WorkerRuntime,
+    out: GenerationOutput,
+    generator: ChatGenerator,
+    *,
+    completion_id: str | None = None,
+    batched_with: int = 1,
+    decision: Decision | None = None,
+) -> ResultRecord:
+    """The succeeded record (completion and metrics) for a finished generation."""
+    req = job.envelope.request
+    rt.stats.add(req.model, req.draft_model, out)
+    speculative = bool(decision and decision.speculative)
+    metrics = base_metrics(rt, job).model_copy(
+        update={
+            "load_time_s": generator.load_time_s,
+            "cache_hit": generator.cache_hit,
+            "time_to_first_token_s": out.time_to_first_token_s,
+            "prompt_tokens_per_s": out.prompt_tokens_per_s,
+            "generation_tokens_per_s": out.generation_tokens_per_s,
+            "num_draft_tokens": decision.k if decision and speculative else None,
+            "speculative": speculative,
+            "speculation_reason": decision.reason if decision else None,
+            "draft_tokens_proposed": out.draft_tokens_proposed,
+            "draft_tokens_accepted": out.draft_tokens_accepted,
+            "acceptance_rate": out.acceptance_rate,
+            "peak_memory_gb": out.peak_memory_gb,
+            "batch_size": batched_with,
+        }
+    )
+    return ResultRecord(
+        job_id=job.id,
+        batch_id=job.envelope.batch_id,
+        custom_id=job.envelope.custom_id,
+        status="succeeded",
+        response=completion_for(job, out, completion_id or new_completion_id()),
+        metrics=metrics,
+        finished_at=time.time(),
+    )
+
+
+def failure(job: Job, rt: WorkerRuntime, error: MlxqError) -> ResultRecord:
+    """The failed record of a job that was taken and could not finish."""
+    env = job.envelope
+    return ResultRecord.failed(
+        job.id, env.batch_id, env.custom_id, error, metrics=base_metrics(rt, job)
+    )
