@@ -1,7 +1,7 @@
 """Batch or speculate: a deep queue of draft jobs through a real worker, three ways.
 
 N greedy jobs naming a draft wait in the queue at once; an in-process mlxq
-worker (real Redis, real RQ dequeue, real result records) serves them:
+worker (real Redis, the real lifecycle, real result records) serves them:
 
 - speculate one at a time: ``--max-batch 1``, ``--speculative auto`` (its
   policy warmed by a first pass, so it runs its best draft length);

@@ -1,9 +1,9 @@
 """A real mlxq worker process whose generation is replaced by a fixed sleep (fleet benchmark).
 
-Everything else is the production path: RQ dequeue through the intermediate
-list, leases and heartbeats, payload validation, the write-once result record,
-the batch counters and done list. Only ``ChatGenerator.get_or_create`` and the
-generation are swapped for a sleep standing in for a Mac's compute.
+Everything else is the production path: the lifecycle's take (and start) script,
+the lease and heartbeat, payload validation, the end script with its write-once
+result record, batch counters and done list. Only ``ChatGenerator.get_or_create``
+and the generation are swapped for a sleep standing in for a Mac's compute.
 """
 
 from __future__ import annotations

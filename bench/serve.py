@@ -1,17 +1,15 @@
-"""Serve submitted jobs with one in-process mlxq worker (the real Redis and RQ path)."""
+"""Serve submitted jobs with one in-process mlxq worker (the real Redis and queue path)."""
 
 from __future__ import annotations
 
 import time
 
 from redis import Redis
-from rq import Queue
-from rq.serializers import JSONSerializer
 
 from producer import Client
 from schemas import ResultRecord
 from worker import runtime
-from worker.rqworker import MlxqWorker
+from worker.loop import Worker
 
 
 def burst(
@@ -26,17 +24,12 @@ def burst(
     the last result. Exits if a job did not succeed: a benchmark of failures
     measures nothing.
     """
-    if rt is not None:
-        runtime.install(rt)
+    rt = runtime.install(rt or runtime.current())
     client = Client(connection=conn)
     start = time.perf_counter()
     s = client.submit(bodies)
-    MlxqWorker(
-        [Queue("mlxq", connection=conn, serializer=JSONSerializer)],
-        connection=conn,
-        name=f"bench{time.monotonic_ns()}",
-        max_batch=max_batch,
-    ).work(burst=True, with_scheduler=False, logging_level="WARNING")
+    name = f"bench{time.monotonic_ns()}"
+    Worker(conn, ["mlxq"], rt, name=name, max_batch=max_batch, burst=True).work()
     elapsed = time.perf_counter() - start
     records = client.results(s.batch_id)
     failed = [r for r in records if r is None or r.status != "succeeded"]

@@ -4,8 +4,8 @@ Counts what the promise is about: every job ends with exactly one result record.
 
     .venv/bin/python -m bench.soak [--jobs 300] [--workers 3] [--seconds 240] [--max-batch 8]
 
-``--max-batch 1`` runs every job on the one-at-a-time path, where a finished
-job's bookkeeping is sent after the next job starts (kills land in between too).
+``--max-batch 1`` runs every job on the one-at-a-time path; the default runs them
+in continuous batches (one kill hands back several jobs).
 """
 
 from __future__ import annotations

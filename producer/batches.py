@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 from redis import Redis
 from rq.job import Job
-from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from schemas import BatchOutputLine, ErrorInfo, InvalidRequestError, ResultRecord, keys
+from schemas import BatchOutputLine, CancelledError, InvalidRequestError, ResultRecord, keys
 from schemas.store import read_results, write_result
 
 PAGE = 1000
@@ -59,10 +58,10 @@ class BatchStatus:
         }
 
 
-def _running(conn: Redis, queue: str, batch_id: str) -> int:
-    registry = StartedJobRegistry(queue, connection=conn, serializer=JSONSerializer)
-    prefix = f"{batch_id}-"
-    return sum(1 for job_id in registry.get_job_ids() if job_id.startswith(prefix))
+def _running(conn: Redis, batch_id: str) -> int:
+    """Jobs of the batch some worker holds right now (``mlxq:running``)."""
+    prefix = f"{batch_id}-".encode()
+    return sum(1 for job_id in conn.hkeys(keys.RUNNING) if job_id.startswith(prefix))
 
 
 def batch_queues(conn: Redis, batch_id: str, meta: dict[str, str] | None = None) -> list[str]:
@@ -91,7 +90,7 @@ def batch_status(conn: Redis, batch_id: str) -> BatchStatus:
     succeeded = int(meta.get("succeeded", 0))
     failed = int(meta.get("failed", 0))
     cancelled = int(meta.get("cancelled", 0))
-    running = sum(_running(conn, q, batch_id) for q in batch_queues(conn, batch_id, meta))
+    running = _running(conn, batch_id)
     done = succeeded + failed + cancelled
     running = min(running, max(total - done, 0))
     rate = eta = None
@@ -215,20 +214,9 @@ def cancel_batch(conn: Redis, batch_id: str) -> tuple[int, int]:
             j.decode() for j in conn.eval(_CANCEL, 1, keys.rq_queue_key(queue), f"{batch_id}-")
         ]
         custom = _custom_ids(conn, removed) if removed else {}
+        error = CancelledError("cancelled before it started (producer cancel)")
         for job_id in removed:
-            record = ResultRecord(
-                job_id=job_id,
-                batch_id=batch_id,
-                custom_id=custom.get(job_id) or "",
-                status="cancelled",
-                status_code=499,
-                error=ErrorInfo(
-                    message="cancelled before it started (producer cancel)",
-                    type="cancelled",
-                    code="cancelled",
-                ),
-                finished_at=time.time(),
-            )
+            record = ResultRecord.failed(job_id, batch_id, custom.get(job_id) or "", error)
             write_result(conn, record, ttl)
             conn.hset(keys.rq_job_key(job_id), "status", "canceled")
             cancelled += 1

@@ -82,29 +82,41 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 
 def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None, max_batch=1):
-    """Run an in-process MlxqWorker in burst mode until the queues are empty."""
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
+    """Run an in-process worker in burst mode until the queues are empty."""
     from worker import runtime as rt_mod
-    from worker.rqworker import MlxqWorker
+    from worker.loop import Worker
 
     rt = rt_mod.install(runtime or rt_mod.WorkerRuntime(worker_id="test-worker"))
     conn = Redis.from_url(redis_url)
-    qs = [Queue(q, connection=conn, serializer=JSONSerializer) for q in queues]
-    worker = MlxqWorker(qs, connection=conn, name=f"w{time.monotonic_ns()}", max_batch=max_batch)
-    worker.work(burst=True, max_jobs=max_jobs, with_scheduler=False, logging_level="WARNING")
+    name = f"w{time.monotonic_ns()}"
+    worker = Worker(
+        conn, list(queues), rt, name=name, max_batch=max_batch, burst=True, max_jobs=max_jobs
+    )
+    worker.work()
     return rt
 
 
 class WorkerProc:
-    def __init__(self, redis_url: str, tmp: Path, *args: str, name: str = "w") -> None:
+    """A real ``worker`` process (or ``command``, e.g. a wrapper that slows model loads)."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        tmp: Path,
+        *args: str,
+        name: str = "w",
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log = tmp / f"worker-{name}-{time.monotonic_ns()}.log"
-        exe = str(Path(sys.executable).with_name("worker"))
-        env = os.environ | {"MLXQ_REDIS_URL": redis_url}
+        exe = command or [str(Path(sys.executable).with_name("worker"))]
+        full_env = os.environ | {"MLXQ_REDIS_URL": redis_url} | (env or {})
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [exe, "--name", name, "-v", *args], env=env, stdout=subprocess.DEVNULL, stderr=log
+                [*exe, "--name", name, "-v", *args],
+                env=full_env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
             )
 
     def signal(self, sig: int) -> None:
@@ -127,8 +139,14 @@ class WorkerProc:
 def workers(redis_url, tmp_path):
     started: list[WorkerProc] = []
 
-    def start(*args: str, name: str = "w", url: str | None = None) -> WorkerProc:
-        w = WorkerProc(url or redis_url, tmp_path, *args, name=name)
+    def start(
+        *args: str,
+        name: str = "w",
+        url: str | None = None,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> WorkerProc:
+        w = WorkerProc(url or redis_url, tmp_path, *args, name=name, command=command, env=env)
         started.append(w)
         return w
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from producer import Client
+from schemas import keys
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from worker import runtime
@@ -92,16 +93,16 @@ def test_job_timeout_inside_a_batch(conn, redis_url, tiny):
 def test_a_surprise_in_the_batch_fails_that_job_and_the_worker_goes_on(
     conn, redis_url, tiny, monkeypatch
 ):
-    from worker import batching
+    from worker import continuous
 
-    real = batching.prompt_tokens
+    real = continuous.prompt_tokens
 
     def flaky(tokenizer, request):
         if request.messages[0].text == "boom":
             raise RuntimeError("tokenizer exploded")
         return real(tokenizer, request)
 
-    monkeypatch.setattr(batching, "prompt_tokens", flaky)
+    monkeypatch.setattr(continuous, "prompt_tokens", flaky)
     client = Client(connection=conn)
     s = client.submit(
         {
@@ -176,3 +177,14 @@ def test_deep_queue_of_draft_jobs_speculates_when_batching_measures_slower(conn,
     records = [read_result(conn, j) for j in s.job_ids]
     assert all(r.metrics.batch_size == 1 for r in records)
     assert all(r.metrics.speculative for r in records)
+
+
+def test_max_jobs_counts_jobs_not_batches(conn, redis_url, tiny):
+    jobs = {
+        f"j{i}": chat(tiny.target, content=f"n{i}", max_tokens=3, temperature=0) for i in range(6)
+    }
+    s = Client(connection=conn).submit(jobs)
+    run_worker(redis_url, max_batch=4, max_jobs=3)
+    ran = [read_result(conn, j) is not None for j in s.job_ids]
+    assert ran == [True, True, True, False, False, False]
+    assert conn.llen(keys.rq_queue_key("mlxq")) == 3 and conn.hlen(keys.RUNNING) == 0

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
+import pytest
 from redis import Redis
 
 from producer import Client
@@ -200,30 +202,36 @@ def test_job_timeout_fails_clearly_and_the_worker_goes_on(conn, redis_url, tiny)
     assert after.status == "succeeded" and after.metrics.cache_hit is True
 
 
-def test_job_stranded_after_dequeue_is_put_back(conn, redis_url, tiny):
+def test_job_left_in_a_dead_workers_inbox_is_put_back(conn, redis_url, tiny):
+    from worker.lifecycle import Lifecycle
+
     s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
     job_id = s.job_ids[0]
-    # A worker died right after taking the job: it sits in the intermediate list only.
-    conn.lmove(keys.rq_queue_key("mlxq"), keys.rq_intermediate_key("mlxq"))
-    from worker.recovery import recover_queue
-
-    assert not recover_queue(conn, "mlxq", stuck_grace_s=0.5)  # first sighting: wait
-    time.sleep(0.6)
-    report = recover_queue(conn, "mlxq", stuck_grace_s=0.5)
-    assert report.unstuck == [job_id]
+    # A worker's blocking wait moved the id into its inbox, then the process died.
+    dead = Lifecycle(conn, "dead", ["mlxq"], lease_s=30)
+    dead.register()
+    assert conn.blmove(keys.rq_queue_key("mlxq"), dead.inbox, 1, "LEFT", "RIGHT") is not None
+    other = Lifecycle(conn, "other", ["mlxq"], lease_s=30)
+    other.register()
+    assert other.recover() == []  # its lease still runs: nothing to do
+    conn.zadd(keys.LEASES, {dead.token: 0})  # ...and now it has run out
+    assert [(r.kind, r.job_id) for r in other.recover()] == [("inbox", job_id)]
+    assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [job_id.encode()]
+    assert not conn.exists(dead.inbox) and not conn.hexists(keys.HOLDERS, dead.token)
+    other.unregister()
     run_worker(redis_url)
     assert one_result(conn, job_id).status == "succeeded"
-    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
 
 
-def test_several_queues_dequeue_through_intermediate_lists(conn, redis_url, tiny):
+def test_several_queues_first_queue_first_and_nothing_left_held(conn, redis_url, tiny):
     a = Client(connection=conn, queue="high").submit([chat(tiny.target, max_tokens=2)])
     b = Client(connection=conn, queue="low").submit([chat(tiny.target, max_tokens=2)])
     run_worker(redis_url, queues=("high", "low"))
     assert read_result(conn, a.job_ids[0]).status == "succeeded"
     assert read_result(conn, b.job_ids[0]).status == "succeeded"
+    assert read_result(conn, a.job_ids[0]).finished_at < read_result(conn, b.job_ids[0]).finished_at
+    assert conn.hlen(keys.RUNNING) == 0 and conn.keys("mlxq:inbox:*") == []
     for q in ("high", "low"):
-        assert conn.llen(keys.rq_intermediate_key(q)) == 0
         assert conn.zcard(keys.rq_started_key(q)) == 0
 
 
@@ -236,9 +244,9 @@ def test_missing_and_corrupt_job_hashes_are_dead_lettered(conn, redis_url, tiny)
     dead = [json.loads(x) for x in conn.lrange(keys.DEAD_LETTERS, 0, -1)]
     reasons = {d["job_id"]: d["reason"] for d in dead}
     assert "no job hash" in reasons["ghost-1"]
-    assert "corrupt job hash" in reasons["broken-1"]
+    assert "not JSON" in reasons["broken-1"]
     assert read_result(conn, good.job_ids[0]).status == "succeeded"
-    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
+    assert conn.hlen(keys.RUNNING) == 0 and conn.llen(keys.rq_queue_key("mlxq")) == 0
 
 
 def test_credentials_never_reach_logs_or_results(tmp_path, tiny, workers):
@@ -293,7 +301,7 @@ def test_sigterm_while_idle_exits_zero_and_loses_nothing(conn, redis_url, tiny, 
     assert w.wait(30) == 0
     s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
     assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [s.job_ids[0].encode()]
-    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
+    assert conn.keys("mlxq:inbox:*") == [] and conn.zcard(keys.LEASES) == 0
     run_worker(redis_url)
     assert one_result(conn, s.job_ids[0]).status == "succeeded"
 
@@ -343,41 +351,39 @@ def test_second_sigterm_mid_batch_requeues_every_job(conn, redis_url, tiny, work
     assert all(one_result(conn, j).status == "succeeded" for j in s.job_ids)
 
 
-def test_sigterm_while_taking_the_next_job_stops_after_the_job(conn, redis_url, tiny, monkeypatch):
-    # A SIGTERM landing as the worker takes its next job must mean "stop after
-    # the last job": that job's bookkeeping is applied once, and the job just
-    # taken is handed back unstarted, neither run nor stranded.
-    from rq import Queue
-    from rq.serializers import JSONSerializer
-
-    from worker import dequeue
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_stop_while_taking_the_next_job_hands_it_back(conn, redis_url, tiny, max_batch):
+    # A stop landing as the worker takes its next job means "stop after the last
+    # job": the job just taken is handed back unstarted, neither run nor stranded.
     from worker import runtime as rt_mod
-    from worker.rqworker import MlxqWorker
+    from worker.lifecycle import Lifecycle
+    from worker.loop import Worker
 
-    rt_mod.install(rt_mod.WorkerRuntime(worker_id="sig"))
-    worker = MlxqWorker(
-        [Queue("mlxq", connection=conn, serializer=JSONSerializer)], connection=conn, name="sig"
-    )
-    real_take = dequeue.take
+    rt = rt_mod.install(rt_mod.WorkerRuntime(worker_id="sig"))
+    worker = Worker(conn, ["mlxq"], rt, name="sig", burst=True, max_batch=max_batch)
+    real_take = Lifecycle.take
     takes = []
 
-    def take(connection, queue):
-        found = real_take(connection, queue)
+    def take(self, queues=None, block_s=0.0):
+        found = real_take(self, queues, block_s)
         takes.append(found)
         if len(takes) == 2:  # as the second take's reply arrives
-            worker.request_stop(signal.SIGTERM, None)
+            worker.request_stop()
         return found
 
-    monkeypatch.setattr(dequeue, "take", take)
-    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)] * 2)
-    worker.work(burst=True, with_scheduler=False, logging_level="WARNING")
+    worker.lifecycle.take = take.__get__(worker.lifecycle)
+    s = Client(connection=conn).submit(
+        [chat(tiny.target, max_tokens=2, temperature=0, seed=i + 1) for i in range(2)]
+    )
+    worker.work()
     assert len(takes) == 2 and takes[1] is not None
     assert one_result(conn, s.job_ids[0]).status == "succeeded"
+    assert read_result(conn, s.job_ids[1]) is None
     assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [s.job_ids[1].encode()]
-    assert conn.llen(keys.rq_intermediate_key("mlxq")) == 0
-    assert conn.hget("rq:job:" + s.job_ids[0], "status") == b"finished"
-    assert conn.hget("rq:job:" + s.job_ids[1], "status") == b"queued"
-    assert int(conn.hget(worker.key, "successful_job_count") or 0) == 1
+    assert conn.hlen(keys.RUNNING) == 0
+    assert conn.hget(keys.rq_job_key(s.job_ids[0]), "status") == b"finished"
+    assert conn.hget(keys.rq_job_key(s.job_ids[1]), "status") == b"queued"
+    assert conn.hget(worker.lifecycle.worker_key, "successful_job_count") == b"1"
 
 
 def test_sigterm_while_idle_after_jobs_exits_at_once(conn, redis_url, tiny, workers):
@@ -392,3 +398,87 @@ def test_sigterm_while_idle_after_jobs_exits_at_once(conn, redis_url, tiny, work
     w.signal(signal.SIGTERM)
     assert w.wait(30) == 0
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("max_batch", ["1", "8"])
+def test_a_load_slower_than_several_leases_keeps_the_job(conn, tiny, workers, max_batch):
+    # A first load (hub download, cold disk) of 8 s against a 2 s lease, on the
+    # one-at-a-time and the batched path, with a second worker watching: the job
+    # runs once, on the loading worker, with no crash counted and no requeue.
+    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=3, temperature=0)])
+    job_id = s.job_ids[0]
+    lease = ("--lease-seconds", "2", "--max-batch", max_batch)
+    slow = workers(
+        *lease,
+        name="slow-loader",
+        command=[sys.executable, "-m", "tests.slowload"],
+        env={"MLXQ_TEST_SLOW_LOAD_S": "8"},
+    )
+    wait_for(lambda: conn.hexists(keys.RUNNING, job_id))
+    other = workers(*lease, name="watcher")
+    record = one_result(conn, job_id, timeout=120)
+    assert record.status == "succeeded" and record.metrics.worker_id == "slow-loader"
+    assert record.metrics.load_time_s >= 8
+    assert conn.get(keys.crashes_key(job_id)) is None
+    for w in (slow, other):
+        w.signal(signal.SIGTERM)
+        assert w.wait() == 0
+    assert "requeued" not in slow.output + other.output
+
+
+def test_long_lease_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny, workers):
+    # --lease-seconds 90. One job is held by a worker that is then killed; another
+    # is stranded between dequeue and start (in a dead worker's inbox). For more
+    # than 60 s, and again once the leases have ended, RQ's own cleanups run as they
+    # would beside mlxq (RQ's intermediate-queue cleanup used to fail a stranded job
+    # after 60 s, and its started-registry cleanup an expired one, behind mlxq's
+    # back): they touch neither. mlxq's recovery requeues both; each ends with one
+    # succeeded record.
+    from rq import Queue, Worker
+    from rq.registry import StartedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from worker.lifecycle import Lifecycle
+
+    client = Client(connection=conn)
+    held = client.submit([slow_job(tiny)]).job_ids[0]
+    a = workers("--lease-seconds", "90", name="long-a")
+    wait_for(lambda: running_execution(conn, held))
+    a.signal(signal.SIGKILL)
+    a.wait()
+    killed = time.monotonic()
+    stranded = client.submit([chat(tiny.target, max_tokens=2)]).job_ids[0]
+    dead = Lifecycle(conn, "long-dead", ["mlxq"], lease_s=90)
+    dead.register()
+    conn.blmove(keys.rq_queue_key("mlxq"), dead.inbox, 1, "LEFT", "RIGHT")
+    assert conn.lrange(dead.inbox, 0, -1) == [stranded.encode()]
+    queue = Queue("mlxq", connection=conn, serializer=JSONSerializer)
+    rq_worker = Worker([queue], connection=conn, serializer=JSONSerializer, name="rq-cleaner")
+
+    def rq_cleanups() -> None:
+        rq_worker.clean_registries()  # RQ's intermediate-queue and registry cleanups
+        StartedJobRegistry(queue=queue).get_job_ids()  # its started-registry cleanup
+        info = [sys.executable, "-m", "rq.cli", "info", "--url", _url(conn)]
+        subprocess.run(info, capture_output=True, check=True)
+
+    while time.monotonic() - killed < 62:
+        rq_cleanups()
+        time.sleep(5)
+    wait_for(lambda: time.monotonic() - killed > 91, timeout=60, every=0.5)
+    rq_cleanups()  # the leases have ended: still RQ fails nothing
+    assert conn.hget(keys.rq_job_key(held), "status") == b"started"
+    assert conn.zcard("rq:failed:mlxq") == 0
+    assert read_result(conn, held) is None and read_result(conn, stranded) is None
+    b = workers("--lease-seconds", "90", name="long-b")
+    for job_id in (held, stranded):
+        record = one_result(conn, job_id, timeout=120)
+        assert record.status == "succeeded" and record.metrics.worker_id == "long-b"
+    assert conn.get(keys.crashes_key(held)) == b"1"
+    assert conn.zcard("rq:failed:mlxq") == 0
+    b.signal(signal.SIGTERM)
+    assert b.wait() == 0
+
+
+def _url(conn: Redis) -> str:
+    kw = conn.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/0"
