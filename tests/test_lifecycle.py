@@ -20,13 +20,16 @@ from producer import Client
 from schemas import GenerationError, ResultRecord, keys
 from schemas.store import read_result, write_result
 from tests.conftest import chat
+from worker import registry
 from worker.lifecycle import Job as HeldJob
 from worker.lifecycle import Lifecycle, Refused
 
 
 def lifecycle(conn, name="w", queues=("mlxq",), **kw) -> Lifecycle:
+    """A registered lifecycle, with RQ's worker record, as ``worker.loop.Worker`` starts it."""
     lc = Lifecycle(conn, name, list(queues), **kw)
     lc.register()
+    registry.rq_birth(conn, name, list(queues), lc.worker_ttl)
     return lc
 
 
@@ -87,6 +90,7 @@ def test_a_taken_job_is_started_where_rq_and_rq_info_see_it(conn, redis_url):
     assert lc.take() is None
     assert Worker.all(connection=conn)[0].get_state() == "idle"
     lc.unregister()
+    registry.rq_death(conn, "mini-1", ["mlxq"])
     assert Worker.all(connection=conn) == []
 
 

@@ -20,12 +20,10 @@ import logging
 import os
 import secrets
 import socket
-import sys
 import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from redis import Redis
@@ -93,6 +91,18 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class _Ending:
+    """What ``scripts.END`` needs to end one job (``record`` None: end it without one)."""
+
+    job_id: str
+    queue: str
+    record: ResultRecord | None
+    ttl: int
+    worked: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class Recovered:
     """One job a recovery pass acted on (``kind`` as returned by ``scripts.RECOVER``)."""
 
@@ -100,13 +110,6 @@ class Recovered:
     job_id: str
     queue: str
     crashes: int
-
-
-def _version() -> str:
-    try:
-        return f"mlxq {version('mlxq')}"
-    except PackageNotFoundError:
-        return "mlxq"
 
 
 class Lifecycle:
@@ -136,93 +139,44 @@ class Lifecycle:
 
     @property
     def worker_ttl(self) -> int:
-        """Seconds RQ's worker record outlives the last heartbeat."""
+        """Seconds RQ's worker record (``worker.registry``) outlives the last heartbeat."""
         return max(60, 3 * self.lease_ms // 1000)
 
-    # -- birth and death --------------------------------------------------
+    # -- the lease --------------------------------------------------------
     def register(self) -> None:
-        """Take over the name from a dead process of ours, then start the lease and RQ's
-        worker record (``rq info``). Raises RuntimeError if the name is in use."""
-        self._reclaim_name()
-        self.renew()
-        born = rq_time()
-        with self.conn.pipeline() as pipe:
-            pipe.delete(self.worker_key)
-            pipe.hset(
-                self.worker_key,
-                mapping={
-                    "birth": born,
-                    "last_heartbeat": born,
-                    "queues": ",".join(self.queues),
-                    "pid": self.pid,
-                    "hostname": self.host,
-                    "ip_address": "",
-                    "version": _version(),
-                    "python_version": sys.version,
-                    "state": "idle",
-                    "successful_job_count": 0,
-                    "failed_job_count": 0,
-                    "total_working_time": 0,
-                },
-            )
-            pipe.sadd(keys.RQ_WORKERS, self.worker_key)
-            for q in self.queues:
-                pipe.sadd(keys.rq_queue_workers_key(q), self.worker_key)
-            pipe.expire(self.worker_key, self.worker_ttl)
-            pipe.execute()
-        self.recover()  # a predecessor's jobs come back now, not a lease from now
-
-    def unregister(self) -> list[str]:
-        """End the lease; whatever is still held goes back to its queue. RQ's record says dead."""
-        ids = self.conn.eval(
-            scripts.UNREGISTER,
-            4,
-            keys.RUNNING,
-            keys.LEASES,
-            keys.HOLDERS,
-            self.inbox,
-            self.token,
-            keys.rq_job_key(""),
-            keys.rq_started_key(""),
-            keys.rq_queue_key(""),
-            self.queues[0],
-        )
-        with self.conn.pipeline() as pipe:
-            pipe.srem(keys.RQ_WORKERS, self.worker_key)
-            for q in self.queues:
-                pipe.srem(keys.rq_queue_workers_key(q), self.worker_key)
-            pipe.hset(self.worker_key, mapping={"death": rq_time(), "state": "dead"})
-            pipe.expire(self.worker_key, 60)
-            pipe.execute()
-        handed = [i.decode() for i in ids]
-        if handed:
-            log.warning("worker %s: jobs %s handed back at exit", self.name, ", ".join(handed))
-        return handed
-
-    def _reclaim_name(self) -> None:
-        data = {k.decode(): v.decode() for k, v in self.conn.hgetall(self.worker_key).items()}
-        if data and "death" not in data:
-            pid, host = int(data.get("pid") or 0), data.get("hostname")
-            if host != self.host:
-                raise RuntimeError(
-                    f"worker name {self.name!r} is in use by a worker on host {host!r}; pick "
-                    f"another --name or wait {self.conn.ttl(self.worker_key)}s for it to expire"
-                )
-            if pid and pid != self.pid and _alive(pid):
-                raise RuntimeError(f"worker name {self.name!r} is in use by live process {pid}")
+        """Start this process's lease, end those of dead earlier processes of the same name on
+        this host (a restart after a crash), and give back the jobs of every dead holder now
+        rather than a lease from now."""
         for token, raw in self.conn.hgetall(keys.HOLDERS).items():
             try:
                 info = json.loads(raw)
                 ours = info["name"] == self.name and info["host"] == self.host
-                dead = ours and info["pid"] != self.pid and not _alive(int(info["pid"]))
+                dead = ours and info["pid"] != self.pid and not alive(int(info["pid"]))
             except (ValueError, KeyError, TypeError):
                 continue
-            if dead:  # its lease ends now: the recovery pass in register() hands its jobs back
+            if dead:
                 self.conn.zadd(keys.LEASES, {token: 0}, xx=True)
                 log.warning(
                     "worker %s: previous process (pid %s) died; name reclaimed",
-                    *(self.name, info["pid"]),
+                    self.name,
+                    info["pid"],
                 )
+        self.renew()
+        self.recover()
+
+    def unregister(self) -> list[str]:
+        """End the lease; whatever is still held or in the inbox goes back to its queue."""
+        ids = self.conn.eval(
+            scripts.UNREGISTER,
+            4,
+            *(keys.RUNNING, keys.LEASES, keys.HOLDERS, self.inbox),
+            *(self.token, keys.rq_job_key(""), keys.rq_started_key(""), keys.rq_queue_key("")),
+            self.queues[0],
+        )
+        handed = [i.decode() for i in ids]
+        if handed:
+            log.warning("worker %s: jobs %s handed back at exit", self.name, ", ".join(handed))
+        return handed
 
     # -- the transitions --------------------------------------------------
     def take(self, queues: list[str] | None = None, block_s: float = 0.0) -> Job | Refused | None:
@@ -258,21 +212,11 @@ class Lifecycle:
             reply = self.conn.eval(
                 scripts.TAKE,
                 5 + len(queues),
-                keys.RUNNING,
-                keys.LEASES,
-                self.inbox,
-                self.worker_key,
-                keys.RQ_SUSPENDED,
+                *(keys.RUNNING, keys.LEASES, self.inbox, self.worker_key, keys.RQ_SUSPENDED),
                 *[keys.rq_queue_key(q) for q in queues],
-                self.token,
-                self.lease_ms,
-                self.name,
-                now,
-                keys.rq_job_key(""),
-                keys.result_key(""),
-                keys.rq_started_key(""),
-                self.queues[0],
-                *queues,
+                *(self.token, self.lease_ms, self.name, now),
+                *(keys.rq_job_key(""), keys.result_key(""), keys.rq_started_key("")),
+                *(self.queues[0], *queues),
             )
             if not reply:
                 return None
@@ -299,25 +243,26 @@ class Lifecycle:
             )
 
     def refuse(self, refused: Refused) -> bool:
-        """End a refused job: RQ's status failed, a failed record when the job can be told
-        apart as mlxq's (its batch is known), and the dead-letter list unless it was
-        merely an invalid request. True if a record was written."""
+        """End a refused job: RQ's status failed; a failed record when the job names its
+        batch (or its id is an mlxq job id of a known batch); and the dead-letter list
+        unless it was merely an invalid request with a record. True if a record was written.
+        """
         r = refused.refusal
         ids = self._ids(refused.id, r.payload)
-        if r.kind == "invalid":
-            error: MlxqError = InvalidRequestError(r.reason)
-        elif r.kind == "unsafe":
-            error = UnsafeJobError(r.reason)
-        else:
-            error = MlxqError(f"job could not be read: {r.reason}")
-        if r.kind != "invalid":
+        error: MlxqError = (
+            UnsafeJobError(r.reason)
+            if r.kind == "unsafe"
+            else InvalidRequestError(
+                r.reason if r.kind == "invalid" else f"job could not be read: {r.reason}"
+            )
+        )
+        if r.kind != "invalid" or ids is None:
             dead_letter(self.conn, refused.id, r.reason)
-        if ids is None:
-            self._end(refused.id, refused.queue, None, keys.DEFAULT_RESULT_TTL, 0.0, r.reason)
-            return False
-        record = ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name))
-        ttl = _ttl(r.payload)
-        return self._end(refused.id, refused.queue, record, ttl, 0.0, r.reason)
+        record = None
+        if ids is not None:
+            record = ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name))
+        ending = _Ending(refused.id, refused.queue, record, _ttl(r.payload), 0.0, r.reason)
+        return self._send([ending])[0]
 
     def _ids(self, job_id: str, payload: dict[str, Any] | None) -> tuple[str, str, str] | None:
         """(job id, batch id, custom_id) to put on a refused job's record, if it has a batch."""
@@ -336,74 +281,47 @@ class Lifecycle:
 
     def end_many(self, ended: list[tuple[Job, ResultRecord]]) -> list[bool]:
         """:meth:`end` for several jobs in one round trip."""
-        with self.conn.pipeline(transaction=False) as pipe:
-            for job, record in ended:
-                exc = record.error.message if record.error else ""
-                self._end_call(
-                    pipe,
-                    job.id,
-                    job.queue,
-                    record,
-                    job.envelope.result_ttl,
-                    job.started.elapsed(),
-                    exc,
-                )
-            replies = pipe.execute()
-        for (job, _), wrote in zip(ended, replies, strict=True):
-            if not wrote:
-                log.info("job %s: a result already existed; kept the first", job.id)
-        return [bool(w) for w in replies]
-
-    def _end(
-        self,
-        job_id: str,
-        queue: str,
-        record: ResultRecord | None,
-        ttl: int,
-        worked: float,
-        exc: str,
-    ) -> bool:
-        with self.conn.pipeline(transaction=False) as pipe:
-            self._end_call(pipe, job_id, queue, record, ttl, worked, exc)
-            return bool(pipe.execute()[0])
-
-    def _end_call(
-        self,
-        pipe: Any,
-        job_id: str,
-        queue: str,
-        record: ResultRecord | None,
-        ttl: int,
-        worked: float,
-        exc: str,
-    ) -> None:
-        ok = record is not None and record.status == "succeeded"
-        batch = record.batch_id if record else keys.batch_of(job_id)
-        pipe.eval(
-            scripts.END,
-            9,
-            keys.result_key(job_id),
-            keys.batch_key(batch),
-            keys.batch_done_key(batch),
-            keys.RUNNING,
-            keys.rq_job_key(job_id),
-            keys.rq_started_key(queue),
-            keys.rq_finished_key(queue) if ok else keys.rq_failed_key(queue),
-            self.worker_key,
-            keys.rq_results_key(job_id),
-            record.model_dump_json() if record else "",
-            int(ttl),
-            record.status if record else "failed",
-            job_id,
-            repr(record.finished_at if record else time.time()),
-            self.token,
-            "finished" if ok else "failed",
-            rq_time(),
-            "successful_job_count" if ok else "failed_job_count",
-            round(worked, 6),
-            base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
-            self.name,
+        wrote = self._send(
+            [
+                _Ending(j.id, j.queue, r, j.envelope.result_ttl, j.started.elapsed())
+                for j, r in ended
+            ]
         )
+        for (job, _), w in zip(ended, wrote, strict=True):
+            if not w:
+                log.info("job %s: a result already existed; kept the first", job.id)
+        return wrote
+
+    def _send(self, endings: list[_Ending]) -> list[bool]:
+        """``scripts.END`` for each ending, pipelined; whether each wrote its record."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            for e in endings:
+                record = e.record
+                ok = record is not None and record.status == "succeeded"
+                batch = record.batch_id if record else keys.batch_of(e.job_id)
+                registry = keys.rq_finished_key(e.queue) if ok else keys.rq_failed_key(e.queue)
+                exc = e.error or (record.error.message if record and record.error else "")
+                pipe.eval(
+                    scripts.END,
+                    9,
+                    *(keys.result_key(e.job_id), keys.batch_key(batch)),
+                    *(keys.batch_done_key(batch), keys.RUNNING, keys.rq_job_key(e.job_id)),
+                    *(keys.rq_started_key(e.queue), registry, self.worker_key),
+                    keys.rq_results_key(e.job_id),
+                    record.model_dump_json() if record else "",
+                    int(e.ttl),
+                    record.status if record else "failed",
+                    e.job_id,
+                    repr(record.finished_at if record else time.time()),
+                    self.token,
+                    "finished" if ok else "failed",
+                    rq_time(),
+                    "successful_job_count" if ok else "failed_job_count",
+                    round(e.worked, 6),
+                    base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
+                    self.name,
+                )
+            return [bool(w) for w in pipe.execute()]
 
     def requeue(self, job: Job | Refused) -> bool:
         """Give a held job back to the front of its queue, unstarted."""
@@ -411,13 +329,9 @@ class Lifecycle:
             self.conn.eval(
                 scripts.REQUEUE,
                 4,
-                keys.RUNNING,
-                keys.rq_queue_key(job.queue),
-                keys.rq_job_key(job.id),
+                *(keys.RUNNING, keys.rq_queue_key(job.queue), keys.rq_job_key(job.id)),
                 keys.rq_started_key(job.queue),
-                self.token,
-                job.id,
-                job.queue,
+                *(self.token, job.id, job.queue),
             )
         )
 
@@ -427,14 +341,8 @@ class Lifecycle:
             self.conn.eval(
                 scripts.RENEW,
                 3,
-                keys.LEASES,
-                keys.HOLDERS,
-                self.worker_key,
-                self.token,
-                self.lease_ms,
-                self.holder,
-                rq_time(),
-                self.worker_ttl,
+                *(keys.LEASES, keys.HOLDERS, self.worker_key),
+                *(self.token, self.lease_ms, self.holder, rq_time(), self.worker_ttl),
             )
         )
 
@@ -443,18 +351,10 @@ class Lifecycle:
         reply = self.conn.eval(
             scripts.RECOVER,
             3,
-            keys.RUNNING,
-            keys.LEASES,
-            keys.HOLDERS,
-            self.token,
-            self.max_crashes,
-            CRASH_MEMORY_S,
-            keys.rq_job_key(""),
-            keys.result_key(""),
-            keys.rq_started_key(""),
-            keys.rq_queue_key(""),
-            keys.crashes_key(""),
-            keys.inbox_key(""),
+            *(keys.RUNNING, keys.LEASES, keys.HOLDERS),
+            *(self.token, self.max_crashes, CRASH_MEMORY_S),
+            *(keys.rq_job_key(""), keys.result_key(""), keys.rq_started_key("")),
+            *(keys.rq_queue_key(""), keys.crashes_key(""), keys.inbox_key("")),
         )
         done = [Recovered(k.decode(), i.decode(), q.decode(), int(n)) for k, i, q, n in reply]
         for r in done:
@@ -486,7 +386,7 @@ class Lifecycle:
         record = (
             ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name)) if ids else None
         )
-        self._end(r.job_id, r.queue, record, _ttl(payload), 0.0, str(error))
+        self._send([_Ending(r.job_id, r.queue, record, _ttl(payload), 0.0, str(error))])
         log.warning("%s: job %s failed: %s", self.name, r.job_id, error)
 
 
@@ -505,7 +405,8 @@ def _ttl(payload: dict[str, Any] | None) -> int:
     return ttl if isinstance(ttl, int) and ttl > 0 else keys.DEFAULT_RESULT_TTL
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

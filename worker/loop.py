@@ -79,8 +79,10 @@ class Worker:
     # -- running ----------------------------------------------------------
     def work(self) -> None:
         """Register, serve until stopped (or the queues are empty with ``burst``), unregister."""
+        registry.claim_name(self.conn, self.name)
         restore = self._install_signals()
         self.lifecycle.register()
+        registry.rq_birth(self.conn, self.name, self.queues, self.lifecycle.worker_ttl)
         beat = Heartbeat(self.lifecycle, self.publish)
         beat.start()
         self.publish()
@@ -93,30 +95,40 @@ class Worker:
             try:
                 self.lifecycle.unregister()
             finally:
+                registry.rq_death(self.conn, self.name, self.queues)
                 registry.unpublish(self.conn, self.name)
                 restore()
 
     def _loop(self) -> None:
-        while not self._stop and (self.max_jobs is None or self.taken < self.max_jobs):
+        while self._may_take():
             got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S)
             if got is None:
                 self.state, self.current = "idle", None
                 if self.burst:
                     return
                 continue
-            self.taken += 1
-            if isinstance(got, Refused):
-                self.lifecycle.refuse(got)
-            elif self._stop:  # the stop came while this job was being taken
-                self.lifecycle.requeue(got)
-            else:
-                self._run(got)
+            job = self._accept(got)
+            if job is not None:
+                self._run(job)
+
+    def _may_take(self) -> bool:
+        return not self._stop and (self.max_jobs is None or self.taken < self.max_jobs)
+
+    def _accept(self, got: Job | Refused) -> Job | None:
+        """Count a taken job; end it if refused, hand it back if a stop came meanwhile."""
+        self.taken += 1
+        if isinstance(got, Refused):
+            self.lifecycle.refuse(got)
+            return None
+        if self._stop:  # the stop came while this job was being taken
+            self.lifecycle.requeue(got)
+            return None
+        return got
 
     def _run(self, job: Job) -> None:
         self.state, self.current = "busy", job.id
-        taken = None
+        depth, taken = 1, None
         if self.max_batch > 1:
-            depth = 1
             if job.envelope.request.draft_model:  # batch or speculate: how many wait?
                 waiting = self.conn.llen(keys.rq_queue_key(job.queue))
                 depth += min(waiting, self.max_batch - 1)
@@ -136,17 +148,13 @@ class Worker:
     def take_from(self, queue: str) -> Job | None:
         """The next job of ``queue`` to join a batch (refused ones are ended on the way), or
         None if the queue is empty or the worker must not take more."""
-        while not self._stop and (self.max_jobs is None or self.taken < self.max_jobs):
+        while self._may_take():
             got = self.lifecycle.take([queue])
             if got is None:
                 return None
-            self.taken += 1
-            if isinstance(got, Refused):
-                self.lifecycle.refuse(got)
-            elif self._stop:  # the stop came while this job was being taken
-                self.lifecycle.requeue(got)
-            else:
-                return got
+            job = self._accept(got)
+            if job is not None:
+                return job
         return None
 
     def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None:
