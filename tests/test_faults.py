@@ -400,25 +400,32 @@ def test_sigterm_while_idle_after_jobs_exits_at_once(conn, redis_url, tiny, work
     assert time.monotonic() - started < 5
 
 
-@pytest.mark.parametrize("max_batch", ["1", "8"])
-def test_a_load_slower_than_several_leases_keeps_the_job(conn, tiny, workers, max_batch):
-    # A first load (hub download, cold disk) of 8 s against a 2 s lease, on the
-    # one-at-a-time and the batched path, with a second worker watching: the job
-    # runs once, on the loading worker, with no crash counted and no requeue.
-    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=3, temperature=0)])
+@pytest.mark.parametrize(
+    ("max_batch", "path"), [("1", "alone"), ("8", "batched"), ("8", "speculative, streamed")]
+)
+def test_a_load_slower_than_several_leases_keeps_the_job(conn, tiny, workers, max_batch, path):
+    # Each model load takes 5 s longer (a hub download, a cold disk) against a 2 s
+    # lease, on every path, with a second worker watching: the job runs once, on the
+    # loading worker, with no crash counted and no requeue.
+    spec = {"draft_model": tiny.twin, "num_draft_tokens": 2, "stream": True}
+    extra = spec if path.startswith("spec") else {}
+    s = Client(connection=conn).submit([chat(tiny.target, max_tokens=3, temperature=0, **extra)])
     job_id = s.job_ids[0]
     lease = ("--lease-seconds", "2", "--max-batch", max_batch)
     slow = workers(
         *lease,
         name="slow-loader",
         command=[sys.executable, "-m", "tests.slowload"],
-        env={"MLXQ_TEST_SLOW_LOAD_S": "8"},
+        env={"MLXQ_TEST_SLOW_LOAD_S": "5"},
     )
     wait_for(lambda: conn.hexists(keys.RUNNING, job_id))
     other = workers(*lease, name="watcher")
     record = one_result(conn, job_id, timeout=120)
     assert record.status == "succeeded" and record.metrics.worker_id == "slow-loader"
-    assert record.metrics.load_time_s >= 8
+    loads = 2 if extra else 1  # the target, and the draft
+    assert record.metrics.load_time_s >= 5 * loads
+    if extra:
+        assert record.metrics.speculative and conn.xlen(keys.stream_key(job_id)) > 2
     assert conn.get(keys.crashes_key(job_id)) is None
     for w in (slow, other):
         w.signal(signal.SIGTERM)

@@ -19,8 +19,9 @@ from tests.test_faults import one_result, running_execution, slow_job, wait_for
 
 def test_two_workers_serve_their_own_models_and_show_in_the_registry(conn, tiny, workers):
     client = Client(connection=conn)
-    reqs = {f"t{i}": chat(tiny.target, max_tokens=4) for i in range(3)}
-    reqs |= {f"w{i}": chat(tiny.twin, max_tokens=4) for i in range(3)}
+    exact = {"max_tokens": 4, "temperature": 0, "logit_bias": {"3": -100}}  # no early EOS
+    reqs = {f"t{i}": chat(tiny.target, content=f"t{i}", **exact) for i in range(3)}
+    reqs |= {f"w{i}": chat(tiny.twin, content=f"w{i}", **exact) for i in range(3)}
     s = client.submit(reqs, route="model")
     assert conn.llen(keys.rq_queue_key(keys.queue_for_model(tiny.target))) == 3
     assert conn.llen(keys.rq_queue_key(keys.queue_for_model(tiny.twin))) == 3
