@@ -34,6 +34,13 @@ def fleet_table(workers: list[WorkerInfo]) -> str:
             f"{w.name[:19]:<20}{w.host[:15]:<16}{w.state[:7]:<8}{w.jobs_done:>6}"
             f"{w.cache_used_gb:>6.2f}{budget:<4}  {models}"
         )
+        if (pc := w.prefix_cache) is not None:
+            rate = f"{pc.hit_rate:.0%}" if pc.hit_rate is not None else "-"
+            lines.append(
+                f"{'':<20}  prefix cache: {pc.entries} prefix(es), {pc.used_mb:.0f}/"
+                f"{pc.budget_mb:.0f} MB, hit rate {rate} ({pc.hits}/{pc.lookups} jobs), "
+                f"{pc.tokens_reused} tokens reused"
+            )
         for p in w.pairs:
             tps = f"{p.tokens_per_s:.1f} tok/s" if p.tokens_per_s else "-"
             acc = f", acceptance {p.acceptance_rate:.2f}" if p.acceptance_rate is not None else ""

@@ -32,6 +32,21 @@ class PairStats(BaseModel):
         return self.accepted / self.proposed if self.proposed else None
 
 
+class PrefixCacheInfo(BaseModel):
+    """A worker's prefix cache: kept prompt prefixes, their bytes, how often they served."""
+
+    budget_mb: float
+    used_mb: float = 0.0
+    entries: int = 0
+    lookups: int = 0
+    hits: int = 0
+    tokens_reused: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+
 class WorkerInfo(BaseModel):
     name: str
     host: str
@@ -45,4 +60,5 @@ class WorkerInfo(BaseModel):
     jobs_done: int = 0
     pairs: list[PairStats] = []
     speculation: dict[str, dict[str, float]] = {}
+    prefix_cache: PrefixCacheInfo | None = None
     updated_at: float

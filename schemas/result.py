@@ -12,12 +12,19 @@ from schemas.errors import MlxqError
 FinishReason = Literal["stop", "length"]
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token usage in OpenAI's shape."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -81,6 +88,7 @@ class Metrics(BaseModel):
     mlx_version: str | None = None
     mlx_lm_version: str | None = None
     batch_size: int = 1
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (usage says it too)
 
 
 class ResultRecord(BaseModel):

@@ -37,6 +37,7 @@ class _Sequence:
     prompt_len: int
     scan: StopScan
     detokenizer: Any
+    cached_tokens: int = 0
     admitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     text: str = ""
@@ -59,6 +60,7 @@ class _Sequence:
             draft_tokens_accepted=0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             token_ids=tuple(self.tokens),
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -79,17 +81,32 @@ class BatchEngine:
     def __len__(self) -> int:
         return len(self._seqs)
 
-    def add(self, tag: Hashable, prompt: list[int], params: GenerationParams) -> None:
-        """Start decoding ``prompt`` (it joins at the next step); ``tag`` names it in outputs."""
+    def add(
+        self,
+        tag: Hashable,
+        prompt: list[int],
+        params: GenerationParams,
+        cache: list[Any] | None = None,
+        cached: int = 0,
+        reused: int = 0,
+    ) -> None:
+        """Start decoding ``prompt`` (it joins at the next step); ``tag`` names it in outputs.
+
+        ``cache`` holds the KV state of the first ``cached`` prompt tokens (a kept
+        prefix): only the rest is prefilled, and the penalties still see the whole
+        prompt. ``reused`` is what the output reports as cached.
+        """
         sampler = _sampler(params.temperature, params.top_p, params.min_p, params.top_k)
         (uid,) = self.gen.insert(
-            [prompt],
+            [prompt[cached:]],
             [params.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[:cached]] if cache is not None else None,
             samplers=[sampler],
             logits_processors=[logits_processors(params)],
         )
         detok = self.target.tokenizer.detokenizer  # a fresh one per access
-        self._seqs[uid] = _Sequence(tag, len(prompt), StopScan(params.stop), detok)
+        self._seqs[uid] = _Sequence(tag, len(prompt), StopScan(params.stop), detok, reused)
 
     def drop(self, tag: Hashable) -> None:
         """Stop decoding the sequence ``tag`` (no output for it)."""

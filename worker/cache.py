@@ -5,7 +5,9 @@ alone, with draft A and with draft B is loaded once. A LoRA adapter entry
 shares its base model's weight arrays (MLX arrays are immutable buffers) and
 adds only the adapter's own parameters, so the base stays untouched for other
 jobs. Under a memory budget, least-recently-used models are evicted and memory
-is freed *before* the next model is loaded.
+is freed *before* the next model is loaded. Kept prompt prefixes
+(``worker.prefix``) count in the same budget: they are evicted before any
+model, and a model's prefixes go with it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from schemas import (
     ModelNotFoundError,
     ModelTooLargeError,
 )
+from worker.prefix import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ HUB_PATTERNS = [
 ]
 
 CacheKey = tuple[str, str | None]
+
+#: Default byte budget of the prefix cache (``--prefix-cache-gb``).
+DEFAULT_PREFIX_CACHE_BYTES = 1_000_000_000
 
 
 @dataclass
@@ -132,8 +138,11 @@ def free_memory() -> None:
 class ModelCache:
     """Loaded models keyed by (name, adapter), with an LRU memory budget."""
 
-    def __init__(self, budget_bytes: int | None = None) -> None:
+    def __init__(
+        self, budget_bytes: int | None = None, prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    ) -> None:
         self.budget_bytes = budget_bytes
+        self.prefixes = PrefixCache(prefix_bytes)
         self._entries: OrderedDict[CacheKey, LoadedModel] = OrderedDict()
         self._compatible: dict[tuple[CacheKey, CacheKey], bool] = {}
         self.loads = 0
@@ -143,8 +152,19 @@ class ModelCache:
         return key in self._entries
 
     @property
-    def used_bytes(self) -> int:
+    def model_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
+
+    @property
+    def used_bytes(self) -> int:
+        """Models and kept prefixes: what counts against the budget."""
+        return self.model_bytes + self.prefixes.nbytes
+
+    def prefix_room(self) -> int:
+        """Bytes the prefix cache may still add under this cache's budget."""
+        if self.budget_bytes is None:
+            return self.prefixes.budget_bytes
+        return self.budget_bytes - self.used_bytes
 
     def entries(self) -> list[LoadedModel]:
         """Loaded models, least recently used first."""
@@ -186,6 +206,9 @@ class ModelCache:
                 f"{self.budget_bytes / 1e9:.2f} GB (--cache-gb)"
             )
         evicted = False
+        over = self.used_bytes + needed - self.budget_bytes
+        if over > 0 and self.prefixes.evict(over):  # kept prefixes go before any model
+            evicted = True
         for key in list(self._entries):
             if self.used_bytes + needed <= self.budget_bytes:
                 break
@@ -208,6 +231,7 @@ class ModelCache:
         dependents = [k for k in self._entries if key[1] is None and k[0] == key[0] and k[1]]
         for k in [*dependents, key]:
             entry = self._entries.pop(k)
+            self.prefixes.drop_model(k)
             self.evictions += 1
             self._compatible = {p: v for p, v in self._compatible.items() if k not in p}
             log.info("evicted %s (%.1f MB)", _label(k), entry.nbytes / 1e6)

@@ -79,6 +79,15 @@ def connect(redis_url: str) -> Redis:
     help="Memory budget for loaded models in GB (LRU eviction) [default: no limit].",
 )
 @click.option(
+    "--prefix-cache-gb",
+    envvar="MLXQ_PREFIX_CACHE_GB",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Memory for KV state of shared prompt prefixes (system prompts, few-shot turns), "
+    "kept across jobs and counted inside --cache-gb; 0 turns it off.",
+)
+@click.option(
     "--allow-model",
     "allow_models",
     envvar="MLXQ_ALLOW_MODELS",
@@ -141,6 +150,7 @@ def main(
     burst: bool,
     max_jobs: int | None,
     cache_gb: float | None,
+    prefix_cache_gb: float,
     allow_models: tuple[str, ...],
     num_draft_tokens: int,
     speculative: str,
@@ -167,7 +177,7 @@ def main(
     conn = connect(redis_url)
     budget = int(cache_gb * 1e9) if cache_gb else None
     rt = runtime.WorkerRuntime(
-        cache=ModelCache(budget),
+        cache=ModelCache(budget, prefix_bytes=int(prefix_cache_gb * 1e9)),
         allow_models=allow_models,
         default_num_draft_tokens=num_draft_tokens,
         policy=SpeculationPolicy(speculative, default_k=num_draft_tokens),

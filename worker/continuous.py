@@ -157,6 +157,9 @@ class ContinuousBatch:
             target = engine.target
             prompt = prompt_tokens(target.tokenizer, req)
             params = params_for(req, len(prompt), target.context_length, target.vocab_size)
+            assert self.generator is not None
+            with self.host.computing():  # a shared prefix not kept yet is prefilled once here
+                start = self.generator.starting_cache(req, prompt, len(prompt) - 1)
         except MlxqError as e:
             self._end([(job, records.failure(job, self.rt, e))])
             return
@@ -165,7 +168,7 @@ class ContinuousBatch:
             error = GenerationError(f"{type(e).__name__}: {e}")
             self._end([(job, records.failure(job, self.rt, error))])
             return
-        engine.add(job.id, prompt, params)
+        engine.add(job.id, prompt, params, *start)
         self.slots[job.id] = _Slot(job, decision)
 
     def _engine(self, job: Job) -> BatchEngine:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +18,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from schemas import ChatRequest, ContextLengthError, InvalidRequestError, JobTimeoutError
+from worker.prefix import common_prefix
 
 #: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
 DEFAULT_MAX_TOKENS = 512
@@ -38,6 +40,11 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     num_draft_tokens: int = 3
 
+    @property
+    def penalty_window(self) -> int:
+        """Trailing tokens (prompt and completion) the penalties look at; 0 without any."""
+        return self.max_tokens if (self.presence_penalty or self.frequency_penalty) else 0
+
 
 @dataclass(frozen=True)
 class GenerationOutput:
@@ -55,6 +62,7 @@ class GenerationOutput:
     draft_tokens_accepted: int
     peak_memory_gb: float
     token_ids: tuple[int, ...]
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -73,6 +81,29 @@ def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int]) -> int:
+    """How many leading tokens of ``prompt`` render every message but the last: the part
+    batch jobs share (a system prompt, few-shot turns). 0 for a single message.
+
+    Tokens, not text: it is the common prefix of the two token sequences, so a chat
+    template or tokenizer that renders the shorter conversation differently at its end
+    only shortens it.
+    """
+    if len(request.messages) < 2:
+        return 0
+    head = [m.as_template_dict() for m in request.messages[:-1]]
+    try:
+        if getattr(tokenizer, "has_chat_template", False):
+            ids = tokenizer.apply_chat_template(head, add_generation_prompt=False)  # type: ignore[attr-defined]
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in head))  # type: ignore[attr-defined]
+    except Exception:  # a template that refuses a conversation without a user turn
+        return 0
+    return min(common_prefix([int(i) for i in ids], prompt), len(prompt) - 1)
 
 
 def params_for(
@@ -191,6 +222,8 @@ def generate(
     draft_model: nn.Module | None = None,
     on_text: Callable[[str], None] | None = None,
     deadline: Deadline | None = None,
+    cache: list[Any] | None = None,
+    cached: int = 0,
 ) -> GenerationOutput:
     """Generate a completion for ``prompt``; speculative when ``draft_model`` is given.
 
@@ -198,7 +231,9 @@ def generate(
     ``on_text`` receives the text as it is produced, in pieces that concatenate
     to exactly the final text: text that could still turn out to be the start
     of a stop string is held back until it cannot. Past ``deadline`` it raises
-    :class:`JobTimeoutError` (checked at every token).
+    :class:`JobTimeoutError` (checked at every token). ``cache`` (the target's layers,
+    then the draft's) holds the KV state of the first ``cached`` prompt tokens; only
+    the rest is prefilled.
     """
     if params.seed is not None:
         mx.random.seed(params.seed)
@@ -217,8 +252,10 @@ def generate(
     last = None
     scan = StopScan(params.stop)
     emitted = 0
+    if cache is not None:
+        kwargs["prompt_cache"] = cache
     for response in stream_generate(
-        model, tokenizer, mx.array(prompt), max_tokens=params.max_tokens, **kwargs
+        model, tokenizer, mx.array(prompt[cached:]), max_tokens=params.max_tokens, **kwargs
     ):
         if first_token_at is None:
             first_token_at = time.perf_counter()
@@ -256,4 +293,5 @@ def generate(
         draft_tokens_accepted=counter.accepted if counter else 0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         token_ids=tuple(tokens),
+        cached_tokens=cached if cache is not None else 0,
     )

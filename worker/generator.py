@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from schemas import ChatRequest
 from worker.cache import LoadedModel, ModelCache
-from worker.engine import Deadline, GenerationOutput, generate, params_for, prompt_tokens
+from worker.engine import (
+    Deadline,
+    GenerationOutput,
+    generate,
+    message_boundary,
+    params_for,
+    prompt_tokens,
+)
+from worker.prefix import starting_cache
 
 _default_cache: ModelCache | None = None
 
@@ -37,6 +46,7 @@ class ChatGenerator:
     draft: LoadedModel | None = None
     target_was_warm: bool = False
     draft_was_warm: bool = False
+    models: ModelCache | None = None  # where kept prompt prefixes live (and count)
 
     @classmethod
     def get_or_create(
@@ -54,7 +64,7 @@ class ChatGenerator:
             keep = (target.key, (model_id, None))
             draft, d_hit = cache.get(draft_model_id, None, keep=keep)
             cache.check_draft(target, draft)
-        return cls(target, draft, t_hit, d_hit)
+        return cls(target, draft, t_hit, d_hit, cache)
 
     @classmethod
     def create(
@@ -105,13 +115,35 @@ class ChatGenerator:
         )
         if num_draft_tokens is not None:
             params = replace(params, num_draft_tokens=num_draft_tokens)
-        draft = self.draft.model if self.draft is not None and use_draft else None
-        return generate(
+        draft = self.draft if self.draft is not None and use_draft else None
+        # stream_generate's penalties see only what is prefilled: leave them their window.
+        limit = len(prompt) - max(1, params.penalty_window)
+        cache, cached, reused = self.starting_cache(request, prompt, limit, draft)
+        out = generate(
             self.target.model,
             tokenizer,
             prompt,
             params,
-            draft_model=draft,
+            draft_model=draft.model if draft else None,
             on_text=on_text,
             deadline=deadline,
+            cache=cache,
+            cached=cached,
         )
+        return replace(out, cached_tokens=reused)
+
+    def starting_cache(
+        self,
+        request: ChatRequest,
+        prompt: list[int],
+        limit: int,
+        draft: LoadedModel | None = None,
+    ) -> tuple[list[Any] | None, int, int]:
+        """The KV cache ``prompt`` starts from (see :func:`worker.prefix.starting_cache`):
+        the target's layers, then ``draft``'s; tokens it holds; tokens reused."""
+        if self.models is None or not self.models.prefixes.enabled:
+            return None, 0, 0
+        boundary = message_boundary(self.target.tokenizer, request, prompt)
+        pairs = [(m.key, m.model) for m in (self.target, draft) if m is not None]
+        store = self.models.prefixes
+        return starting_cache(store, self.models.prefix_room, pairs, prompt, boundary, limit)

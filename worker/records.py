@@ -16,6 +16,7 @@ from schemas import (
     ResultRecord,
     Usage,
 )
+from schemas.result import PromptTokensDetails
 from worker.engine import GenerationOutput
 from worker.generator import ChatGenerator
 from worker.lifecycle import Job
@@ -48,6 +49,7 @@ def completion_for(job: Job, out: GenerationOutput, completion_id: str) -> ChatC
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
             total_tokens=out.prompt_tokens + out.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens),
         ),
         system_fingerprint=(f"mlxq-mlx{package_version('mlx')}-mlxlm{package_version('mlx-lm')}"),
     )
@@ -94,6 +96,7 @@ def success(
             "acceptance_rate": out.acceptance_rate,
             "peak_memory_gb": out.peak_memory_gb,
             "batch_size": batched_with,
+            "cached_tokens": out.cached_tokens,
         }
     )
     return ResultRecord(

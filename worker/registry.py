@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from redis import Redis
 
 from schemas import keys
-from schemas.fleet import LoadedModelInfo, WorkerInfo
+from schemas.fleet import LoadedModelInfo, PrefixCacheInfo, WorkerInfo
 from worker.lifecycle import alive, rq_time
 from worker.runtime import WorkerRuntime
 
@@ -46,7 +46,23 @@ def worker_info(
         jobs_done=rt.stats.jobs_done,
         pairs=list(rt.stats.pairs.values()),
         speculation=rt.policy.summary(),
+        prefix_cache=_prefix_info(rt),
         updated_at=time.time(),
+    )
+
+
+def _prefix_info(rt: WorkerRuntime) -> PrefixCacheInfo | None:
+    store = rt.cache.prefixes
+    if not store.enabled:
+        return None
+    stats = store.snapshot_stats()
+    return PrefixCacheInfo(
+        budget_mb=round(store.budget_bytes / 1e6, 1),
+        used_mb=round(stats.nbytes / 1e6, 1),
+        entries=stats.entries,
+        lookups=stats.lookups,
+        hits=stats.hits,
+        tokens_reused=stats.tokens_reused,
     )
 
 

@@ -1,0 +1,190 @@
+"""The prefix cache: shared system prompts are prefilled once, outputs do not change.
+
+Real Redis, real workers, tiny real models. Each path a job can take (alone,
+batched, speculative, streamed) runs the same jobs with the cache and without
+it (``--prefix-cache-gb 0``) and must give the same text.
+"""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from producer import Client
+from producer.cli import main as producer_main
+from schemas import ChatRequest
+from schemas.store import read_result
+from tests.conftest import chat, run_worker
+from worker import runtime
+from worker.cache import ModelCache
+from worker.generator import ChatGenerator
+from worker.policy import SpeculationPolicy
+from worker.prefix import MIN_TOKENS, PrefixCache, prefill, snapshot
+
+SYSTEM = "You grade queue worker logs for a fleet of small machines. Be terse. " * 6
+
+
+def with_system(model: str, user: str, system: str = SYSTEM, **fields) -> dict:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return {"model": model, "messages": messages, "temperature": 0, **fields}
+
+
+def run(conn, redis_url, bodies, *, prefix_gb: float = 1.0, max_batch: int = 1, policy=None):
+    cache = ModelCache(prefix_bytes=int(prefix_gb * 1e9))
+    rt = runtime.WorkerRuntime(cache=cache, policy=policy or SpeculationPolicy("always"))
+    s = Client(connection=conn).submit(bodies)
+    run_worker(redis_url, runtime=rt, max_batch=max_batch)
+    return [read_result(conn, j) for j in s.job_ids], rt
+
+
+PATHS = {
+    "alone": ({}, 1),
+    "batched": ({}, 4),
+    "speculative": ({"draft": True}, 1),
+    "streamed": ({"stream": True}, 4),
+    "penalties, batched": ({"frequency_penalty": 0.8, "presence_penalty": 0.5}, 4),
+    "penalties, alone": ({"frequency_penalty": 0.8}, 1),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_same_output_with_and_without_the_cache_and_cached_tokens_say_so(
+    conn, redis_url, tiny, path
+):
+    fields, max_batch = PATHS[path]
+    fields = dict(fields)
+    if fields.pop("draft", False):
+        fields |= {"draft_model": tiny.twin, "num_draft_tokens": 3}
+    users = ["first log line", "a second, longer log line to grade", "third", "fourth!"]
+    bodies = [with_system(tiny.target, u, max_tokens=12, **fields) for u in users]
+    off, _ = run(conn, redis_url, bodies, prefix_gb=0, max_batch=max_batch)
+    on, rt = run(conn, redis_url, bodies, max_batch=max_batch)
+    for a, b in zip(off, on, strict=True):
+        assert a.status == b.status == "succeeded", (a.error, b.error)
+        assert b.response.choices[0].message.content == a.response.choices[0].message.content
+        assert b.response.usage.prompt_tokens == a.response.usage.prompt_tokens
+        assert a.response.usage.prompt_tokens_details.cached_tokens == 0
+    cached = [r.response.usage.prompt_tokens_details.cached_tokens for r in on]
+    assert [r.metrics.cached_tokens for r in on] == cached
+    shared = max(cached)
+    assert cached[0] == 0 and shared >= MIN_TOKENS  # the first job prefilled it for all
+    assert shared < min(r.response.usage.prompt_tokens for r in on)
+    if path == "penalties, alone":  # mlx-lm's penalties see only what is prefilled:
+        window = 12  # the window (max_tokens) stays out of the cache
+        expected = [min(shared, r.response.usage.prompt_tokens - window) for r in on[1:]]
+        assert cached[1:] == expected and min(expected) < shared
+    else:
+        assert cached[1:] == [shared] * 3
+    stats = rt.cache.prefixes.snapshot_stats()
+    assert (stats.lookups, stats.hits, stats.tokens_reused) == (4, 3, sum(cached))
+    models = 2 if "draft_model" in fields else 1  # a speculative job keeps the draft's too
+    assert stats.entries == models
+    if "speculative" in path:
+        assert all(r.metrics.speculative and r.metrics.acceptance_rate == 1.0 for r in on)
+    if max_batch > 1 and "stream" not in fields:
+        assert max(r.metrics.batch_size for r in on) > 1
+
+
+def test_a_seeded_job_samples_the_same_text_cached_or_not(conn, redis_url, tiny):
+    body = with_system(tiny.target, "sample me", max_tokens=16, seed=7) | {"temperature": 0.9}
+    off, _ = run(conn, redis_url, [body])
+    warm, _ = run(conn, redis_url, [with_system(tiny.target, "warm the prefix"), body])
+    assert warm[1].response.usage.prompt_tokens_details.cached_tokens > 0
+    text = off[0].response.choices[0].message.content
+    assert warm[1].response.choices[0].message.content == text
+
+
+def test_single_message_and_short_prefixes_are_not_kept(conn, redis_url, tiny):
+    bodies = [chat(tiny.target, content="only a user turn " * 20, max_tokens=3)] * 2
+    bodies.append(with_system(tiny.target, "hi", system="Be brief.", max_tokens=3))
+    records, rt = run(conn, redis_url, bodies)
+    assert [r.response.usage.prompt_tokens_details.cached_tokens for r in records] == [0, 0, 0]
+    assert len(rt.cache.prefixes) == 0 and rt.cache.prefixes.nbytes == 0
+
+
+def _entry(cache: ModelCache, model: str, system: str):
+    gen = ChatGenerator.get_or_create(model, cache=cache)
+    req = ChatRequest.model_validate(with_system(model, "x", system=system, max_tokens=2))
+    gen.generate(req)
+    return gen
+
+
+def test_the_byte_budget_holds_under_many_distinct_prefixes(tiny):
+    one = ModelCache()
+    _entry(one, tiny.target, SYSTEM)
+    size = one.prefixes.nbytes
+    budget = int(size * 2.5)  # room for two entries of this size
+    cache = ModelCache(prefix_bytes=budget)
+    for i in range(6):
+        _entry(cache, tiny.target, f"Variant {i}. " + SYSTEM)
+        assert cache.prefixes.nbytes <= budget
+        assert len(cache.prefixes) == min(i + 1, 2)
+    # The most recent prefixes are the ones kept.
+    again = ChatRequest.model_validate(with_system(tiny.target, "y", system="Variant 5. " + SYSTEM))
+    out = ChatGenerator.get_or_create(tiny.target, cache=cache).generate(again)
+    assert out.cached_tokens > MIN_TOKENS
+
+
+def test_a_models_prefixes_go_with_it_and_go_first_when_room_is_needed(tiny):
+    probe = ModelCache()
+    target_bytes = probe.get(tiny.target)[0].nbytes
+    draft_bytes = probe.get(tiny.draft)[0].nbytes
+    _entry(probe, tiny.target, SYSTEM)
+    prefix_bytes = probe.prefixes.nbytes
+    # Room for both models, or for the target and its prefix: not for all three.
+    cache = ModelCache(budget_bytes=target_bytes + draft_bytes + prefix_bytes // 2)
+    _entry(cache, tiny.target, SYSTEM)
+    assert len(cache.prefixes) == 1
+    cache.get(tiny.draft)  # needs room: the prefix goes, not the target
+    assert len(cache.prefixes) == 0 and (tiny.target, None) in cache
+    assert cache.used_bytes <= cache.budget_bytes
+    _entry(cache, tiny.target, SYSTEM)  # no room left for a prefix: the job runs without
+    assert cache.used_bytes <= cache.budget_bytes
+    # Room for one model of the target's size and its prefix: a second such model
+    # evicts the target, and no prefix of it is left behind.
+    small = ModelCache(budget_bytes=target_bytes + prefix_bytes + 1000)
+    _entry(small, tiny.target, SYSTEM)
+    assert len(small.prefixes) == 1
+    small.get(tiny.twin)
+    assert (tiny.target, None) not in small and len(small.prefixes) == 0
+    assert small.used_bytes <= small.budget_bytes
+    _entry(small, tiny.twin, SYSTEM)
+    small.evict_all()  # evicting a model drops its prefixes, whatever the budget
+    assert len(small.prefixes) == 0 and small.prefixes.nbytes == 0
+
+
+def test_kept_entries_are_compact_and_never_change(tiny):
+    gen = ChatGenerator.get_or_create(tiny.target, cache=ModelCache())
+    tokens = list(range(5, 5 + 300))
+    full = prefill(gen.target.model, tokens)
+    kept = snapshot(full, 300)
+    assert kept is not None and all(c.keys.shape[2] == 300 for c in kept)  # not the 512 buffer
+    store = PrefixCache(10**9)
+    assert store.put(("m", None), tokens, kept, room=10**9)
+    before = [c.keys.tolist() for c in kept]
+    entry, n = store.match(("m", None), [*tokens, 1, 2, 3])
+    assert n == 300
+    from worker.prefix import restore
+
+    job = restore(entry.layers, 200)  # a job that shares only 200 tokens, then goes on
+    gen.target.model(__import__("mlx.core").core.array([[7, 8, 9]]), cache=job)
+    assert [c.keys.tolist() for c in entry.layers] == before
+    assert job[0].offset == 203
+
+
+def test_fleet_shows_the_prefix_cache(conn, redis_url, tiny, workers):
+    w = workers("--max-batch", "1", name="pc")
+    client = Client(connection=conn)
+    s = client.submit([with_system(tiny.target, f"job {i}", max_tokens=2) for i in range(3)])
+    client.wait(s.batch_id, timeout=60)
+    from tests.test_faults import wait_for
+
+    info = wait_for(lambda: (f := client.fleet()) and f[0].prefix_cache.hits == 2 and f[0])
+    pc = info.prefix_cache
+    assert (pc.entries, pc.lookups, pc.budget_mb) == (1, 3, 1000.0)
+    assert 0 < pc.used_mb <= pc.budget_mb and pc.hit_rate == pytest.approx(2 / 3)
+    url = redis_url
+    out = CliRunner().invoke(producer_main, ["fleet", "--redis-url", url]).output
+    assert "prefix cache: 1 prefix(es)" in out and "hit rate 67% (2/3 jobs)" in out
+    w.signal(__import__("signal").SIGTERM)
+    assert w.wait() == 0

@@ -1,0 +1,240 @@
+"""The prefix cache: KV state of shared prompt prefixes, kept across jobs.
+
+Batch jobs are usually one long shared instruction (a system prompt, few-shot
+turns) and a short item. The KV state of that shared part is the same for
+every job on the same (model, adapter), so it is computed once and kept: a
+job whose prompt starts with a kept prefix prefills only the rest.
+
+- **What is kept.** A job's prompt up to its last message boundary (all its
+  messages but the last, as the chat template renders them), when that is at
+  least :data:`MIN_TOKENS` long. If no entry covers it yet, it is prefilled on
+  its own first and kept; the job (and every later job sharing it) starts from
+  a copy. So the first job of a batch pays the shared prefill once, and a batch
+  of jobs that share an uncached prefix prefills it once, not once per job.
+- **Matching.** On token ids: the longest common prefix of the prompt with any
+  kept entry of the model (trimmed to it), always leaving at least one token to
+  prefill. Any common prefix is reusable, not only whole messages: the KV of the
+  first n tokens depends on those tokens alone.
+- **Memory.** Entries are compact copies (exactly their tokens' KV, not the
+  generation buffer), counted in bytes under the cache's own budget
+  (``--prefix-cache-gb``) and inside the model cache's (``--cache-gb``):
+  least recently used entries go first, before a model load would fail, and
+  all of a model's entries go with the model.
+
+mlx-lm's server has ``LRUPromptCache`` (a trie; deep copies on fetch). It is
+not used here because mlxq needs what it does not offer: dropping a model's
+entries with the model, evicting for the model cache's budget, hit counts,
+zero-copy reuse, and warming a prefix before a job runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+log = logging.getLogger(__name__)
+
+#: Prefixes shorter than this are not worth an entry (tokens).
+MIN_TOKENS = 32
+#: Tokens prefilled per forward pass when warming a prefix (mlx-lm's default step).
+PREFILL_STEP = 2048
+
+Cache = list[Any]
+
+
+@dataclass
+class Entry:
+    """A kept prefix: its tokens and one compact KV cache per layer."""
+
+    tokens: tuple[int, ...]
+    layers: Cache
+    nbytes: int
+    hits: int = 0
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class PrefixStats:
+    """What ``producer fleet`` shows of a worker's prefix cache."""
+
+    entries: int = 0
+    nbytes: int = 0
+    lookups: int = 0
+    hits: int = 0
+    tokens_reused: int = 0
+
+
+def cache_nbytes(cache: Cache) -> int:
+    return sum(int(c.nbytes) for c in cache)
+
+
+def snapshot(cache: Cache, n: int) -> Cache | None:
+    """Compact copies of the first ``n`` positions of ``cache``; None if its layers cannot
+    be cut (caches other than mlx-lm's plain KVCache are not kept)."""
+    if not cache or not all(type(c) is KVCache and c.offset >= n > 0 for c in cache):
+        return None
+    out = []
+    for c in cache:
+        kept = KVCache()
+        kept.keys = mx.contiguous(c.keys[..., :n, :])
+        kept.values = mx.contiguous(c.values[..., :n, :])
+        kept.offset = n
+        out.append(kept)
+    mx.eval([(c.keys, c.values) for c in out])
+    return out
+
+
+def restore(layers: Cache, n: int) -> Cache:
+    """A cache holding the first ``n`` positions of an entry, for one job.
+
+    No copy: the job's cache starts from slices of the entry's (immutable)
+    arrays, and its first update moves it to a buffer of its own.
+    """
+    out = []
+    for c in layers:
+        fresh = KVCache()
+        fresh.keys, fresh.values = c.keys[..., :n, :], c.values[..., :n, :]
+        fresh.offset = n
+        out.append(fresh)
+    return out
+
+
+def prefill(model: nn.Module, tokens: Sequence[int]) -> Cache:
+    """A fresh cache holding ``tokens``' KV state (the model run over them, in steps)."""
+    cache = make_prompt_cache(model)
+    for i in range(0, len(tokens), PREFILL_STEP):
+        model(mx.array(tokens[i : i + PREFILL_STEP])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PrefixCache:
+    """Kept prefixes of every model, least recently used first, under a byte budget."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = max(0, int(budget_bytes))
+        self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], Entry] = OrderedDict()
+        self.stats = PrefixStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def snapshot_stats(self) -> PrefixStats:
+        self.stats.entries, self.stats.nbytes = len(self), self.nbytes
+        return self.stats
+
+    def match(self, model: Hashable, prompt: Sequence[int]) -> tuple[Entry, int] | None:
+        """The entry of ``model`` sharing the longest prefix with ``prompt``, and its length."""
+        best, best_n = None, 0
+        for (owner, _), entry in self._entries.items():
+            if owner == model and (n := common_prefix(entry.tokens, prompt)) > best_n:
+                best, best_n = entry, n
+        if best is None:
+            return None
+        self._entries.move_to_end((model, best.tokens))
+        best.hits += 1
+        return best, best_n
+
+    def put(self, model: Hashable, tokens: Sequence[int], layers: Cache, room: int) -> bool:
+        """Keep ``layers`` (the KV state of exactly ``tokens``) if it fits: within the cache's
+        budget and within ``room`` bytes more than it holds now (what the model cache can
+        spare). Older entries go first to make space; True if it was kept."""
+        nbytes = cache_nbytes(layers)
+        limit = min(self.budget_bytes, self.nbytes + max(room, 0))
+        if nbytes > limit:
+            return False
+        key = (model, tuple(tokens))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        # Shorter entries of the model that this one extends are redundant now.
+        for k in [k for k in self._entries if k[0] == model and k[1] == key[1][: len(k[1])]]:
+            del self._entries[k]
+        while self._entries and self.nbytes + nbytes > limit:
+            self._entries.popitem(last=False)
+        self._entries[key] = Entry(key[1], layers, nbytes)
+        return True
+
+    def evict(self, nbytes: int) -> int:
+        """Drop least recently used entries until ``nbytes`` are freed (or none are left)."""
+        freed = 0
+        while self._entries and freed < nbytes:
+            _, entry = self._entries.popitem(last=False)
+            freed += entry.nbytes
+        return freed
+
+    def drop_model(self, model: Hashable) -> None:
+        """Forget every entry of ``model`` (it is being evicted)."""
+        for key in [k for k in self._entries if k[0] == model]:
+            del self._entries[key]
+
+
+def starting_cache(
+    store: PrefixCache,
+    room: Callable[[], int],
+    models: Sequence[tuple[Hashable, nn.Module]],
+    prompt: Sequence[int],
+    boundary: int,
+    limit: int,
+) -> tuple[Cache | None, int, int]:
+    """Where a job's prompt starts: (cache, tokens it holds, tokens reused from entries kept
+    before this job), or (None, 0, 0).
+
+    ``models`` are (cache key, model) pairs, the target first (then the draft of a
+    speculative job); the cache holds their layers in that order, all at the same
+    length. When no entry covers the prompt's shared part (its first ``boundary``
+    tokens) for a model, that part is prefilled on its own and kept first (``room()``:
+    bytes the model cache can spare). This job takes at most ``limit`` tokens of it,
+    and always leaves at least one token to prefill.
+    """
+    if not store.enabled:
+        return None, 0, 0
+    limit = min(limit, len(prompt) - 1)
+    boundary = min(boundary, len(prompt) - 1)  # kept whole; this job may use less of it
+    store.stats.lookups += 1
+    found: list[tuple[Cache, int]] = []
+    reused = True
+    for i, (key, model) in enumerate(models):
+        matched = store.match(key, prompt)
+        if boundary >= MIN_TOKENS and (matched is None or matched[1] < boundary):
+            layers = snapshot(prefill(model, prompt[:boundary]), boundary)
+            if layers is None:
+                return None, 0, 0
+            store.put(key, prompt[:boundary], layers, room())
+            found.append((layers, boundary))
+            reused = reused and i > 0  # the target's own prefix was computed here
+        elif matched is not None:
+            found.append((matched[0].layers, matched[1]))
+        else:
+            return None, 0, 0
+    n = min(min(k for _, k in found), limit)
+    if n < MIN_TOKENS:
+        return None, 0, 0
+    if reused:
+        store.stats.hits += 1
+        store.stats.tokens_reused += n
+    return [layer for layers, _ in found for layer in restore(layers, n)], n, n if reused else 0
