@@ -188,3 +188,19 @@ def test_fleet_shows_the_prefix_cache(conn, redis_url, tiny, workers):
     assert "prefix cache: 1 prefix(es)" in out and "hit rate 67% (2/3 jobs)" in out
     w.signal(__import__("signal").SIGTERM)
     assert w.wait() == 0
+
+
+def test_an_adapter_never_reuses_its_base_models_prefix(conn, redis_url, tiny, tmp_path):
+    from tests.models import write_lora_adapter
+
+    adapter = write_lora_adapter(tiny.target, tmp_path / "lora", seed=3)
+    base = with_system(tiny.target, "same item", max_tokens=10)
+    tuned = base | {"adapter": adapter}
+    alone, _ = run(conn, redis_url, [tuned], prefix_gb=0)
+    records, rt = run(conn, redis_url, [base, tuned, tuned])
+    cached = [r.response.usage.prompt_tokens_details.cached_tokens for r in records]
+    assert cached[0] == 0 and cached[1] == 0 and cached[2] > 0  # its own entry, not the base's
+    assert records[1].response.choices[0].message.content == (
+        alone[0].response.choices[0].message.content
+    )
+    assert len(rt.cache.prefixes) == 2
