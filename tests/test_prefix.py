@@ -19,7 +19,7 @@ from worker import runtime
 from worker.cache import ModelCache
 from worker.generator import ChatGenerator
 from worker.policy import SpeculationPolicy
-from worker.prefix import MIN_TOKENS, PrefixCache, prefill, snapshot
+from worker.prefix import MIN_TOKENS, PrefixCache, cache_nbytes, prefill, snapshot
 
 SYSTEM = "You grade queue worker logs for a fleet of small machines. Be terse. " * 6
 
@@ -118,6 +118,9 @@ def test_the_byte_budget_holds_under_many_distinct_prefixes(tiny):
     for i in range(6):
         _entry(cache, tiny.target, f"Variant {i}. " + SYSTEM)
         assert cache.prefixes.nbytes <= budget
+        assert cache.prefixes.nbytes == sum(
+            cache_nbytes(e.layers) for e in cache.prefixes.entries()
+        )
         assert len(cache.prefixes) == min(i + 1, 2)
     # The most recent prefixes are the ones kept.
     again = ChatRequest.model_validate(with_system(tiny.target, "y", system="Variant 5. " + SYSTEM))

@@ -130,6 +130,7 @@ class PrefixCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = max(0, int(budget_bytes))
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], Entry] = OrderedDict()
+        self._nbytes = 0  # kept up to date, so other threads can read it (fleet registry)
         self.stats = PrefixStats()
 
     @property
@@ -138,10 +139,14 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def entries(self) -> list[Entry]:
+        """Kept entries, least recently used first."""
+        return list(self._entries.values())
 
     def snapshot_stats(self) -> PrefixStats:
         self.stats.entries, self.stats.nbytes = len(self), self.nbytes
@@ -173,24 +178,29 @@ class PrefixCache:
             return True
         # Shorter entries of the model that this one extends are redundant now.
         for k in [k for k in self._entries if k[0] == model and k[1] == key[1][: len(k[1])]]:
-            del self._entries[k]
-        while self._entries and self.nbytes + nbytes > limit:
-            self._entries.popitem(last=False)
+            self._remove(k)
+        while self._entries and self._nbytes + nbytes > limit:
+            self._remove(next(iter(self._entries)))
         self._entries[key] = Entry(key[1], layers, nbytes)
+        self._nbytes += nbytes
         return True
+
+    def _remove(self, key: tuple[Hashable, tuple[int, ...]]) -> int:
+        entry = self._entries.pop(key)
+        self._nbytes -= entry.nbytes
+        return entry.nbytes
 
     def evict(self, nbytes: int) -> int:
         """Drop least recently used entries until ``nbytes`` are freed (or none are left)."""
         freed = 0
         while self._entries and freed < nbytes:
-            _, entry = self._entries.popitem(last=False)
-            freed += entry.nbytes
+            freed += self._remove(next(iter(self._entries)))
         return freed
 
     def drop_model(self, model: Hashable) -> None:
         """Forget every entry of ``model`` (it is being evicted)."""
         for key in [k for k in self._entries if k[0] == model]:
-            del self._entries[key]
+            self._remove(key)
 
 
 def starting_cache(
