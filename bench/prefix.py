@@ -82,14 +82,13 @@ def through_worker(conn: Redis, target: str, reqs: list[dict], prefix_gb: float)
     burst(conn, warm, rt, 8)
     mx.reset_peak_memory()
     records, elapsed = burst(conn, reqs, rt, 8)
-    stats = cache.prefixes.snapshot_stats()
     return {
         "jobs_per_s": len(records) / elapsed,
         "texts": [r.response.choices[0].message.content for r in records],
         "cached_tokens": [r.response.usage.prompt_tokens_details.cached_tokens for r in records],
         "prompt_tokens": records[0].response.usage.prompt_tokens,
         "peak_memory_mb": mx.get_peak_memory() / 1e6,
-        "prefix_cache_mb": stats.nbytes / 1e6,
+        "prefix_cache_mb": cache.prefixes.nbytes / 1e6,
         "prefix_budget_mb": cache.prefixes.budget_bytes / 1e6,
         "weights_mb": cache.model_bytes / 1e6,
     }

@@ -10,7 +10,6 @@ from schemas.result import ResultRecord
 
 if TYPE_CHECKING:
     from redis import Redis
-    from redis.client import Pipeline
 
 #: Lua: write the record only if none exists (first write wins), then bump the batch
 #: counter and announce the job on the batch's done list. Sets ``wrote``. KEYS[1..3]
@@ -47,17 +46,6 @@ def write_result(conn: Redis, record: ResultRecord, ttl: int) -> bool:
     """Store ``record`` unless the job already has one. True if this call wrote it."""
     script_keys, args = write_once_call(record, ttl)
     return bool(conn.eval(_WRITE_ONCE, len(script_keys), *script_keys, *args))
-
-
-def queue_write_result(pipe: Pipeline, record: ResultRecord, ttl: int) -> None:
-    """Queue the write of ``record`` on ``pipe``; its reply there is 1 if it wrote, else 0.
-
-    Both send EVAL, not EVALSHA: Redis caches the script by its hash all the
-    same, and one that restarted needs no reload (a pipeline could not do that
-    without an extra round trip).
-    """
-    script_keys, args = write_once_call(record, ttl)
-    pipe.eval(_WRITE_ONCE, len(script_keys), *script_keys, *args)
 
 
 def has_result(conn: Redis, job_id: str) -> bool:

@@ -7,6 +7,9 @@ it (``--prefix-cache-gb 0``) and must give the same text.
 
 from __future__ import annotations
 
+import signal
+
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
@@ -19,7 +22,7 @@ from worker import runtime
 from worker.cache import ModelCache
 from worker.generator import ChatGenerator
 from worker.policy import SpeculationPolicy
-from worker.prefix import MIN_TOKENS, PrefixCache, cache_nbytes, prefill, snapshot
+from worker.prefix import MIN_TOKENS, PrefixCache, cache_nbytes, prefill, restore, snapshot
 
 SYSTEM = "You grade queue worker logs for a fleet of small machines. Be terse. " * 6
 
@@ -75,10 +78,10 @@ def test_same_output_with_and_without_the_cache_and_cached_tokens_say_so(
         assert cached[1:] == expected and min(expected) < shared
     else:
         assert cached[1:] == [shared] * 3
-    stats = rt.cache.prefixes.snapshot_stats()
+    stats = rt.cache.prefixes.stats
     assert (stats.lookups, stats.hits, stats.tokens_reused) == (4, 3, sum(cached))
     models = 2 if "draft_model" in fields else 1  # a speculative job keeps the draft's too
-    assert stats.entries == models
+    assert len(rt.cache.prefixes) == models
     if "speculative" in path:
         assert all(r.metrics.speculative and r.metrics.acceptance_rate == 1.0 for r in on)
     if max_batch > 1 and "stream" not in fields:
@@ -167,10 +170,8 @@ def test_kept_entries_are_compact_and_never_change(tiny):
     before = [c.keys.tolist() for c in kept]
     entry, n = store.match(("m", None), [*tokens, 1, 2, 3])
     assert n == 300
-    from worker.prefix import restore
-
     job = restore(entry.layers, 200)  # a job that shares only 200 tokens, then goes on
-    gen.target.model(__import__("mlx.core").core.array([[7, 8, 9]]), cache=job)
+    gen.target.model(mx.array([[7, 8, 9]]), cache=job)
     assert [c.keys.tolist() for c in entry.layers] == before
     assert job[0].offset == 203
 
@@ -189,7 +190,7 @@ def test_fleet_shows_the_prefix_cache(conn, redis_url, tiny, workers):
     url = redis_url
     out = CliRunner().invoke(producer_main, ["fleet", "--redis-url", url]).output
     assert "prefix cache: 1 prefix(es)" in out and "hit rate 67% (2/3 jobs)" in out
-    w.signal(__import__("signal").SIGTERM)
+    w.signal(signal.SIGTERM)
     assert w.wait() == 0
 
 

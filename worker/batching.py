@@ -115,9 +115,6 @@ class BatchEngine:
                 self.gen.remove([uid])
                 del self._seqs[uid]
 
-    def tags(self) -> list[Hashable]:
-        return [s.tag for s in self._seqs.values()]
-
     def step(self) -> tuple[int, list[tuple[Hashable, GenerationOutput]]]:
         """One decoding step: (tokens produced, finished sequences with their outputs)."""
         _, responses = self.gen.next()

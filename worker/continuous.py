@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from schemas import GenerationError, JobEnvelope, JobTimeoutError, MlxqError, ResultRecord
+from schemas import GenerationError, JobEnvelope, MlxqError, ResultRecord
 from worker import records
 from worker.batching import BatchEngine
 from worker.engine import GenerationOutput, params_for, prompt_tokens
@@ -129,9 +128,10 @@ class ContinuousBatch:
             if self.engine is not None:
                 self.engine.close()
 
-    def _drain(self) -> Iterator[_Slot]:
+    def _drain(self) -> list[_Slot]:
+        """Every job still in the batch (the batch is empty afterwards)."""
         slots, self.slots = list(self.slots.values()), {}
-        yield from slots
+        return slots
 
     # -- taking jobs ------------------------------------------------------
     def _fill(self) -> None:
@@ -205,14 +205,11 @@ class ContinuousBatch:
         ended = []
         for job_id, slot in list(self.slots.items()):
             deadline = deadline_of(slot.job)
-            try:
-                if deadline is not None:
-                    deadline.check()
-            except JobTimeoutError as e:
+            if deadline is not None and deadline.passed:
                 assert self.engine is not None
                 self.engine.drop(job_id)
                 del self.slots[job_id]
-                ended.append((slot.job, records.failure(slot.job, self.rt, e)))
+                ended.append((slot.job, records.failure(slot.job, self.rt, deadline.error())))
         self._end(ended)
 
     # -- measuring --------------------------------------------------------

@@ -71,16 +71,21 @@ class GenerationOutput:
         return self.draft_tokens_accepted / self.draft_tokens_proposed
 
 
-def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
-    """The request's messages through the model's chat template, as token ids."""
-    messages = [m.as_template_dict() for m in request.messages]
+def _render(tokenizer: object, messages: list[dict[str, str]], prompt: bool) -> list[int]:
+    """``messages`` through the model's chat template (a plain "role: content" transcript
+    without one) as token ids; ``prompt`` adds the assistant's turn to generate."""
     if not getattr(tokenizer, "has_chat_template", False):
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-        return list(tokenizer.encode(text))  # type: ignore[attr-defined]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # type: ignore[attr-defined]
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        return list(tokenizer.encode(text + "\nassistant:" if prompt else text))  # type: ignore[attr-defined]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt)  # type: ignore[attr-defined]
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
+    """The request's messages through the model's chat template, as token ids."""
+    return _render(tokenizer, [m.as_template_dict() for m in request.messages], prompt=True)
 
 
 def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int]) -> int:
@@ -95,15 +100,10 @@ def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int])
         return 0
     head = [m.as_template_dict() for m in request.messages[:-1]]
     try:
-        if getattr(tokenizer, "has_chat_template", False):
-            ids = tokenizer.apply_chat_template(head, add_generation_prompt=False)  # type: ignore[attr-defined]
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer.encode("\n".join(f"{m['role']}: {m['content']}" for m in head))  # type: ignore[attr-defined]
+        ids = _render(tokenizer, head, prompt=False)
     except Exception:  # a template that refuses a conversation without a user turn
         return 0
-    return min(common_prefix([int(i) for i in ids], prompt), len(prompt) - 1)
+    return min(common_prefix(ids, prompt), len(prompt) - 1)
 
 
 def params_for(
@@ -182,10 +182,17 @@ class Deadline:
     at: float
     timeout_s: float
 
+    @property
+    def passed(self) -> bool:
+        return time.perf_counter() >= self.at
+
+    def error(self) -> JobTimeoutError:
+        return JobTimeoutError(f"job timed out after {self.timeout_s:g}s")
+
     def check(self) -> None:
         """Raise :class:`JobTimeoutError` once the deadline has passed."""
-        if time.perf_counter() >= self.at:
-            raise JobTimeoutError(f"job timed out after {self.timeout_s:g}s")
+        if self.passed:
+            raise self.error()
 
 
 class _DraftCounter:
@@ -293,5 +300,4 @@ def generate(
         draft_tokens_accepted=counter.accepted if counter else 0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         token_ids=tuple(tokens),
-        cached_tokens=cached if cache is not None else 0,
     )

@@ -40,6 +40,7 @@ from schemas import (
     keys,
     read_job_hash,
 )
+from schemas.store import write_once_call
 from worker import scripts
 
 log = logging.getLogger(__name__)
@@ -298,21 +299,26 @@ class Lifecycle:
             for e in endings:
                 record = e.record
                 ok = record is not None and record.status == "succeeded"
-                batch = record.batch_id if record else keys.batch_of(e.job_id)
                 registry = keys.rq_finished_key(e.queue) if ok else keys.rq_failed_key(e.queue)
                 exc = e.error or (record.error.message if record and record.error else "")
+                if record is not None:
+                    once_keys, once_args = write_once_call(record, e.ttl)
+                else:  # the same script, writing no record
+                    batch = keys.batch_of(e.job_id)
+                    once_keys = [
+                        keys.result_key(e.job_id),
+                        keys.batch_key(batch),
+                        keys.batch_done_key(batch),
+                    ]
+                    once_args = ["", int(e.ttl), "failed", e.job_id, repr(time.time())]
                 pipe.eval(
                     scripts.END,
                     9,
-                    *(keys.result_key(e.job_id), keys.batch_key(batch)),
-                    *(keys.batch_done_key(batch), keys.RUNNING, keys.rq_job_key(e.job_id)),
+                    *once_keys,
+                    *(keys.RUNNING, keys.rq_job_key(e.job_id)),
                     *(keys.rq_started_key(e.queue), registry, self.worker_key),
                     keys.rq_results_key(e.job_id),
-                    record.model_dump_json() if record else "",
-                    int(e.ttl),
-                    record.status if record else "failed",
-                    e.job_id,
-                    repr(record.finished_at if record else time.time()),
+                    *once_args,
                     self.token,
                     "finished" if ok else "failed",
                     rq_time(),
@@ -323,7 +329,7 @@ class Lifecycle:
                 )
             return [bool(w) for w in pipe.execute()]
 
-    def requeue(self, job: Job | Refused) -> bool:
+    def requeue(self, job: Job) -> bool:
         """Give a held job back to the front of its queue, unstarted."""
         return bool(
             self.conn.eval(

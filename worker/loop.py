@@ -16,10 +16,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
 
 from redis import Redis
 
@@ -80,13 +79,13 @@ class Worker:
     def work(self) -> None:
         """Register, serve until stopped (or the queues are empty with ``burst``), unregister."""
         registry.claim_name(self.conn, self.name)
-        restore = self._install_signals()
         self.lifecycle.register()
         registry.rq_birth(self.conn, self.name, self.queues, self.lifecycle.worker_ttl)
+        restore = self._install_signals()
         beat = Heartbeat(self.lifecycle, self.publish)
         beat.start()
-        self.publish()
         try:
+            self.publish()
             self._loop()
         except ColdShutdown:
             log.warning("worker %s: cold stop; running jobs handed back", self.name)
@@ -187,7 +186,8 @@ class Worker:
         if self._computing:
             raise ColdShutdown("second stop signal")
 
-    def _install_signals(self) -> Any:
+    def _install_signals(self) -> Callable[[], None]:
+        """Route SIGTERM and SIGINT to :meth:`request_stop`; returns what restores them."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}

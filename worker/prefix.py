@@ -30,10 +30,9 @@ zero-copy reuse, and warming a prefix before a job runs.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -57,16 +56,12 @@ class Entry:
     tokens: tuple[int, ...]
     layers: Cache
     nbytes: int
-    hits: int = 0
-    created: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class PrefixStats:
-    """What ``producer fleet`` shows of a worker's prefix cache."""
+    """How often the prefix cache served (``producer fleet`` shows it with its size)."""
 
-    entries: int = 0
-    nbytes: int = 0
     lookups: int = 0
     hits: int = 0
     tokens_reused: int = 0
@@ -148,10 +143,6 @@ class PrefixCache:
         """Kept entries, least recently used first."""
         return list(self._entries.values())
 
-    def snapshot_stats(self) -> PrefixStats:
-        self.stats.entries, self.stats.nbytes = len(self), self.nbytes
-        return self.stats
-
     def match(self, model: Hashable, prompt: Sequence[int]) -> tuple[Entry, int] | None:
         """The entry of ``model`` sharing the longest prefix with ``prompt``, and its length."""
         best, best_n = None, 0
@@ -161,7 +152,6 @@ class PrefixCache:
         if best is None:
             return None
         self._entries.move_to_end((model, best.tokens))
-        best.hits += 1
         return best, best_n
 
     def put(self, model: Hashable, tokens: Sequence[int], layers: Cache, room: int) -> bool:

@@ -55,11 +55,11 @@ def _prefix_info(rt: WorkerRuntime) -> PrefixCacheInfo | None:
     store = rt.cache.prefixes
     if not store.enabled:
         return None
-    stats = store.snapshot_stats()
+    stats = store.stats
     return PrefixCacheInfo(
         budget_mb=round(store.budget_bytes / 1e6, 1),
-        used_mb=round(stats.nbytes / 1e6, 1),
-        entries=stats.entries,
+        used_mb=round(store.nbytes / 1e6, 1),
+        entries=len(store),
         lookups=stats.lookups,
         hits=stats.hits,
         tokens_reused=stats.tokens_reused,
