@@ -18,23 +18,16 @@ its budget, and whether outputs match.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
 from redis import Redis
 
 from bench.fixtures import model
+from bench.peer import mlx_lm_server, send_all
 from bench.plots import grouped_bars
 from bench.serve import burst
 from producer.localredis import LocalRedis
@@ -94,58 +87,10 @@ def through_worker(conn: Redis, target: str, reqs: list[dict], prefix_gb: float)
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(port: int, body: dict, attempts: int = 30) -> dict:
-    """POST a chat completion; connection errors are retried, as a client would (the
-    server's HTTP listener resets connections beyond its small backlog)."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(req, timeout=900) as r:
-                return json.loads(r.read())
-        except (ConnectionError, http.client.RemoteDisconnected, urllib.error.URLError):
-            if attempt == attempts - 1:
-                raise
-            time.sleep(min(0.05 * 2**attempt, 1.0))
-    raise AssertionError("unreachable")
-
-
 def through_server(target: str, reqs: list[dict]) -> dict:
     """mlx_lm.server with its defaults; all requests at once."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm.server", "--model", target, "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                _post(port, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("mlx_lm.server did not start") from None
-                time.sleep(0.5)
-        payloads = [{k: v for k, v in b.items() if k != "model"} for b in reqs]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(len(payloads)) as pool:
-            replies = list(pool.map(lambda b: _post(port, b), payloads))
-        elapsed = time.perf_counter() - start
-    finally:
-        server.terminate()
-        server.wait(30)
+    with mlx_lm_server(target) as port:
+        replies, elapsed = send_all(port, reqs)
     return {
         "jobs_per_s": len(replies) / elapsed,
         "texts": [r["choices"][0]["message"]["content"] for r in replies],

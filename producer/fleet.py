@@ -34,6 +34,17 @@ def fleet_table(workers: list[WorkerInfo]) -> str:
             f"{w.name[:19]:<20}{w.host[:15]:<16}{w.state[:7]:<8}{w.jobs_done:>6}"
             f"{w.cache_used_gb:>6.2f}{budget:<4}  {models}"
         )
+        if (b := w.batch) is not None:
+            lines.append(
+                f"{'':<20}  batch: {b.size} job(s) on {_short(b.model)}, limit {b.limit} "
+                f"(--max-batch {w.max_batch}; {b.reason}); KV cache {b.kv_mb:.1f} MB, up to "
+                f"{b.kv_projected_mb:.1f} of {b.kv_room_mb:.1f} MB free"
+            )
+        if w.peak_batch > 1:
+            lines.append(
+                f"{'':<20}  batches: up to {w.peak_batch} jobs, KV cache up to "
+                f"{w.peak_kv_mb:.1f} MB (--max-batch {w.max_batch})"
+            )
         if (pc := w.prefix_cache) is not None:
             rate = f"{pc.hit_rate:.0%}" if pc.hit_rate is not None else "-"
             lines.append(

@@ -7,6 +7,7 @@ never imports mlx.
 from schemas.errors import (
     CancelledError,
     ContextLengthError,
+    ContextTooLargeError,
     GenerationError,
     IncompatibleDraftError,
     InvalidRequestError,
@@ -43,6 +44,7 @@ __all__ = [
     "ChatRequest",
     "Choice",
     "ContextLengthError",
+    "ContextTooLargeError",
     "ErrorInfo",
     "GenerationError",
     "IncompatibleDraftError",

@@ -63,6 +63,14 @@ class ModelTooLargeError(ModelLoadError):
     status_code = 507
 
 
+class ContextTooLargeError(MlxqError):
+    """The job's KV cache (prompt + max_tokens) does not fit the worker's memory, even alone."""
+
+    code = "context_too_large"
+    type = "invalid_request_error"
+    status_code = 507
+
+
 class GenerationError(MlxqError):
     """Generation failed after the model was loaded."""
 

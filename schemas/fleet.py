@@ -47,6 +47,18 @@ class PrefixCacheInfo(BaseModel):
         return self.hits / self.lookups if self.lookups else None
 
 
+class BatchInfo(BaseModel):
+    """A worker's running continuous batch: its size, what limits it, and its KV memory."""
+
+    model: str
+    size: int
+    limit: int
+    reason: str  # what sets the limit now: memory, measured speed, --max-batch, the queue
+    kv_mb: float = 0.0  # KV cache the batch holds now
+    kv_projected_mb: float = 0.0  # the most it can grow to with the jobs it holds
+    kv_room_mb: float = 0.0  # what the memory budget leaves for KV caches
+
+
 class WorkerInfo(BaseModel):
     name: str
     host: str
@@ -61,4 +73,8 @@ class WorkerInfo(BaseModel):
     pairs: list[PairStats] = []
     speculation: dict[str, dict[str, float]] = {}
     prefix_cache: PrefixCacheInfo | None = None
+    batch: BatchInfo | None = None
+    max_batch: str = "auto"
+    peak_batch: int = 0  # the most jobs one batch held since the worker started
+    peak_kv_mb: float = 0.0  # the most KV cache one batch held
     updated_at: float

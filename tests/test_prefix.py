@@ -20,7 +20,9 @@ from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from worker import runtime
 from worker.cache import ModelCache
+from worker.engine import prompt_tokens
 from worker.generator import ChatGenerator
+from worker.memory import batch_peak_bytes
 from worker.policy import SpeculationPolicy
 from worker.prefix import MIN_TOKENS, PrefixCache, cache_nbytes, prefill, restore, snapshot
 
@@ -131,24 +133,34 @@ def test_the_byte_budget_holds_under_many_distinct_prefixes(tiny):
     assert out.cached_tokens > MIN_TOKENS
 
 
+def _job_kv(cache: ModelCache, model: str) -> int:
+    """KV bytes an :func:`_entry` job needs: the budget must leave them free too."""
+    entry = cache.get(model)[0]
+    req = ChatRequest.model_validate(with_system(model, "x", max_tokens=2))
+    return batch_peak_bytes(entry.kv, [(len(prompt_tokens(entry.tokenizer, req)), 2)])
+
+
 def test_a_models_prefixes_go_with_it_and_go_first_when_room_is_needed(tiny):
     probe = ModelCache()
     target_bytes = probe.get(tiny.target)[0].nbytes
     draft_bytes = probe.get(tiny.draft)[0].nbytes
+    kv = _job_kv(probe, tiny.target)
     _entry(probe, tiny.target, SYSTEM)
     prefix_bytes = probe.prefixes.nbytes
-    # Room for both models, or for the target and its prefix: not for all three.
-    cache = ModelCache(budget_bytes=target_bytes + draft_bytes + prefix_bytes // 2)
+    cache = ModelCache(budget_bytes=target_bytes + prefix_bytes + kv)
     _entry(cache, tiny.target, SYSTEM)
     assert len(cache.prefixes) == 1
+    # Room for both models, or for the target and its prefix: not for all three.
+    cache.budget_bytes = target_bytes + draft_bytes + prefix_bytes // 2
     cache.get(tiny.draft)  # needs room: the prefix goes, not the target
     assert len(cache.prefixes) == 0 and (tiny.target, None) in cache
     assert cache.used_bytes <= cache.budget_bytes
+    cache.budget_bytes += kv  # room for the job's KV cache, not for its prefix besides
     _entry(cache, tiny.target, SYSTEM)  # no room left for a prefix: the job runs without
-    assert cache.used_bytes <= cache.budget_bytes
-    # Room for one model of the target's size and its prefix: a second such model
-    # evicts the target, and no prefix of it is left behind.
-    small = ModelCache(budget_bytes=target_bytes + prefix_bytes + 1000)
+    assert len(cache.prefixes) == 0 and cache.used_bytes <= cache.budget_bytes
+    # Room for one model of the target's size, its prefix and a job: a second such
+    # model evicts the target, and no prefix of it is left behind.
+    small = ModelCache(budget_bytes=target_bytes + prefix_bytes + kv + 1000)
     _entry(small, tiny.target, SYSTEM)
     assert len(small.prefixes) == 1
     small.get(tiny.twin)

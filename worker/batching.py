@@ -35,6 +35,7 @@ class _Sequence:
 
     tag: Hashable
     prompt_len: int
+    max_tokens: int
     scan: StopScan
     detokenizer: Any
     cached_tokens: int = 0
@@ -64,19 +65,47 @@ class _Sequence:
         )
 
 
-class BatchEngine:
-    """A continuous batch on one loaded model: :meth:`add` sequences, :meth:`step` them."""
+#: Prompt tokens per sequence prefilled between two decoding steps: a long prompt
+#: joining a running batch is prefilled in chunks while the others keep decoding.
+PREFILL_STEP = 512
+#: Sequences prefilled together (their chunks are one forward pass).
+PREFILL_BATCH = 8
 
-    def __init__(self, target: LoadedModel, max_batch: int) -> None:
+
+@dataclass
+class Step:
+    """What one decoding step did."""
+
+    tokens: int  # tokens decoded (one per decoding sequence)
+    done: list[tuple[Hashable, GenerationOutput]]  # sequences that finished, with outputs
+    prefilled: bool  # whether prompt chunks were prefilled in this step too
+
+
+class BatchEngine:
+    """A continuous batch on one loaded model: :meth:`add` sequences, :meth:`step` them.
+
+    The engine takes every sequence it is given (up to ``max_batch``); how many
+    to give it is the caller's decision (``worker.continuous``).
+    """
+
+    def __init__(
+        self, target: LoadedModel, max_batch: int, prefill_step: int = PREFILL_STEP
+    ) -> None:
         self.target = target
         tok = target.tokenizer
         self.gen = BatchGenerator(
             target.model,
             stop_tokens=[[t] for t in tok.eos_token_ids],
             completion_batch_size=max_batch,
-            prefill_batch_size=max_batch,
+            prefill_batch_size=min(max_batch, PREFILL_BATCH),
+            prefill_step_size=prefill_step,
         )
         self._seqs: dict[int, _Sequence] = {}
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the batch's KV caches hold now (sequences decoding and prefilling)."""
+        return self.gen.prompt_cache_nbytes
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -106,7 +135,14 @@ class BatchEngine:
             logits_processors=[logits_processors(params)],
         )
         detok = self.target.tokenizer.detokenizer  # a fresh one per access
-        self._seqs[uid] = _Sequence(tag, len(prompt), StopScan(params.stop), detok, reused)
+        scan = StopScan(params.stop)
+        self._seqs[uid] = _Sequence(tag, len(prompt), params.max_tokens, scan, detok, reused)
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """(tokens in its KV cache, tokens it may still add) of every sequence: what
+        ``worker.memory.batch_peak_bytes`` projects from."""
+        seqs = self._seqs.values()
+        return [(s.prompt_len + len(s.tokens), s.max_tokens - len(s.tokens)) for s in seqs]
 
     def drop(self, tag: Hashable) -> None:
         """Stop decoding the sequence ``tag`` (no output for it)."""
@@ -115,9 +151,9 @@ class BatchEngine:
                 self.gen.remove([uid])
                 del self._seqs[uid]
 
-    def step(self) -> tuple[int, list[tuple[Hashable, GenerationOutput]]]:
-        """One decoding step: (tokens produced, finished sequences with their outputs)."""
-        _, responses = self.gen.next()
+    def step(self) -> Step:
+        """One decoding step (and a chunk of prefill for sequences joining)."""
+        prompts, responses = self.gen.next()
         now = time.perf_counter()
         done: list[tuple[Hashable, GenerationOutput]] = []
         for r in responses:
@@ -133,7 +169,7 @@ class BatchEngine:
                     self.gen.remove([r.uid])  # a stop string: the generator would go on
                 del self._seqs[r.uid]
                 done.append((seq.tag, seq.output(finish)))
-        return len(responses), done
+        return Step(len(responses), done, bool(prompts))
 
     @staticmethod
     def _advance(seq: _Sequence, token: int, finish_reason: str | None) -> str | None:

@@ -25,11 +25,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from schemas import (
+    ContextTooLargeError,
     IncompatibleDraftError,
     ModelLoadError,
     ModelNotFoundError,
     ModelTooLargeError,
 )
+from worker.memory import DEVICE_SHARE, KVProfile, default_budget, device_memory, kv_profile
 from worker.prefix import PrefixCache
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class LoadedModel:
     pinned: bool = False
     uses: int = 0
     _vocab: dict[str, int] | None = field(default=None, repr=False)
+    _kv: KVProfile | None = field(default=None, repr=False)
 
     @property
     def key(self) -> CacheKey:
@@ -84,6 +87,13 @@ class LoadedModel:
     def vocab_size(self) -> int:
         """Rows of the model's output layer (its config's ``vocab_size``, else the tokenizer's)."""
         return int(self.config.get("vocab_size") or len(self.vocab()))
+
+    @property
+    def kv(self) -> KVProfile:
+        """The model's KV-cache bytes per sequence (measured once, ``worker.memory``)."""
+        if self._kv is None:
+            self._kv = kv_profile(self.model)
+        return self._kv
 
     def vocab(self) -> dict[str, int]:
         """The tokenizer's token -> id map (computed once)."""
@@ -147,6 +157,9 @@ class ModelCache:
         self._compatible: dict[tuple[CacheKey, CacheKey], bool] = {}
         self.loads = 0
         self.evictions = 0
+        #: KV-cache bytes the running job or batch may still grow to (set by them):
+        #: kept prefixes do not take that room.
+        self.kv_reserved = 0
 
     def __contains__(self, key: CacheKey) -> bool:
         return key in self._entries
@@ -164,7 +177,43 @@ class ModelCache:
         """Bytes the prefix cache may still add under this cache's budget."""
         if self.budget_bytes is None:
             return self.prefixes.budget_bytes
-        return self.budget_bytes - self.used_bytes
+        return self.budget_bytes - self.used_bytes - self.kv_reserved
+
+    @property
+    def limit_bytes(self) -> int:
+        """The memory this worker plans with: the budget, else a share of the device's."""
+        return self.budget_bytes if self.budget_bytes is not None else default_budget()
+
+    def kv_room(self) -> int:
+        """Bytes left for KV caches of running sequences after models and kept prefixes."""
+        return self.limit_bytes - self.used_bytes
+
+    def check_kv_fits(self, needed: int, what: str) -> None:
+        """Raise :class:`ContextTooLargeError`, naming the numbers, if ``needed`` KV bytes
+        do not fit even with no other job running and no prefix kept."""
+        room = self.limit_bytes - self.model_bytes
+        if needed <= room:
+            return
+        budget = (
+            f"--cache-gb {self.budget_bytes / 1e9:g}"
+            if self.budget_bytes is not None
+            else f"{DEVICE_SHARE:.0%} of this device's {device_memory() / 1e9:.1f} GB"
+        )
+        raise ContextTooLargeError(
+            f"{what} needs {needed / 1e6:,.2f} MB of KV cache, but the memory budget "
+            f"({self.limit_bytes / 1e6:,.2f} MB: {budget}) leaves {max(room, 0) / 1e6:,.2f} MB "
+            f"after the loaded models ({self.model_bytes / 1e6:,.2f} MB)"
+        )
+
+    def make_kv_room(self, needed: int, what: str) -> int:
+        """Room for ``needed`` KV bytes of a job running on its own, evicting kept prefixes
+        if that makes it fit (else :meth:`check_kv_fits` raises). Returns the room."""
+        self.check_kv_fits(needed, what)
+        room = self.kv_room()
+        if needed > room and self.prefixes.evict(needed - room):
+            free_memory()
+            room = self.kv_room()
+        return room
 
     def entries(self) -> list[LoadedModel]:
         """Loaded models, least recently used first."""

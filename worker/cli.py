@@ -29,6 +29,24 @@ def connect(redis_url: str) -> Redis:
     )
 
 
+class BatchSize(click.ParamType):
+    """``auto`` (None) or a whole number from 1 to 256."""
+
+    name = "auto|N"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int | None:
+        if value is None or isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        if text == "auto":
+            return None
+        if text.isdigit() and 1 <= int(text) <= 256:
+            return int(text)
+        self.fail(f"{value!r} is neither 'auto' nor a whole number from 1 to 256", param, ctx)
+
+
 @click.command()
 @click.option(
     "--redis-url",
@@ -113,10 +131,12 @@ def connect(redis_url: str) -> Redis:
 @click.option(
     "--max-batch",
     envvar="MLXQ_MAX_BATCH",
-    type=click.IntRange(1, 256),
-    default=8,
+    type=BatchSize(),
+    default="auto",
     show_default=True,
-    help="Jobs on one model (no draft) decoded together by continuous batching; 1 disables.",
+    help="Jobs on one model decoded together (continuous batching). auto: as many as the "
+    "memory budget holds (KV cache of prompt + max_tokens) while a larger batch measures "
+    "faster; N (1-256): at most N (memory still applies); 1 disables batching.",
 )
 @click.option(
     "--lease-seconds",
@@ -154,7 +174,7 @@ def main(
     allow_models: tuple[str, ...],
     num_draft_tokens: int,
     speculative: str,
-    max_batch: int,
+    max_batch: int | None,
     lease_seconds: int,
     max_crashes: int,
     name: str | None,

@@ -5,10 +5,25 @@ streaming, greedy or unseeded, since a seeded sampling job runs alone so that
 its seed means what it says; and no draft model, unless the speculation policy
 measured batching the waiting jobs to be faster than speculating one at a
 time), it runs a :class:`ContinuousBatch`: further jobs of the same queue on
-the same (model, adapter) join, up to ``max_batch``, also while the batch runs
-(a slot freed by a finished job is filled at the next step). A job that cannot
-join is given back to the front of its queue and the batch stops taking for a
-second, so first-in-first-out order holds.
+the same (model, adapter) join, also while the batch runs (a slot freed by a
+finished job is filled at the next step).
+
+How many join (admission), checked before each job joins:
+
+- memory: the KV bytes the batch can grow to with the newcomer (every sequence
+  run to its ``max_tokens``; ``worker.memory.batch_peak_bytes``) must fit in
+  what the memory budget leaves after models and kept prefixes. A job that
+  does not fit now goes back to the front of its queue and the batch takes
+  nothing more until it would fit (first in, first out: smaller jobs behind it
+  do not overtake it). A job that would not fit even alone fails with
+  ``context_too_large``, naming the numbers.
+- speed (``--max-batch auto``): the batch grows while a larger batch measures
+  faster (``worker.policy.BatchRates.limit``);
+- ``--max-batch N``: never more than N.
+
+A job that cannot join (another model, streaming...) is given back to the
+front of its queue and the batch stops taking for a second, so first-in-
+first-out order holds.
 
 Jobs are taken, refused, ended and given back through the same lifecycle as
 jobs run alone (``worker.lifecycle``); tokens come from the batched engine
@@ -24,12 +39,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from schemas import GenerationError, JobEnvelope, MlxqError, ResultRecord
+from schemas.fleet import BatchInfo
 from worker import records
 from worker.batching import BatchEngine
-from worker.engine import GenerationOutput, params_for, prompt_tokens
+from worker.engine import GenerationOutput, GenerationParams, params_for, prompt_tokens
 from worker.generator import ChatGenerator
 from worker.jobs import deadline_of
 from worker.lifecycle import Job, Lifecycle
+from worker.memory import batch_peak_bytes, job_label
 from worker.policy import Decision
 from worker.runtime import WorkerRuntime
 
@@ -40,7 +57,9 @@ BatchKey = tuple[str, str | None]
 #: Seconds a batch stops taking jobs after one could not join (FIFO: it waits first).
 PAUSE_AFTER_HAND_BACK_S = 1.0
 #: Steps pooled per batch size before the measured speed goes to the policy.
-MEASURE_STEPS = 32
+MEASURE_STEPS = 16
+#: The most sequences one batch holds under ``--max-batch auto``.
+AUTO_CAP = 256
 
 
 def batch_key(
@@ -69,7 +88,8 @@ class Host(Protocol):
 
     rt: WorkerRuntime
     lifecycle: Lifecycle
-    max_batch: int
+    max_batch: int | None  # None: auto
+    batch: BatchInfo | None  # what the running batch publishes (``producer fleet``)
 
     def take_from(self, queue: str) -> Job | None: ...
 
@@ -82,6 +102,7 @@ class Host(Protocol):
 class _Slot:
     job: Job
     decision: Decision | None
+    peak: int = 1  # the most jobs decoding together while this one ran
 
 
 class ContinuousBatch:
@@ -90,11 +111,19 @@ class ContinuousBatch:
     def __init__(self, host: Host, queue: str, key: BatchKey, depth: int = 1) -> None:
         self.host, self.queue, self.key, self.depth = host, queue, key, depth
         self.rt = host.rt
+        self.cap = host.max_batch or AUTO_CAP
         self.slots: dict[str, _Slot] = {}
         self.generator: ChatGenerator | None = None
         self.engine: BatchEngine | None = None
         self._pause_until = 0.0
+        self._held: tuple[int, int] | None = None  # (prompt, max_tokens) waiting for memory
+        self._reason = "queue: no more jobs waiting"
+        self._projected = 0  # the most the batch's KV caches can grow to (bytes)
+        self._prefilled = True  # whether the last step prefilled (its time is not decoding)
         self._speeds: dict[int, list[float]] = {}  # batch size -> [tokens, seconds, steps]
+        self.peak_kv_bytes = 0  # measured, after each step
+        self.peak_projected_bytes = 0
+        self.peak_size = 0
 
     def run(self, first: Job, decision: Decision | None = None) -> None:
         """Decode ``first`` and every job that joins until the batch is empty.
@@ -107,13 +136,22 @@ class ContinuousBatch:
             self._fill()  # the queued companions join before the first step
             while self.slots:
                 assert self.engine is not None
-                size, t = len(self.slots), time.perf_counter()
+                size = len(self.slots)
+                self.peak_size = max(self.peak_size, size)
+                for slot in self.slots.values():
+                    slot.peak = max(slot.peak, size)
+                t = time.perf_counter()
                 with self.host.computing():
-                    produced, done = self.engine.step()
-                self._finish_outputs(done)
+                    step = self.engine.step()
+                seconds = time.perf_counter() - t
+                self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.kv_bytes)
+                self._finish_outputs(step.done)
                 self._expire()
+                if not (step.prefilled or self._prefilled):  # a decoding step only
+                    self._measure(step.tokens, seconds)
+                self._prefilled = step.prefilled
                 self._fill()
-                self._measure(size, produced, time.perf_counter() - t)
+                self._publish()
             for size in list(self._speeds):
                 self._report(size)
         except Exception as e:
@@ -125,8 +163,18 @@ class ContinuousBatch:
                 self.host.lifecycle.requeue(slot.job)
             raise
         finally:
+            self.host.batch = None
+            self.rt.cache.kv_reserved = 0
             if self.engine is not None:
                 self.engine.close()
+            self.rt.stats.add_batch(self.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
+            log.info(
+                "batch on %s ended: up to %d jobs, KV %.1f MB (projected up to %.1f MB)",
+                self.key[0],
+                self.peak_size,
+                self.peak_kv_bytes / 1e6,
+                self.peak_projected_bytes / 1e6,
+            )
 
     def _drain(self) -> list[_Slot]:
         """Every job still in the batch (the batch is empty afterwards)."""
@@ -134,10 +182,26 @@ class ContinuousBatch:
         return slots
 
     # -- taking jobs ------------------------------------------------------
+    def _limit(self) -> tuple[int, str]:
+        """How many jobs the batch may hold now, and why (before memory)."""
+        if self.host.max_batch is not None:
+            return self.cap, f"cap: --max-batch {self.cap}"
+        limit, reason = self.rt.policy.batch_limit(*self.key)
+        return (limit, reason) if limit < self.cap else (self.cap, f"cap: {self.cap} (auto)")
+
     def _fill(self) -> None:
-        while len(self.slots) < self.host.max_batch and time.monotonic() >= self._pause_until:
+        while time.monotonic() >= self._pause_until:
+            limit, reason = self._limit()
+            if len(self.slots) >= limit:
+                self._reason = reason
+                return
+            if self._held is not None:
+                if self._overflow(*self._held) > 0:
+                    return  # the job at the head waits for room; nothing overtakes it
+                self._held = None
             job = self.host.take_from(self.queue)
             if job is None:
+                self._reason = "queue: no more jobs waiting"
                 return
             depth = max(self.depth, len(self.slots) + 1)
             taken = batch_key(job.envelope, self.rt, depth)
@@ -145,10 +209,12 @@ class ContinuousBatch:
                 self.host.lifecycle.requeue(job)
                 self._pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
                 return
-            self._admit(job, taken[1])
+            if not self._admit(job, taken[1]):
+                return
 
-    def _admit(self, job: Job, decision: Decision | None) -> None:
-        """Put ``job`` into the batch, or end it at once with what stops it."""
+    def _admit(self, job: Job, decision: Decision | None) -> bool:
+        """Put ``job`` into the batch (True); hand it back to wait for memory, or end it
+        at once with what stops it (False)."""
         req = job.envelope.request
         try:
             self.rt.check_request(req)  # the draft too: batched without it, but named
@@ -157,19 +223,61 @@ class ContinuousBatch:
             target = engine.target
             prompt = prompt_tokens(target.tokenizer, req)
             params = params_for(req, len(prompt), target.context_length, target.vocab_size)
+            if not self._room_for(job, len(prompt), params):
+                return False
             assert self.generator is not None
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
                 start = self.generator.starting_cache(req, prompt, len(prompt) - 1)
         except MlxqError as e:
             self._end([(job, records.failure(job, self.rt, e))])
-            return
+            return False
         except Exception as e:  # never let one job's surprise take the batch down
             log.exception("job %s could not join the batch", job.id)
             error = GenerationError(f"{type(e).__name__}: {e}")
             self._end([(job, records.failure(job, self.rt, error))])
-            return
+            return False
         engine.add(job.id, prompt, params, *start)
         self.slots[job.id] = _Slot(job, decision)
+        self._reserve()
+        return True
+
+    def _room_for(self, job: Job, prompt: int, params: GenerationParams) -> bool:
+        """Whether the batch has KV memory for ``job`` now. If it is the only job, make
+        room (kept prefixes go) or raise ContextTooLargeError; if others run and it does
+        not fit, hand it back to the front of its queue to wait."""
+        assert self.engine is not None
+        alone = batch_peak_bytes(self.engine.target.kv, [(prompt, params.max_tokens)])
+        what = job_label(prompt, params.max_tokens)
+        if not self.slots:
+            self.rt.cache.make_kv_room(alone, what)
+            return True
+        self.rt.cache.check_kv_fits(alone, what)  # one that never fits fails now
+        over = self._overflow(prompt, params.max_tokens)
+        if over <= 0:
+            return True
+        self.host.lifecycle.requeue(job)
+        self._held = (prompt, params.max_tokens)
+        self._reason = (
+            f"memory: the next job ({prompt} + {params.max_tokens} tokens) would take the "
+            f"batch's KV cache {over / 1e6:.1f} MB past the {self._room() / 1e6:.1f} MB left"
+        )
+        return False
+
+    def _room(self) -> int:
+        return self.rt.cache.kv_room()
+
+    def _overflow(self, prompt: int, max_tokens: int) -> int:
+        """Bytes by which the batch's projected KV would exceed the room with this job."""
+        assert self.engine is not None
+        sequences = [*self.engine.lengths(), (prompt, max_tokens)]
+        return batch_peak_bytes(self.engine.target.kv, sequences) - self._room()
+
+    def _reserve(self) -> None:
+        """Reserve what the batch's KV caches can grow to (kept prefixes keep out of it)."""
+        assert self.engine is not None
+        self._projected = batch_peak_bytes(self.engine.target.kv, self.engine.lengths())
+        self.peak_projected_bytes = max(self.peak_projected_bytes, self._projected)
+        self.rt.cache.kv_reserved = self._projected
 
     def _engine(self, job: Job) -> BatchEngine:
         if self.engine is None:
@@ -177,8 +285,20 @@ class ContinuousBatch:
             self.generator = ChatGenerator.get_or_create(
                 req.model, None, req.adapter, self.rt.cache
             )
-            self.engine = BatchEngine(self.generator.target, self.host.max_batch)
+            self.engine = BatchEngine(self.generator.target, self.cap)
         return self.engine
+
+    def _publish(self) -> None:
+        assert self.engine is not None
+        self.host.batch = BatchInfo(
+            model=self.key[0],
+            size=len(self.slots),
+            limit=self._limit()[0],
+            reason=self._reason,
+            kv_mb=round(self.engine.kv_bytes / 1e6, 1),
+            kv_projected_mb=round(self._projected / 1e6, 1),
+            kv_room_mb=round(self._room() / 1e6, 1),
+        )
 
     # -- ending jobs ------------------------------------------------------
     def _end(self, ended: list[tuple[Job, ResultRecord]]) -> None:
@@ -195,10 +315,12 @@ class ContinuousBatch:
                 self.rt,
                 out,
                 self.generator,
-                batched_with=len(self.slots) + 1,
+                batched_with=slot.peak,
                 decision=slot.decision,
             )
             ended.append((slot.job, record))
+        if ended:
+            self._reserve()
         self._end(ended)
 
     def _expire(self) -> None:
@@ -210,13 +332,17 @@ class ContinuousBatch:
                 self.engine.drop(job_id)
                 del self.slots[job_id]
                 ended.append((slot.job, records.failure(slot.job, self.rt, deadline.error())))
+        if ended:
+            self._reserve()
         self._end(ended)
 
     # -- measuring --------------------------------------------------------
-    def _measure(self, size: int, tokens: int, seconds: float) -> None:
-        """Pool (tokens, seconds) per batch size; report to the policy every few steps."""
+    def _measure(self, size: int, seconds: float) -> None:
+        """Pool decoding steps per batch size; report to the policy every few steps."""
+        if size < 1:
+            return
         pooled = self._speeds.setdefault(size, [0, 0.0, 0])
-        pooled[0] += tokens
+        pooled[0] += size
         pooled[1] += seconds
         pooled[2] += 1
         if pooled[2] >= MEASURE_STEPS:

@@ -16,6 +16,7 @@ from worker.engine import (
     params_for,
     prompt_tokens,
 )
+from worker.memory import batch_peak_bytes, job_label
 from worker.prefix import starting_cache
 
 _default_cache: ModelCache | None = None
@@ -116,20 +117,29 @@ class ChatGenerator:
         if num_draft_tokens is not None:
             params = replace(params, num_draft_tokens=num_draft_tokens)
         draft = self.draft if self.draft is not None and use_draft else None
-        # stream_generate's penalties see only what is prefilled: leave them their window.
-        limit = len(prompt) - max(1, params.penalty_window)
-        cache, cached, reused = self.starting_cache(request, prompt, limit, draft)
-        out = generate(
-            self.target.model,
-            tokenizer,
-            prompt,
-            params,
-            draft_model=draft.model if draft else None,
-            on_text=on_text,
-            deadline=deadline,
-            cache=cache,
-            cached=cached,
-        )
+        if self.models is not None:  # its KV caches must fit, or it fails naming the numbers
+            length = [(len(prompt), params.max_tokens)]
+            need = sum(batch_peak_bytes(m.kv, length) for m in (self.target, draft) if m)
+            self.models.make_kv_room(need, job_label(len(prompt), params.max_tokens))
+            self.models.kv_reserved = need
+        try:
+            # stream_generate's penalties see only what is prefilled: leave them their window.
+            limit = len(prompt) - max(1, params.penalty_window)
+            cache, cached, reused = self.starting_cache(request, prompt, limit, draft)
+            out = generate(
+                self.target.model,
+                tokenizer,
+                prompt,
+                params,
+                draft_model=draft.model if draft else None,
+                on_text=on_text,
+                deadline=deadline,
+                cache=cache,
+                cached=cached,
+            )
+        finally:
+            if self.models is not None:
+                self.models.kv_reserved = 0
         return replace(out, cached_tokens=reused)
 
     def starting_cache(

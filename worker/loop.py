@@ -23,8 +23,9 @@ from types import FrameType
 from redis import Redis
 
 from schemas import ResultRecord, keys
+from schemas.fleet import BatchInfo
 from worker import registry
-from worker.continuous import ContinuousBatch, batch_key
+from worker.continuous import AUTO_CAP, ContinuousBatch, batch_key
 from worker.heartbeat import Heartbeat
 from worker.jobs import run_alone
 from worker.lifecycle import (
@@ -56,7 +57,7 @@ class Worker:
         name: str,
         lease_s: float = DEFAULT_LEASE_S,
         max_crashes: int = DEFAULT_MAX_CRASHES,
-        max_batch: int = 1,
+        max_batch: int | None = 1,
         burst: bool = False,
         max_jobs: int | None = None,
     ) -> None:
@@ -64,7 +65,9 @@ class Worker:
         self.lifecycle = Lifecycle(
             conn, name, self.queues, lease_s=lease_s, max_crashes=max_crashes
         )
+        # max_batch None is ``--max-batch auto``: memory and measured speed decide.
         self.max_batch, self.burst, self.max_jobs = max_batch, burst, max_jobs
+        self.batch: BatchInfo | None = None  # the running batch's state (``producer fleet``)
         self.taken = 0  # jobs taken (refused ones included): what --max-jobs counts
         self.state = "starting"
         self.current: str | None = None
@@ -127,10 +130,10 @@ class Worker:
     def _run(self, job: Job) -> None:
         self.state, self.current = "busy", job.id
         depth, taken = 1, None
-        if self.max_batch > 1:
+        if self.max_batch != 1:
             if job.envelope.request.draft_model:  # batch or speculate: how many wait?
                 waiting = self.conn.llen(keys.rq_queue_key(job.queue))
-                depth += min(waiting, self.max_batch - 1)
+                depth += min(waiting, (self.max_batch or AUTO_CAP) - 1)
             taken = batch_key(job.envelope, self.rt, depth)
         if taken is not None:
             ContinuousBatch(self, job.queue, taken[0], depth).run(job, taken[1])
@@ -204,4 +207,6 @@ class Worker:
     def publish(self) -> None:
         """Publish this worker's state on ``mlxq:worker:<name>`` (``producer fleet``)."""
         info = registry.worker_info(self.rt, self.name, self.queues, self.state, self.current)
+        info.batch = self.batch
+        info.max_batch = str(self.max_batch or "auto")
         registry.publish(self.conn, info, self.registry_ttl)

@@ -118,11 +118,21 @@ class PairStats:
         return {k: (1 - p ** (k + 1)) / (1 - p) / self.round_seconds(k) for k in ks}
 
 
+#: The batch size a target starts at before anything is measured (``--max-batch auto``).
+START_BATCH = 8
+#: A larger batch must measure this much faster (tokens/s) than a smaller one to be used.
+GROWTH_MARGIN = 0.05
+#: Measurements at or below a limit that speed set, before a larger size is tried again.
+REPROBE_EVERY = 40
+
+
 @dataclass
 class BatchRates:
-    """A target's measured aggregate decoding speed (tokens/s) by batch size."""
+    """A target's measured aggregate decoding speed (tokens/s) by batch size, and the
+    batch size those measurements favour (``--max-batch auto``)."""
 
     by_size: dict[int, Arm] = field(default_factory=dict)
+    since_probe: int = 0  # measurements since a size above the limit was last measured
 
     def rate(self, size: int) -> float | None:
         """Speed at the measured size nearest ``size`` (ties: the smaller), or None."""
@@ -130,6 +140,45 @@ class BatchRates:
             return None
         nearest = min(self.by_size, key=lambda n: (abs(n - size), n))
         return self.by_size[nearest].value
+
+    def record(self, size: int, tokens_per_s: float) -> None:
+        settled = self._settled()
+        self.by_size.setdefault(size, Arm()).update(tokens_per_s, 0)
+        self.since_probe = 0 if settled is None or size > settled else self.since_probe + 1
+
+    def _settled(self) -> int | None:
+        """The smallest measured size within :data:`GROWTH_MARGIN` of the fastest, if a
+        larger size was measured too (where growing stopped paying), else None."""
+        if not self.by_size:
+            return None
+        rates = {n: a.value for n, a in self.by_size.items()}
+        fastest = max(rates.values())
+        good = min(n for n, r in rates.items() if r * (1 + GROWTH_MARGIN) >= fastest)
+        return good if good < max(rates) else None
+
+    def limit(self) -> tuple[int, str]:
+        """The largest batch measurements favour, and why.
+
+        Where a larger batch stops paying (:meth:`_settled`) the batch stays, and
+        every :data:`REPROBE_EVERY` measurements the next size up is tried again;
+        while the largest size measured is also the fastest, the batch may grow to
+        twice it (and is measured there).
+        """
+        if not self.by_size:
+            return START_BATCH, f"speed: starting at {START_BATCH} (nothing measured yet)"
+        rates = {n: a.value for n, a in self.by_size.items()}
+        good = self._settled()
+        if good is None:
+            top = max(rates)
+            grow = max(2 * top, START_BATCH)
+            return grow, f"speed: {top} measured fastest ({rates[top]:.1f} tok/s), up to {grow}"
+        if self.since_probe >= REPROBE_EVERY:
+            return 2 * good, f"speed: re-measuring above {good}"
+        above = min(n for n in rates if n > good)
+        return good, (
+            f"speed: {good} measured {rates[good]:.1f} tok/s, {above} {rates[above]:.1f} "
+            "(a larger batch does not pay)"
+        )
 
 
 class SpeculationPolicy:
@@ -189,8 +238,12 @@ class SpeculationPolicy:
         if size < 1 or tokens < 1 or seconds <= 0:
             return
         with self._lock:
-            rates = self.batches.setdefault((target, adapter), BatchRates())
-            rates.by_size.setdefault(size, Arm()).update(tokens / seconds, 0)
+            self.batches.setdefault((target, adapter), BatchRates()).record(size, tokens / seconds)
+
+    def batch_limit(self, target: str, adapter: str | None) -> tuple[int, str]:
+        """The batch size measured speed favours for (target, adapter), and why."""
+        with self._lock:
+            return self.batches.setdefault((target, adapter), BatchRates()).limit()
 
     def _explore(self) -> tuple[int, ...]:
         second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))

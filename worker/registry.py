@@ -47,6 +47,8 @@ def worker_info(
         pairs=list(rt.stats.pairs.values()),
         speculation=rt.policy.summary(),
         prefix_cache=_prefix_info(rt),
+        peak_batch=rt.stats.peak_batch,
+        peak_kv_mb=round(rt.stats.peak_kv_bytes / 1e6, 1),
         updated_at=time.time(),
     )
 

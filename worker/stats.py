@@ -14,6 +14,16 @@ class WorkerStats:
 
     jobs_done: int = 0
     pairs: dict[tuple[str, str | None], PairStats] = field(default_factory=dict)
+    # Continuous batches: the most jobs one held, and the most KV cache one held
+    # (measured) and was projected to hold at most (what admission checked).
+    peak_batch: int = 0
+    peak_kv_bytes: int = 0
+    peak_projected_kv_bytes: int = 0
+
+    def add_batch(self, size: int, kv_bytes: int, projected_bytes: int) -> None:
+        self.peak_batch = max(self.peak_batch, size)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
+        self.peak_projected_kv_bytes = max(self.peak_projected_kv_bytes, projected_bytes)
 
     def add(self, target: str, draft: str | None, out: GenerationOutput) -> None:
         self.jobs_done += 1

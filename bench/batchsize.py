@@ -1,0 +1,205 @@
+"""Batch size by memory and measurement: ``--max-batch auto`` vs fixed sizes vs mlx_lm.server.
+
+Throughput, side by side in one run: N greedy jobs of ``--max-tokens`` tokens
+(distinct short prompts) queued at once on the 12x1024 target, served by
+
+- mlxq with its defaults (``--max-batch auto``), from a fresh worker (cold:
+  nothing measured, it starts at 8 and grows while a larger batch measures
+  faster) and again with what it measured (warm: a worker that has served before);
+- mlxq at each fixed ``--max-batch`` in 4, 8, 16, 32;
+- ``mlx_lm.server`` with its defaults, every request sent at once.
+
+for N in 16 and 64. Every mlxq arm runs in one in-process worker (real Redis,
+real lifecycle, real records) with the model loaded and batches warmed first.
+
+Memory: 12 jobs with ~2,000-token prompts and a ``--cache-gb`` budget that
+leaves KV room for 6 of them: auto (it holds 6 at most) vs the best fixed size
+without a budget (it holds all 12); peak memory (MLX's peak allocation), the
+largest batch, peak KV bytes, and tokens/s.
+
+    .venv/bin/python -m bench.batchsize [--jobs 16 64] [--max-tokens 64] [--fixed 4 8 16 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from redis import Redis
+
+from bench.fixtures import model
+from bench.peer import mlx_lm_server, send_all
+from bench.plots import grouped_bars
+from bench.serve import burst
+from producer.localredis import LocalRedis
+from schemas import ChatRequest
+from worker import runtime
+from worker.cache import ModelCache
+from worker.engine import prompt_tokens
+from worker.memory import batch_peak_bytes
+from worker.policy import SpeculationPolicy
+
+OUT = Path(__file__).parent / "out"
+TOPICS = "queues leases batches caches drafts fleets tokens prompts workers records".split()
+
+
+def filler(tokenizer, n_tokens: int) -> str:
+    """Words that make a prompt about ``n_tokens`` tokens long."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words))) < n_tokens:
+        words.extend(TOPICS)
+    return " ".join(words)
+
+
+def bodies(target: str, n: int, max_tokens: int, extra: str = "", tag: str = "") -> list[dict]:
+    """``n`` greedy jobs with distinct prompts (``extra`` text makes them long)."""
+    return [
+        {
+            "model": target,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "messages": [
+                {"role": "user", "content": f"{tag}Job {i}: {extra} about {TOPICS[i % 10]}."}
+            ],
+        }
+        for i in range(n)
+    ]
+
+
+def through_worker(
+    conn: Redis, jobs: list[dict], cache: ModelCache, policy: SpeculationPolicy, max_batch
+) -> dict:
+    rt = runtime.WorkerRuntime(cache=cache, worker_id="bench-batchsize", policy=policy)
+    mx.reset_peak_memory()
+    records, elapsed = burst(conn, jobs, rt, max_batch)
+    tokens = sum(r.response.usage.completion_tokens for r in records)
+    return {
+        "tok_s": tokens / elapsed,
+        "seconds": elapsed,
+        "tokens": tokens,
+        "largest_batch": max(r.metrics.batch_size for r in records),
+        "peak_memory_mb": mx.get_peak_memory() / 1e6,
+        "peak_kv_mb": rt.stats.peak_kv_bytes / 1e6,
+        "projected_kv_mb": rt.stats.peak_projected_kv_bytes / 1e6,
+        "texts": [r.response.choices[0].message.content for r in records],
+    }
+
+
+def through_server(target: str, jobs: list[dict]) -> dict:
+    with mlx_lm_server(target) as port:
+        send_all(port, jobs[:8])  # its batches warmed too
+        replies, elapsed = send_all(port, jobs)
+    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    return {
+        "tok_s": tokens / elapsed,
+        "seconds": elapsed,
+        "tokens": tokens,
+        "texts": [r["choices"][0]["message"]["content"] for r in replies],
+    }
+
+
+def throughput(url: str, target: str, n: int, max_tokens: int, fixed: list[int]) -> dict:
+    conn = Redis.from_url(url)
+    cache = ModelCache()
+    cache.get(target)
+    warm = SpeculationPolicy()
+    through_worker(conn, bodies(target, 8, 4, tag="warm "), cache, warm, 8)
+    jobs = bodies(target, n, max_tokens)
+    arms: dict[str, dict] = {}
+    auto = SpeculationPolicy()
+    arms["auto (cold)"] = through_worker(conn, jobs, cache, auto, None)
+    arms["auto (warm)"] = through_worker(conn, jobs, cache, auto, None)
+    for size in fixed:
+        arms[f"fixed {size}"] = through_worker(conn, jobs, cache, SpeculationPolicy(), size)
+    arms["mlx_lm.server"] = through_server(target, jobs)
+    for name, arm in arms.items():
+        print(f"  {n} jobs, {name}: {arm['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    best = max((a for a in arms if a.startswith("fixed")), key=lambda a: arms[a]["tok_s"])
+    server = arms["mlx_lm.server"]["tok_s"]
+    reference = arms[f"fixed {fixed[0]}"]["texts"]
+    return {
+        "jobs": n,
+        "tok_s": {a: round(v["tok_s"], 1) for a, v in arms.items()},
+        "largest_batch": {a: v["largest_batch"] for a, v in arms.items() if "largest_batch" in v},
+        "best_fixed": best,
+        "auto_warm_over_server": round(arms["auto (warm)"]["tok_s"] / server, 3),
+        "auto_cold_over_server": round(arms["auto (cold)"]["tok_s"] / server, 3),
+        "auto_warm_over_best_fixed": round(arms["auto (warm)"]["tok_s"] / arms[best]["tok_s"], 3),
+        "auto_cold_over_best_fixed": round(arms["auto (cold)"]["tok_s"] / arms[best]["tok_s"], 3),
+        "measured_rates": {
+            str(s): round(a.value, 1)
+            for s, a in sorted(auto.batches[(target, None)].by_size.items())
+        },
+        "auto_limit_after": auto.batch_limit(target, None)[1],
+        "mlxq_outputs_equal": all(v["texts"] == reference for a, v in arms.items() if "fixed" in a),
+        "server_outputs_equal": sum(
+            a == b for a, b in zip(arms["mlx_lm.server"]["texts"], reference, strict=True)
+        ),
+    }
+
+
+def memory(url: str, target: str, best_fixed: int, n: int = 12, fits: int = 6) -> dict:
+    conn = Redis.from_url(url)
+    probe = ModelCache()
+    entry = probe.get(target)[0]
+    jobs = bodies(target, n, 16, filler(entry.tokenizer, 1990), tag="long ")
+    prompts = [len(prompt_tokens(entry.tokenizer, ChatRequest.model_validate(b))) for b in jobs]
+    one = batch_peak_bytes(entry.kv, [(max(prompts), 16)])
+    budget = entry.nbytes + fits * one + one // 2
+    arms = {}
+    for name, cache, max_batch in (
+        (f"auto, --cache-gb {budget / 1e9:.2f}", ModelCache(budget, prefix_bytes=0), None),
+        (f"fixed {best_fixed}, no budget", ModelCache(prefix_bytes=0), best_fixed),
+    ):
+        cache.get(target)
+        arm = through_worker(conn, jobs, cache, SpeculationPolicy(), max_batch)
+        arms[name] = {k: v for k, v in arm.items() if k != "texts"}
+        print(f"  memory, {name}: {json.dumps(arms[name])}", file=sys.stderr, flush=True)
+    return {
+        "jobs": n,
+        "prompt_tokens": max(prompts),
+        "kv_mb_per_job": round(one / 1e6, 1),
+        "weights_mb": round(entry.nbytes / 1e6, 1),
+        "budget_mb": round(budget / 1e6, 1),
+        "arms": {
+            name: {k: round(v, 1) if isinstance(v, float) else v for k, v in arm.items()}
+            for name, arm in arms.items()
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="model path or hub id [default: 12x1024]")
+    ap.add_argument("--jobs", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--fixed", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--skip-memory", action="store_true")
+    args = ap.parse_args()
+    target = args.target or model("wide")
+    report: dict = {"target": target, "max_tokens": args.max_tokens, "runs": []}
+    with LocalRedis() as server:
+        for n in args.jobs:
+            report["runs"].append(throughput(server.url, target, n, args.max_tokens, args.fixed))
+            print(json.dumps(report["runs"][-1]), flush=True)
+        if not args.skip_memory:
+            best = int(report["runs"][0]["best_fixed"].split()[1])
+            report["memory"] = memory(server.url, target, best)
+            print(json.dumps(report["memory"]), flush=True)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "batchsize.json").write_text(json.dumps(report, indent=1))
+    arms = list(report["runs"][0]["tok_s"])
+    grouped_bars(
+        OUT / "batchsize.png",
+        f"greedy jobs x {args.max_tokens} tokens queued at once (12x1024 target)",
+        [f"{r['jobs']} jobs" for r in report["runs"]],
+        {a: [r["tok_s"][a] for r in report["runs"]] for a in arms},
+        "tokens/s",
+    )
+
+
+if __name__ == "__main__":
+    main()
