@@ -3,14 +3,17 @@
 Throughput, side by side in one run: N greedy jobs of ``--max-tokens`` tokens
 (distinct short prompts) queued at once on the 12x1024 target, served by
 
-- mlxq with its defaults (``--max-batch auto``), from a fresh worker (cold:
-  nothing measured, it starts at 8 and grows while a larger batch measures
-  faster) and again with what it measured (warm: a worker that has served before);
+- mlxq with its defaults (``--max-batch auto``), from a fresh worker each time
+  (cold: nothing measured, it starts at 32 and grows while a larger batch
+  measures faster) and with one that keeps what it measured (warm: a worker
+  that has served before);
 - mlxq at each fixed ``--max-batch`` in 4, 8, 16, 32;
 - ``mlx_lm.server`` with its defaults, every request sent at once.
 
 for N in 16 and 64. Every mlxq arm runs in one in-process worker (real Redis,
 real lifecycle, real records) with the model loaded and batches warmed first.
+This machine is noisy: every arm runs ``--rounds`` times, the order rotating
+each round, and the figures are medians.
 
 Memory: 12 jobs with ~2,000-token prompts and a ``--cache-gb`` budget that
 leaves KV room for 6 of them: auto (it holds 6 at most) vs the best fixed size
@@ -18,13 +21,17 @@ without a budget (it holds all 12); peak memory (MLX's peak allocation), the
 largest batch, peak KV bytes, and tokens/s.
 
     .venv/bin/python -m bench.batchsize [--jobs 16 64] [--max-tokens 64] [--fixed 4 8 16 32]
+        [--rounds 3] [--skip-memory | --memory-best-fixed N]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -88,10 +95,8 @@ def through_worker(
     }
 
 
-def through_server(target: str, jobs: list[dict]) -> dict:
-    with mlx_lm_server(target) as port:
-        send_all(port, jobs[:8])  # its batches warmed too
-        replies, elapsed = send_all(port, jobs)
+def through_server(port: int, jobs: list[dict]) -> dict:
+    replies, elapsed = send_all(port, jobs)
     tokens = sum(r["usage"]["completion_tokens"] for r in replies)
     return {
         "tok_s": tokens / elapsed,
@@ -101,42 +106,65 @@ def through_server(target: str, jobs: list[dict]) -> dict:
     }
 
 
-def throughput(url: str, target: str, n: int, max_tokens: int, fixed: list[int]) -> dict:
+def throughput(
+    url: str, target: str, n: int, max_tokens: int, fixed: list[int], rounds: int
+) -> dict:
+    """Every arm ``rounds`` times, the order rotating each round; medians."""
     conn = Redis.from_url(url)
     cache = ModelCache()
     cache.get(target)
-    warm = SpeculationPolicy()
-    through_worker(conn, bodies(target, 8, 4, tag="warm "), cache, warm, 8)
+    through_worker(conn, bodies(target, 8, 4, tag="warm "), cache, SpeculationPolicy(), 8)
     jobs = bodies(target, n, max_tokens)
-    arms: dict[str, dict] = {}
-    auto = SpeculationPolicy()
-    arms["auto (cold)"] = through_worker(conn, jobs, cache, auto, None)
-    arms["auto (warm)"] = through_worker(conn, jobs, cache, auto, None)
+    warm = SpeculationPolicy()  # keeps what it measured across rounds
+    through_worker(conn, jobs, cache, warm, None)  # its first (cold) pass
+    arms: dict[str, Callable[[], dict]] = {
+        "auto (cold)": lambda: through_worker(conn, jobs, cache, SpeculationPolicy(), None),
+        "auto (warm)": lambda: through_worker(conn, jobs, cache, warm, None),
+    }
     for size in fixed:
-        arms[f"fixed {size}"] = through_worker(conn, jobs, cache, SpeculationPolicy(), size)
-    arms["mlx_lm.server"] = through_server(target, jobs)
-    for name, arm in arms.items():
-        print(f"  {n} jobs, {name}: {arm['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    best = max((a for a in arms if a.startswith("fixed")), key=lambda a: arms[a]["tok_s"])
-    server = arms["mlx_lm.server"]["tok_s"]
-    reference = arms[f"fixed {fixed[0]}"]["texts"]
+        arms[f"fixed {size}"] = functools.partial(
+            through_worker, conn, jobs, cache, SpeculationPolicy(), size
+        )
+    runs: dict[str, list[dict]] = {a: [] for a in [*arms, "mlx_lm.server"]}
+    with mlx_lm_server(target) as port:
+        send_all(port, bodies(target, n, 4, tag="warm "))  # its batches warmed too
+        arms["mlx_lm.server"] = lambda: through_server(port, jobs)
+        names = list(arms)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(arms[name]())
+                print(
+                    f"  {n} jobs, round {r + 1}, {name}: {runs[name][-1]['tok_s']:.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    tok_s = {a: statistics.median(x["tok_s"] for x in v) for a, v in runs.items()}
+    best = max((a for a in tok_s if a.startswith("fixed")), key=lambda a: tok_s[a])
+    server = tok_s["mlx_lm.server"]
+    reference = runs[f"fixed {fixed[0]}"][0]["texts"]
     return {
         "jobs": n,
-        "tok_s": {a: round(v["tok_s"], 1) for a, v in arms.items()},
-        "largest_batch": {a: v["largest_batch"] for a, v in arms.items() if "largest_batch" in v},
+        "rounds": rounds,
+        "tok_s_median": {a: round(v, 1) for a, v in tok_s.items()},
+        "tok_s_per_round": {a: [round(x["tok_s"], 1) for x in v] for a, v in runs.items()},
+        "largest_batch": {
+            a: v[-1]["largest_batch"] for a, v in runs.items() if a != "mlx_lm.server"
+        },
         "best_fixed": best,
-        "auto_warm_over_server": round(arms["auto (warm)"]["tok_s"] / server, 3),
-        "auto_cold_over_server": round(arms["auto (cold)"]["tok_s"] / server, 3),
-        "auto_warm_over_best_fixed": round(arms["auto (warm)"]["tok_s"] / arms[best]["tok_s"], 3),
-        "auto_cold_over_best_fixed": round(arms["auto (cold)"]["tok_s"] / arms[best]["tok_s"], 3),
+        "auto_warm_over_server": round(tok_s["auto (warm)"] / server, 3),
+        "auto_cold_over_server": round(tok_s["auto (cold)"] / server, 3),
+        "auto_warm_over_best_fixed": round(tok_s["auto (warm)"] / tok_s[best], 3),
+        "auto_cold_over_best_fixed": round(tok_s["auto (cold)"] / tok_s[best], 3),
         "measured_rates": {
             str(s): round(a.value, 1)
-            for s, a in sorted(auto.batches[(target, None)].by_size.items())
+            for s, a in sorted(warm.batches[(target, None)].by_size.items())
         },
-        "auto_limit_after": auto.batch_limit(target, None)[1],
-        "mlxq_outputs_equal": all(v["texts"] == reference for a, v in arms.items() if "fixed" in a),
+        "auto_limit_after": warm.batch_limit(target, None)[1],
+        "mlxq_outputs_equal": all(
+            x["texts"] == reference for a, v in runs.items() if a != "mlx_lm.server" for x in v
+        ),
         "server_outputs_equal": sum(
-            a == b for a, b in zip(arms["mlx_lm.server"]["texts"], reference, strict=True)
+            a == b for a, b in zip(runs["mlx_lm.server"][0]["texts"], reference, strict=True)
         ),
     }
 
@@ -177,26 +205,39 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--fixed", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every arm (medians)")
     ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument(
+        "--memory-best-fixed",
+        type=int,
+        default=None,
+        help="run only the memory part, against this fixed size",
+    )
     args = ap.parse_args()
     target = args.target or model("wide")
     report: dict = {"target": target, "max_tokens": args.max_tokens, "runs": []}
+    if args.memory_best_fixed:
+        args.jobs, args.skip_memory = [], False
     with LocalRedis() as server:
         for n in args.jobs:
-            report["runs"].append(throughput(server.url, target, n, args.max_tokens, args.fixed))
+            run = throughput(server.url, target, n, args.max_tokens, args.fixed, args.rounds)
+            report["runs"].append(run)
             print(json.dumps(report["runs"][-1]), flush=True)
         if not args.skip_memory:
-            best = int(report["runs"][0]["best_fixed"].split()[1])
+            best = args.memory_best_fixed or int(report["runs"][0]["best_fixed"].split()[1])
             report["memory"] = memory(server.url, target, best)
             print(json.dumps(report["memory"]), flush=True)
     OUT.mkdir(exist_ok=True)
-    (OUT / "batchsize.json").write_text(json.dumps(report, indent=1))
-    arms = list(report["runs"][0]["tok_s"])
+    name = "batchsize-memory.json" if args.memory_best_fixed else "batchsize.json"
+    (OUT / name).write_text(json.dumps(report, indent=1))
+    if not report["runs"]:
+        return
+    arms = list(report["runs"][0]["tok_s_median"])
     grouped_bars(
         OUT / "batchsize.png",
         f"greedy jobs x {args.max_tokens} tokens queued at once (12x1024 target)",
         [f"{r['jobs']} jobs" for r in report["runs"]],
-        {a: [r["tok_s"][a] for r in report["runs"]] for a in arms},
+        {a: [r["tok_s_median"][a] for r in report["runs"]] for a in arms},
         "tokens/s",
     )
 

@@ -58,6 +58,8 @@ BatchKey = tuple[str, str | None]
 PAUSE_AFTER_HAND_BACK_S = 1.0
 #: Steps pooled per batch size before the measured speed goes to the policy.
 MEASURE_STEPS = 16
+#: Seconds between two updates of the batch state the worker publishes.
+PUBLISH_EVERY_S = 0.5
 #: The most sequences one batch holds under ``--max-batch auto``.
 AUTO_CAP = 256
 
@@ -124,6 +126,7 @@ class ContinuousBatch:
         self.peak_kv_bytes = 0  # measured, after each step
         self.peak_projected_bytes = 0
         self.peak_size = 0
+        self._published_at = -PUBLISH_EVERY_S
 
     def run(self, first: Job, decision: Decision | None = None) -> None:
         """Decode ``first`` and every job that joins until the batch is empty.
@@ -144,14 +147,15 @@ class ContinuousBatch:
                 with self.host.computing():
                     step = self.engine.step()
                 seconds = time.perf_counter() - t
-                self.peak_kv_bytes = max(self.peak_kv_bytes, self.engine.kv_bytes)
+                kv_bytes = self.engine.kv_bytes
+                self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
                 self._finish_outputs(step.done)
                 self._expire()
                 if not (step.prefilled or self._prefilled):  # a decoding step only
                     self._measure(step.tokens, seconds)
                 self._prefilled = step.prefilled
                 self._fill()
-                self._publish()
+                self._publish(kv_bytes)
             for size in list(self._speeds):
                 self._report(size)
         except Exception as e:
@@ -288,14 +292,19 @@ class ContinuousBatch:
             self.engine = BatchEngine(self.generator.target, self.cap)
         return self.engine
 
-    def _publish(self) -> None:
-        assert self.engine is not None
+    def _publish(self, kv_bytes: int) -> None:
+        """Show the batch's state to the worker's registry entry (at most every
+        :data:`PUBLISH_EVERY_S`; the heartbeat publishes it every 2 s)."""
+        now = time.monotonic()
+        if now < self._published_at + PUBLISH_EVERY_S:
+            return
+        self._published_at = now
         self.host.batch = BatchInfo(
             model=self.key[0],
             size=len(self.slots),
             limit=self._limit()[0],
             reason=self._reason,
-            kv_mb=round(self.engine.kv_bytes / 1e6, 1),
+            kv_mb=round(kv_bytes / 1e6, 1),
             kv_projected_mb=round(self._projected / 1e6, 1),
             kv_room_mb=round(self._room() / 1e6, 1),
         )

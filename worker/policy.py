@@ -119,9 +119,9 @@ class PairStats:
 
 
 #: The batch size a target starts at before anything is measured (``--max-batch auto``).
-START_BATCH = 8
+START_BATCH = 32
 #: A larger batch must measure this much faster (tokens/s) than a smaller one to be used.
-GROWTH_MARGIN = 0.05
+GROWTH_MARGIN = 0.10
 #: Measurements at or below a limit that speed set, before a larger size is tried again.
 REPROBE_EVERY = 40
 
