@@ -155,6 +155,14 @@ def throughput(
         "auto_cold_over_server": round(tok_s["auto (cold)"] / server, 3),
         "auto_warm_over_best_fixed": round(tok_s["auto (warm)"] / tok_s[best], 3),
         "auto_cold_over_best_fixed": round(tok_s["auto (cold)"] / tok_s[best], 3),
+        "auto_warm_over_server_per_round": [
+            round(a["tok_s"] / b["tok_s"], 3)
+            for a, b in zip(runs["auto (warm)"], runs["mlx_lm.server"], strict=True)
+        ],
+        "auto_warm_over_best_fixed_per_round": [
+            round(a["tok_s"] / b["tok_s"], 3)
+            for a, b in zip(runs["auto (warm)"], runs[best], strict=True)
+        ],
         "measured_rates": {
             str(s): round(a.value, 1)
             for s, a in sorted(warm.batches[(target, None)].by_size.items())

@@ -223,3 +223,22 @@ def test_fleet_shows_the_batch_size_and_what_limits_it(conn, redis_url, tiny):
     assert 0 < seen.batch.kv_projected_mb <= seen.batch.kv_room_mb
     table = fleet_table([seen])
     assert "batch: 2 job(s)" in table and "memory: the next job" in table
+
+
+@pytest.mark.parametrize("value", ["0", "257", "eight", "-1", "8.5"])
+def test_a_bad_max_batch_is_refused_naming_it(value):
+    from click.testing import CliRunner
+
+    from worker.cli import main as worker_main
+
+    out = CliRunner().invoke(worker_main, ["--max-batch", value, "--burst"])
+    assert out.exit_code == 2
+    assert "--max-batch" in out.output and repr(value) in out.output
+
+
+def test_max_batch_accepts_auto_and_numbers():
+    from worker.cli import BatchSize
+
+    assert BatchSize().convert("auto", None, None) is None
+    assert BatchSize().convert(" AUTO ", None, None) is None
+    assert BatchSize().convert("16", None, None) == 16
