@@ -15,13 +15,17 @@ real lifecycle, real records) with the model loaded and batches warmed first.
 This machine is noisy: every arm runs ``--rounds`` times, the order rotating
 each round, and the figures are medians.
 
+Joining: a ~2,000-token prompt joins 8 sequences that are decoding; the
+longest step they wait for and the joiner's time to first token, with
+mlxq's prefill chunk (512 tokens per step) and mlx-lm's default (2,048).
+
 Memory: 12 jobs with ~2,000-token prompts and a ``--cache-gb`` budget that
 leaves KV room for 6 of them: auto (it holds 6 at most) vs the best fixed size
 without a budget (it holds all 12); peak memory (MLX's peak allocation), the
 largest batch, peak KV bytes, and tokens/s.
 
     .venv/bin/python -m bench.batchsize [--jobs 16 64] [--max-tokens 64] [--fixed 4 8 16 32]
-        [--rounds 3] [--skip-memory | --memory-best-fixed N]
+        [--rounds 3] [--parts throughput join memory] [--memory-fixed N]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import functools
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,12 +49,14 @@ from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
 from worker import runtime
+from worker.batching import PREFILL_STEP, BatchEngine
 from worker.cache import ModelCache
-from worker.engine import prompt_tokens
+from worker.engine import params_for, prompt_tokens
 from worker.memory import batch_peak_bytes
 from worker.policy import SpeculationPolicy
 
 OUT = Path(__file__).parent / "out"
+PARTS = ["throughput", "join", "memory"]
 TOPICS = "queues leases batches caches drafts fleets tokens prompts workers records".split()
 
 
@@ -207,6 +214,40 @@ def memory(url: str, target: str, best_fixed: int, n: int = 12, fits: int = 6) -
     }
 
 
+def join_stall(target: str, running: int = 8, joiner_tokens: int = 2000) -> dict:
+    """A long prompt joins a batch that is decoding: the longest step the running
+    sequences wait for, and the joiner's time to first token, by prefill chunk size."""
+    entry = ModelCache().get(target)[0]
+    short = [ChatRequest.model_validate(b) for b in bodies(target, running, 96)]
+    (long_body,) = bodies(target, 1, 8, filler(entry.tokenizer, joiner_tokens), tag="long ")
+    long_req = ChatRequest.model_validate(long_body)
+    report = {}
+    for chunk in (PREFILL_STEP, 2048, PREFILL_STEP):  # the first pass warms up
+        engine = BatchEngine(entry, running + 1, prefill_step=chunk)
+        for i, req in enumerate(short):
+            prompt = prompt_tokens(entry.tokenizer, req)
+            engine.add(i, prompt, params_for(req, len(prompt), entry.context_length, 512))
+        for _ in range(4):
+            engine.step()
+        prompt = prompt_tokens(entry.tokenizer, long_req)
+        engine.add("long", prompt, params_for(long_req, len(prompt), entry.context_length, 512))
+        joined, steps, first = time.perf_counter(), [], None
+        while first is None:
+            t = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t)
+            if engine.first_token_at("long") is not None:
+                first = engine.first_token_at("long") - joined
+        engine.close()
+        report[f"prefill chunk {chunk}"] = {
+            "joiner_prompt_tokens": len(prompt),
+            "longest_step_s": round(max(steps), 2),
+            "steps_until_first_token": len(steps),
+            "joiner_ttft_s": round(first, 2),
+        }
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None, help="model path or hub id [default: 12x1024]")
@@ -214,29 +255,34 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--fixed", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every arm (medians)")
-    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS)
     ap.add_argument(
-        "--memory-best-fixed",
+        "--memory-fixed",
         type=int,
         default=None,
-        help="run only the memory part, against this fixed size",
+        help="the fixed size the memory part compares with [default: the best "
+        "fixed size of the throughput part, else 32]",
     )
     args = ap.parse_args()
     target = args.target or model("wide")
     report: dict = {"target": target, "max_tokens": args.max_tokens, "runs": []}
-    if args.memory_best_fixed:
-        args.jobs, args.skip_memory = [], False
     with LocalRedis() as server:
-        for n in args.jobs:
-            run = throughput(server.url, target, n, args.max_tokens, args.fixed, args.rounds)
-            report["runs"].append(run)
-            print(json.dumps(report["runs"][-1]), flush=True)
-        if not args.skip_memory:
-            best = args.memory_best_fixed or int(report["runs"][0]["best_fixed"].split()[1])
+        if "throughput" in args.parts:
+            for n in args.jobs:
+                run = throughput(server.url, target, n, args.max_tokens, args.fixed, args.rounds)
+                report["runs"].append(run)
+                print(json.dumps(run), flush=True)
+        if "join" in args.parts:
+            report["join"] = join_stall(target)
+            print(json.dumps(report["join"]), flush=True)
+        if "memory" in args.parts:
+            best = args.memory_fixed or (
+                int(report["runs"][0]["best_fixed"].split()[1]) if report["runs"] else 32
+            )
             report["memory"] = memory(server.url, target, best)
             print(json.dumps(report["memory"]), flush=True)
     OUT.mkdir(exist_ok=True)
-    name = "batchsize-memory.json" if args.memory_best_fixed else "batchsize.json"
+    name = "batchsize.json" if args.parts == PARTS else f"batchsize-{'-'.join(args.parts)}.json"
     (OUT / name).write_text(json.dumps(report, indent=1))
     if not report["runs"]:
         return

@@ -144,6 +144,10 @@ class BatchEngine:
         seqs = self._seqs.values()
         return [(s.prompt_len + len(s.tokens), s.max_tokens - len(s.tokens)) for s in seqs]
 
+    def first_token_at(self, tag: Hashable) -> float | None:
+        """When the running sequence ``tag`` produced its first token (perf_counter)."""
+        return next((s.first_token_at for s in self._seqs.values() if s.tag == tag), None)
+
     def drop(self, tag: Hashable) -> None:
         """Stop decoding the sequence ``tag`` (no output for it)."""
         for uid, seq in list(self._seqs.items()):
