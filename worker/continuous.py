@@ -60,6 +60,8 @@ PAUSE_AFTER_HAND_BACK_S = 1.0
 MEASURE_STEPS = 16
 #: Seconds between two updates of the batch state the worker publishes.
 PUBLISH_EVERY_S = 0.5
+#: The reason a batch holds what it holds when its queue has nothing more.
+QUEUE_EMPTY = "queue: no more jobs waiting"
 #: The most sequences one batch holds under ``--max-batch auto``.
 AUTO_CAP = 256
 
@@ -119,10 +121,10 @@ class ContinuousBatch:
         self.engine: BatchEngine | None = None
         self._pause_until = 0.0
         self._held: tuple[int, int] | None = None  # (prompt, max_tokens) waiting for memory
-        self._reason = "queue: no more jobs waiting"
+        self._reason = QUEUE_EMPTY
         self._projected = 0  # the most the batch's KV caches can grow to (bytes)
         self._prefilled = True  # whether the last step prefilled (its time is not decoding)
-        self._speeds: dict[int, list[float]] = {}  # batch size -> [tokens, seconds, steps]
+        self._speeds: dict[int, list[float]] = {}  # batch size -> [seconds, steps]
         self.peak_kv_bytes = 0  # measured, after each step
         self.peak_projected_bytes = 0
         self.peak_size = 0
@@ -205,7 +207,7 @@ class ContinuousBatch:
                 self._held = None
             job = self.host.take_from(self.queue)
             if job is None:
-                self._reason = "queue: no more jobs waiting"
+                self._reason = QUEUE_EMPTY
                 return
             depth = max(self.depth, len(self.slots) + 1)
             taken = batch_key(job.envelope, self.rt, depth)
@@ -350,13 +352,12 @@ class ContinuousBatch:
         """Pool decoding steps per batch size; report to the policy every few steps."""
         if size < 1:
             return
-        pooled = self._speeds.setdefault(size, [0, 0.0, 0])
-        pooled[0] += size
-        pooled[1] += seconds
-        pooled[2] += 1
-        if pooled[2] >= MEASURE_STEPS:
+        pooled = self._speeds.setdefault(size, [0.0, 0])
+        pooled[0] += seconds
+        pooled[1] += 1
+        if pooled[1] >= MEASURE_STEPS:
             self._report(size)
 
     def _report(self, size: int) -> None:
-        tokens, seconds, _ = self._speeds.pop(size)
-        self.rt.policy.record_batch(self.key[0], self.key[1], size, int(tokens), seconds)
+        seconds, steps = self._speeds.pop(size)  # each step decodes one token per sequence
+        self.rt.policy.record_batch(self.key[0], self.key[1], size, int(size * steps), seconds)

@@ -206,7 +206,7 @@ class Worker:
     # -- the fleet registry -----------------------------------------------
     def publish(self) -> None:
         """Publish this worker's state on ``mlxq:worker:<name>`` (``producer fleet``)."""
-        info = registry.worker_info(self.rt, self.name, self.queues, self.state, self.current)
-        info.batch = self.batch
-        info.max_batch = str(self.max_batch or "auto")
+        info = registry.worker_info(
+            self.rt, self.name, self.queues, self.state, self.current, self.batch, self.max_batch
+        )
         registry.publish(self.conn, info, self.registry_ttl)

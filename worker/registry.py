@@ -19,13 +19,19 @@ from importlib.metadata import PackageNotFoundError, version
 from redis import Redis
 
 from schemas import keys
-from schemas.fleet import LoadedModelInfo, PrefixCacheInfo, WorkerInfo
+from schemas.fleet import BatchInfo, LoadedModelInfo, PrefixCacheInfo, WorkerInfo
 from worker.lifecycle import alive, rq_time
 from worker.runtime import WorkerRuntime
 
 
 def worker_info(
-    rt: WorkerRuntime, name: str, queues: list[str], state: str, current_job: str | None
+    rt: WorkerRuntime,
+    name: str,
+    queues: list[str],
+    state: str,
+    current_job: str | None,
+    batch: BatchInfo | None = None,
+    max_batch: int | None = None,
 ) -> WorkerInfo:
     cache = rt.cache
     return WorkerInfo(
@@ -47,6 +53,8 @@ def worker_info(
         pairs=list(rt.stats.pairs.values()),
         speculation=rt.policy.summary(),
         prefix_cache=_prefix_info(rt),
+        batch=batch,
+        max_batch=str(max_batch or "auto"),
         peak_batch=rt.stats.peak_batch,
         peak_kv_mb=round(rt.stats.peak_kv_bytes / 1e6, 1),
         updated_at=time.time(),
