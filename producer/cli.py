@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import click
 from redis import Redis
@@ -23,9 +23,10 @@ from producer.batches import (
     queue_watchers,
 )
 from producer.fleet import fleet_table, live_workers
-from producer.lines import Defaults, ParsedFile, parse_file
+from producer.jobsfile import FileChangedError, check_file, enqueue_file, spool
+from producer.lines import Defaults
 from producer.streams import chunk_text, iter_chunks
-from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, submit_items
+from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
 from schemas import keys
 from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
 
@@ -93,7 +94,9 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument(
+    "file", type=click.Path(exists=True, dir_okay=False, allow_dash=True, path_type=Path)
+)
 @_redis_option
 @click.option(
     "--queue",
@@ -165,7 +168,8 @@ def main() -> None:
     "--rejected",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Where --skip-invalid writes rejected lines [default: FILE.rejected.jsonl].",
+    help="Where --skip-invalid writes rejected lines [default: FILE.rejected.jsonl;\n"
+    "stdin.rejected.jsonl for standard input].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def submit(
@@ -185,43 +189,91 @@ def submit(
 ) -> None:
     """Validate every line of FILE, then enqueue them as one batch and print its id.
 
-    Lines are plain chat.completions bodies or OpenAI Batch API lines. If any
-    line is invalid, nothing is enqueued (exit status 2) unless --skip-invalid.
+    Lines are plain chat.completions bodies or OpenAI Batch API lines; FILE '-'
+    reads standard input (copied to a temporary file first). If any line is
+    invalid, nothing is enqueued (exit status 2) unless --skip-invalid.
     """
     if batch_id is not None:
         try:
             keys.validate_batch_id(batch_id)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--batch-id") from None
-    parsed = parse_file(file, Defaults(model, draft_model, num_draft_tokens))
-    for err in parsed.errors:
-        click.echo(f"{file}:{err.lineno}: {err.message}", err=True)
-    if parsed.errors and not skip_invalid:
+    stdin = str(file) == "-"
+    path = spool(sys.stdin.buffer) if stdin else file
+    try:
+        _submit(
+            path,
+            "<stdin>" if stdin else str(file),
+            rejected
+            or (
+                Path("stdin.rejected.jsonl")
+                if stdin
+                else file.with_name(file.name + ".rejected.jsonl")
+            ),
+            redis_url=redis_url,
+            queue=queue,
+            defaults=Defaults(model, draft_model, num_draft_tokens),
+            job_timeout=job_timeout,
+            result_ttl=result_ttl,
+            batch_id=batch_id or new_batch_id(),
+            route=route,
+            skip_invalid=skip_invalid,
+            as_json=as_json,
+        )
+    finally:
+        if stdin:
+            path.unlink(missing_ok=True)
+
+
+def _submit(
+    path: Path,
+    name: str,
+    rejected: Path,
+    *,
+    redis_url: str,
+    queue: str,
+    defaults: Defaults,
+    job_timeout: int,
+    result_ttl: int,
+    batch_id: str,
+    route: str,
+    skip_invalid: bool,
+    as_json: bool,
+) -> None:
+    with (
+        _Rejects(name, rejected if skip_invalid else None) as rejects,
+        click.progressbar(
+            length=max(path.stat().st_size, 1), label="checking", file=sys.stderr
+        ) as bar,
+    ):
+        checked = check_file(path, defaults, rejects.add, progress=bar.update)
+    if checked.invalid and not skip_invalid:
         click.echo(
-            f"{len(parsed.errors)} invalid line(s); nothing enqueued "
+            f"{checked.invalid} invalid line(s); nothing enqueued "
             "(fix them, or use --skip-invalid)",
             err=True,
         )
         sys.exit(EXIT_INVALID)
-    if parsed.errors:
-        _write_rejected(parsed, rejected or file.with_name(file.name + ".rejected.jsonl"))
-    if not parsed.lines:
-        raise click.ClickException(f"{file}: no valid lines to submit")
+    if not checked.valid:
+        raise click.ClickException(f"{name}: no valid lines to submit")
     conn = _connect(redis_url)
-    items = [SubmitItem(p.custom_id, p.request, p.body) for p in parsed.lines]
-    with click.progressbar(length=len(items), label="enqueueing", file=sys.stderr) as bar:
-        summary = submit_items(
-            conn,
-            items,
-            batch_id=batch_id,
-            queue=queue,
-            job_timeout=job_timeout,
-            result_ttl=result_ttl,
-            source=str(file),
-            progress=bar.update,
-            route=route,
-        )
-    info = summary.as_dict() | {"invalid": len(parsed.errors)}
+    try:
+        with click.progressbar(length=checked.valid, label="enqueueing", file=sys.stderr) as bar:
+            summary = enqueue_file(
+                conn,
+                checked,
+                defaults,
+                batch_id=batch_id,
+                queue=queue,
+                job_timeout=job_timeout,
+                result_ttl=result_ttl,
+                route=route,
+                source=name,
+                progress=bar.update,
+            )
+    except (FileChangedError, BatchCancelledError) as e:
+        raise click.ClickException(str(e)) from None
+    info = summary.as_dict() | {"invalid": checked.invalid}
     if as_json:
         click.echo(json.dumps(info))
     else:
@@ -229,16 +281,34 @@ def submit(
         click.echo(
             f"{summary.submitted} job(s) enqueued on {queue!r}"
             + (f", {summary.already_present} already present" if summary.already_present else "")
-            + (f", {len(parsed.errors)} invalid line(s) skipped" if parsed.errors else ""),
+            + (f", {checked.invalid} invalid line(s) skipped" if checked.invalid else ""),
             err=True,
         )
 
 
-def _write_rejected(parsed: ParsedFile, path: Path) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for err in parsed.errors:
-            f.write(err.text + "\n")
-    click.echo(f"{len(parsed.errors)} rejected line(s) written to {path}", err=True)
+class _Rejects:
+    """Prints each bad line as NAME:LINE: message; with a path, writes the lines there too."""
+
+    def __init__(self, name: str, path: Path | None) -> None:
+        self.name, self.path = name, path
+        self.count = 0
+        self._out: TextIO | None = None
+
+    def add(self, lineno: int, message: str, text: str) -> None:
+        click.echo(f"{self.name}:{lineno}: {message}", err=True)
+        self.count += 1
+        if self.path is not None:
+            if self._out is None:
+                self._out = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+            self._out.write(text + "\n")
+
+    def __enter__(self) -> _Rejects:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._out is not None:
+            self._out.close()
+            click.echo(f"{self.count} rejected line(s) written to {self.path}", err=True)
 
 
 @main.command()

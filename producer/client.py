@@ -13,12 +13,14 @@ from producer.batches import (
     batch_job_ids,
     batch_status,
     cancel_batch,
+    cancelled_record,
     wait_for_batch,
 )
 from producer.fleet import live_workers
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
 from schemas import ChatRequest, ResultRecord, keys
+from schemas.cancel import CANCELLED_AT
 from schemas.fleet import WorkerInfo
 from schemas.settings import DEFAULT_REDIS_URL
 from schemas.store import read_result, read_results
@@ -65,7 +67,7 @@ class Client:
         items = [
             SubmitItem(str(cid), r if isinstance(r, ChatRequest) else ChatRequest.model_validate(r))
             for cid, r in pairs
-        ]
+        ]  # all validated before anything is enqueued
         return submit_items(
             self.connection,
             items,
@@ -78,8 +80,9 @@ class Client:
         )
 
     def result(self, job_id: str) -> ResultRecord | None:
-        """The job's result record, or None while it has none."""
-        return read_result(self.connection, job_id)
+        """The job's result record, or None while it has none. A job of a cancelled batch
+        that never started gets a ``cancelled`` record (workers write none for it)."""
+        return read_result(self.connection, job_id) or cancelled_record(self.connection, job_id)
 
     def wait_result(self, job_id: str, timeout: float = 600.0, poll_s: float = 0.2) -> ResultRecord:
         """Block until the job has a result record; TimeoutError after ``timeout`` seconds."""
@@ -115,8 +118,17 @@ class Client:
         return live_workers(self.connection)
 
     def results(self, batch_id: str) -> list[ResultRecord | None]:
-        """Result records of the batch in submission order (None for jobs not ended)."""
-        out: list[ResultRecord | None] = []
+        """Result records of the batch in submission order (None for jobs not ended).
+        For a large batch, :meth:`iter_results` keeps one page in memory instead."""
+        return list(self.iter_results(batch_id))
+
+    def iter_results(self, batch_id: str) -> Iterator[ResultRecord | None]:
+        """Result records of the batch in submission order (None for jobs not ended),
+        read a page (one round trip) at a time; jobs of a cancelled batch that never
+        started get a ``cancelled`` record."""
+        cancelled = self.connection.hexists(keys.batch_key(batch_id), CANCELLED_AT)
         for page in batch_job_ids(self.connection, batch_id):
-            out.extend(read_results(self.connection, page))
-        return out
+            for job_id, record in zip(page, read_results(self.connection, page), strict=True):
+                if record is None and cancelled:
+                    record = cancelled_record(self.connection, job_id)
+                yield record

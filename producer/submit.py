@@ -1,24 +1,19 @@
-"""Enqueueing validated requests as RQ jobs: JSON payloads, pipelined, idempotent per batch."""
+"""Submitting a batch: register it, then enqueue its jobs (JSON payloads, idempotent per batch)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
-from rq import Queue
-from rq.serializers import JSONSerializer
 
-from schemas import ChatRequest, keys
+from producer.enqueue import DEFAULT_CHUNK, Enqueuer, KnownJobs, Prepared
+from schemas import ChatRequest, InvalidRequestError, job_data, keys
 
 DEFAULT_JOB_TIMEOUT = 3600
-DEFAULT_CHUNK = 1000
-#: The first chunk's size; each next one doubles, up to the chunk size, so
-#: workers start on the first jobs while the rest are still being enqueued.
-FIRST_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -40,7 +35,10 @@ class SubmitSummary:
     queue: str
     submitted: int
     already_present: int
+    #: The jobs' ids in submission order (empty when the caller did not keep them:
+    #: a file submit of a million lines does not).
     job_ids: list[str]
+    jobs: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -48,8 +46,14 @@ class SubmitSummary:
             "queue": self.queue,
             "submitted": self.submitted,
             "already_present": self.already_present,
-            "jobs": len(self.job_ids),
+            "jobs": self.jobs or len(self.job_ids),
         }
+
+
+class BatchCancelledError(InvalidRequestError):
+    """The batch id names a cancelled batch: nothing more can be submitted to it."""
+
+    code = "batch_cancelled"
 
 
 def new_batch_id() -> str:
@@ -57,31 +61,43 @@ def new_batch_id() -> str:
     return f"batch_{uuid.uuid4().hex[:20]}"
 
 
-def _register_batch(
+def register_batch(
     conn: Redis, batch_id: str, queue: str, result_ttl: int, source: str | None
-) -> bool:
-    """Create or refresh the batch record; True if the batch is new."""
+) -> KnownJobs:
+    """Create or refresh the batch record; the jobs it already has (none if it is new).
+
+    Raises :class:`BatchCancelledError` for a cancelled batch (its workers would drop
+    every job added to it).
+    """
     now = time.time()
     pipe = conn.pipeline()
     key = keys.batch_key(batch_id)
     pipe.hsetnx(key, "created_at", now)
+    pipe.hget(key, "cancelled_at")
     pipe.hset(key, mapping={"batch_id": batch_id, "queue": queue, "result_ttl": result_ttl})
     pipe.hsetnx(key, "total", 0)
     if source:
         pipe.hsetnx(key, "source", source)
     pipe.expire(key, result_ttl)
     pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
-    return bool(pipe.execute()[0])
+    is_new, cancelled = pipe.execute()[:2]
+    if cancelled:
+        raise BatchCancelledError(f"batch {batch_id!r} was cancelled; submit to a new --batch-id")
+    return KnownJobs() if is_new else KnownJobs.load(conn, batch_id)
 
 
-def _known_job_ids(conn: Redis, batch_id: str) -> set[str]:
-    """Job ids the batch already has (its job list is written with each enqueue, atomically)."""
-    return {j.decode() for j in conn.lrange(keys.batch_jobs_key(batch_id), 0, -1)}
+def queue_of(route: str, queue: str, model: str) -> str:
+    """The queue a job of ``model`` goes to under ``route`` ('queue' or 'model')."""
+    if route == "model":
+        return keys.queue_for_model(model)
+    if route == "queue":
+        return queue
+    raise ValueError(f"route must be 'queue' or 'model', not {route!r}")
 
 
 def submit_items(
     conn: Redis,
-    items: Sequence[SubmitItem],
+    items: Iterable[SubmitItem],
     *,
     batch_id: str | None = None,
     queue: str = keys.DEFAULT_QUEUE,
@@ -98,88 +114,47 @@ def submit_items(
     (:func:`schemas.keys.queue_for_model`), which workers started with
     ``--model`` serve; ``"queue"`` puts every job on ``queue``.
 
-    Chunks grow from ``FIRST_CHUNK`` items to ``chunk_size`` (workers start on
-    the first jobs at once). Each chunk goes in one MULTI/EXEC transaction
-    together with the batch's job list and counter, so an interruption never
-    leaves a job the batch does not know about, and the job list tells exactly
-    what is in: rerunning with the same ``batch_id`` enqueues only what is
-    missing. Duplicate custom_ids within ``items`` are enqueued once.
+    Chunks grow from 32 items to ``chunk_size`` (workers start on the first jobs
+    at once); each is atomic with the batch's job list, so rerunning with the same
+    ``batch_id`` enqueues only what is missing. Duplicate custom_ids within
+    ``items`` are enqueued once.
     """
     batch_id = keys.validate_batch_id(batch_id or new_batch_id())
-    is_new = _register_batch(conn, batch_id, queue, result_ttl, source)
-    known = set() if is_new else _known_job_ids(conn, batch_id)
-    if route not in ("queue", "model"):
-        raise ValueError(f"route must be 'queue' or 'model', not {route!r}")
-    rq_queues: dict[str, Queue] = {}
-    submitted = present = 0
-    job_ids: list[str] = []
-    now = time.time()
-    for start, stop in _chunks(len(items), chunk_size):
-        chunk = items[start:stop]
-        ids = [keys.job_id_for(batch_id, item.custom_id) for item in chunk]
-        job_ids.extend(ids)
-        fresh = []
-        for job_id, item in zip(ids, chunk, strict=True):
-            if job_id not in known:
-                known.add(job_id)
-                fresh.append((job_id, item))
-        present += len(chunk) - len(fresh)
-        if fresh:
-            by_queue: dict[str, list] = {}
-            for job_id, item in fresh:
-                name = keys.queue_for_model(item.request.model) if route == "model" else queue
-                by_queue.setdefault(name, []).append(
-                    Queue.prepare_data(
-                        keys.JOB_FUNCTION,
-                        args=(_envelope(job_id, batch_id, item, now, result_ttl),),
-                        job_id=job_id,
-                        timeout=job_timeout,
-                        result_ttl=result_ttl,
-                        failure_ttl=result_ttl,
-                        description=f"{batch_id} {item.custom_id}",
-                    )
-                )
-            pipe = conn.pipeline(transaction=True)
-            for name, datas in by_queue.items():
-                if name not in rq_queues:
-                    rq_queues[name] = Queue(name, connection=conn, serializer=JSONSerializer)
-                rq_queues[name].enqueue_many(datas, pipeline=pipe)
-            pipe.sadd(keys.batch_queues_key(batch_id), *by_queue)
-            pipe.expire(keys.batch_queues_key(batch_id), result_ttl)
-            pipe.rpush(keys.batch_jobs_key(batch_id), *[job_id for job_id, _ in fresh])
-            pipe.expire(keys.batch_jobs_key(batch_id), result_ttl)
-            pipe.hincrby(keys.batch_key(batch_id), "total", len(fresh))
-            pipe.execute()
-            submitted += len(fresh)
-        if progress:
-            progress(len(chunk))
-    return SubmitSummary(batch_id, queue, submitted, present, job_ids)
-
-
-def _chunks(n: int, size: int) -> list[tuple[int, int]]:
-    """(start, stop) of each chunk: FIRST_CHUNK items, then twice as many each time, up to
-    ``size``."""
-    bounds, start, step = [], 0, min(FIRST_CHUNK, size)
-    while start < n:
-        bounds.append((start, min(n, start + step)))
-        start += step
-        step = min(size, step * 2)
-    return bounds
-
-
-def _envelope(
-    job_id: str, batch_id: str, item: SubmitItem, now: float, result_ttl: int
-) -> dict[str, object]:
-    request = (
-        item.body
-        if item.body is not None
-        else item.request.model_dump(mode="json", exclude_unset=True)
+    queue_of(route, queue, "")  # a bad route fails before anything is written
+    known = register_batch(conn, batch_id, queue, result_ttl, source)
+    enqueuer = Enqueuer(
+        conn,
+        batch_id,
+        result_ttl=result_ttl,
+        job_timeout=job_timeout,
+        known=known,
+        chunk_size=chunk_size,
+        keep_ids=True,
+        progress=progress,
     )
-    return {
-        "job_id": job_id,
-        "batch_id": batch_id,
-        "custom_id": item.custom_id,
-        "submitted_at": now,
-        "result_ttl": result_ttl,
-        "request": request,
-    }
+    enqueuer.add_all(_prepare(items, batch_id, queue, route, result_ttl))
+    enqueuer.flush()
+    ids = enqueuer.job_ids or []
+    return SubmitSummary(batch_id, queue, enqueuer.submitted, enqueuer.present, ids, len(ids))
+
+
+def _prepare(
+    items: Iterable[SubmitItem], batch_id: str, queue: str, route: str, result_ttl: int
+) -> Iterator[Prepared]:
+    now, seen = time.time(), set()
+    for item in items:
+        job_id = keys.job_id_for(batch_id, item.custom_id)
+        if job_id in seen:
+            continue
+        seen.add(job_id)
+        body = (
+            item.body
+            if item.body is not None
+            else item.request.model_dump(mode="json", exclude_unset=True)
+        )
+        yield Prepared(
+            job_id,
+            queue_of(route, queue, item.request.model),
+            job_data(item.custom_id, now, body, result_ttl),
+            item.custom_id,
+        )

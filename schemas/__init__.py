@@ -20,7 +20,7 @@ from schemas.errors import (
     PoisonJobError,
     UnsafeJobError,
 )
-from schemas.job import JobEnvelope, JobRefused, StoredJob, read_job_hash
+from schemas.job import JobEnvelope, JobRefused, StoredJob, job_data, read_job_hash
 from schemas.request import ChatRequest, Message, TextPart
 from schemas.result import (
     AssistantMessage,
@@ -66,5 +66,6 @@ __all__ = [
     "UnsafeJobError",
     "Usage",
     "describe_validation_error",
+    "job_data",
     "read_job_hash",
 ]

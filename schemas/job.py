@@ -3,10 +3,13 @@
 A producer stores each job as an RQ job hash whose ``data`` field is RQ's
 zlib-compressed, JSON-serialised call ``[function, instance, args, kwargs]``
 with :data:`schemas.keys.JOB_FUNCTION` as the function and the envelope as its
-only argument. Anyone who can write to Redis can write such a hash, so
-:func:`read_job_hash` checks it field by field before anything else reads it:
-JSON only (pickled bytes are never unpickled), mlxq's function only, no
-callbacks or webhooks, an envelope that validates and names this very job.
+only argument (:func:`job_data` makes it). The stored envelope leaves out what the
+job's key already says (``job_id``, ``batch_id``) and a default ``result_ttl``:
+a million queued jobs are a million copies of each byte. Anyone who can write
+to Redis can write such a hash, so :func:`read_job_hash` checks it field by
+field before anything else reads it: JSON only (pickled bytes are never
+unpickled), mlxq's function only, no callbacks or webhooks, an envelope that
+validates and names this very job.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from schemas.keys import DEFAULT_RESULT_TTL, JOB_FUNCTION
+from schemas.keys import DEFAULT_RESULT_TTL, JOB_FUNCTION, batch_of
 from schemas.request import ChatRequest
 from schemas.validation import describe_validation_error
 
@@ -45,6 +48,19 @@ CALLBACK_FIELDS = (
     b"stopped_callback_name",
     b"webhooks",
 )
+
+
+def job_data(
+    custom_id: str, submitted_at: float, request: Mapping[str, Any], result_ttl: int
+) -> bytes:
+    """The ``data`` field of a job hash: RQ's zlib-compressed JSON call, envelope as its
+    argument, without the fields the key implies (:func:`read_job_hash` fills them in)."""
+    envelope: dict[str, Any] = {"custom_id": custom_id, "submitted_at": submitted_at}
+    if result_ttl != DEFAULT_RESULT_TTL:
+        envelope["result_ttl"] = result_ttl
+    envelope["request"] = request
+    call = [JOB_FUNCTION, None, [envelope], {}]
+    return zlib.compress(json.dumps(call, separators=(",", ":")).encode())
 
 
 class JobRefused(Exception):
@@ -82,6 +98,9 @@ def read_job_hash(job_id: str, fields: Mapping[bytes, bytes]) -> StoredJob:
     payload = args[0] if isinstance(args, list) and len(args) == 1 else None
     payload = payload if isinstance(payload, dict) else None
     named = [f.decode() for f in CALLBACK_FIELDS if fields.get(f)]
+    if payload is not None:
+        # What the key implies; an envelope that names another job is refused below.
+        payload = {"job_id": job_id, "batch_id": batch_of(job_id)} | payload
     if named:
         raise JobRefused(
             "unsafe", f"job names {', '.join(named)}: callbacks are never honoured", payload

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from datetime import UTC, datetime
 
 PREFIX = "mlxq"
 
@@ -164,6 +165,17 @@ def rq_results_key(job_id: str) -> str:
     """Stream: RQ's results of a job; mlxq adds one for a failed job (its error, for rq-dashboard
     and ``Job.latest_result()``). A succeeded job's result is the mlxq record alone."""
     return f"rq:results:{job_id}"
+
+
+#: Set: the keys of every RQ queue list (``rq info`` lists queues from it).
+RQ_QUEUES = "rq:queues"
+
+_RQ_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def rq_time(at: datetime | None = None) -> str:
+    """A timestamp in the format RQ stores in its hashes."""
+    return (at or datetime.now(UTC)).strftime(_RQ_TIME)
 
 
 #: Set: the keys of RQ's live workers (``rq info`` and rq-dashboard read it).

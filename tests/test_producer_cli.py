@@ -93,7 +93,7 @@ def test_batch_file_and_plain_file_enqueue_the_same_jobs(tmp_path, conn, redis_u
             assert func == keys.JOB_FUNCTION and instance is None and kwargs == {}
             env = args[0]
             payloads.setdefault(name, []).append(
-                (env["custom_id"], env["request"], env["job_id"].split("-", 2)[-1])
+                (env["custom_id"], env["request"], job_id.split("-", 2)[-1])
             )
     assert payloads["plain"] == payloads["batch"]
 
@@ -111,18 +111,17 @@ def test_resubmission_with_same_batch_id_adds_nothing(tmp_path, conn, redis_url)
 
 
 def test_large_submits_start_with_a_small_chunk_and_keep_order(conn):
-    from producer.submit import SubmitItem, _chunks, submit_items
+    from producer.submit import SubmitItem, submit_items
     from schemas import ChatRequest
 
-    # Workers can start after the first 32 jobs; chunks double up to the size.
-    assert _chunks(200, 64) == [(0, 32), (32, 96), (96, 160), (160, 200)]
-    assert _chunks(5, 1000) == [(0, 5)]
-    assert _chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
     items = [
         SubmitItem(str(i), ChatRequest.model_validate(chat("m", content=str(i))))
         for i in range(200)
     ]
-    s = submit_items(conn, items, batch_id="ramp", chunk_size=64)
+    chunks: list[int] = []
+    s = submit_items(conn, items, batch_id="ramp", chunk_size=64, progress=chunks.append)
+    # Workers can start after the first 32 jobs; chunks double up to the size.
+    assert chunks == [32, 64, 64, 40]
     assert s.submitted == 200
     queued = [j.decode() for j in conn.lrange(keys.rq_queue_key("mlxq"), 0, -1)]
     assert queued == s.job_ids == [keys.job_id_for("ramp", str(i)) for i in range(200)]

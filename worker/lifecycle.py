@@ -23,7 +23,6 @@ import socket
 import time
 import zlib
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
@@ -40,6 +39,7 @@ from schemas import (
     keys,
     read_job_hash,
 )
+from schemas.keys import rq_time
 from schemas.store import write_once_call
 from worker import scripts
 
@@ -51,13 +51,6 @@ DEFAULT_MAX_CRASHES = 3
 CRASH_MEMORY_S = 7 * 24 * 3600
 #: Longest single blocking wait (seconds): a stop request is seen at least this often.
 BLOCK_S = 1.0
-
-_RQ_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
-
-
-def rq_time(at: datetime | None = None) -> str:
-    """A timestamp in the format RQ stores in its hashes."""
-    return (at or datetime.now(UTC)).strftime(_RQ_TIME)
 
 
 @dataclass(frozen=True)
@@ -184,8 +177,9 @@ class Lifecycle:
         """The next job of ``queues`` (default: the worker's, first queue first), started.
 
         Waits up to ``block_s`` seconds for one (only on the worker's own queues).
-        Copies of a job held right now, or of one that has its record, are dropped
-        on the way. None when nothing came (or ``rq suspend`` holds the workers).
+        Copies of a job held right now, or of one that has its record, and jobs of
+        cancelled batches are dropped on the way. None when nothing came (or
+        ``rq suspend`` holds the workers).
         """
         queues = queues or self.queues
         deadline = time.monotonic() + block_s
@@ -217,13 +211,16 @@ class Lifecycle:
                 *[keys.rq_queue_key(q) for q in queues],
                 *(self.token, self.lease_ms, self.name, now),
                 *(keys.rq_job_key(""), keys.result_key(""), keys.rq_started_key("")),
-                *(self.queues[0], *queues),
+                *(keys.batch_key(""), self.queues[0], *queues),
             )
             if not reply:
                 return None
             kind = reply[0].decode()
             if kind == "suspended":
                 return kind
+            if kind == "dropped":
+                log.info("%s: dropped %d job(s) of cancelled batches", self.name, reply[1])
+                continue
             job_id, queue = reply[1].decode(), reply[2].decode()
             if kind == "start":
                 flat = reply[3]

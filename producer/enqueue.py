@@ -1,0 +1,177 @@
+"""Putting prepared jobs into Redis: one script call per chunk, idempotent per batch.
+
+A job is an RQ job hash (``data``, ``status``, ``origin``, ``enqueued_at``,
+``timeout`` and ``description``, which holds the custom_id: the fields RQ's tools
+read, none of RQ's empty ones) and its id on an RQ queue list. Each chunk goes in
+with one Lua script, atomically with the batch's job list and counter, so an
+interruption never leaves a job the batch does not know about, and the job list
+tells exactly what is in. A script holds Redis for the time of one chunk (about
+3 ms per 1,000 jobs here), never longer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+from redis import Redis
+
+from schemas import keys
+
+#: The first chunk's size; each next one doubles up to the chunk size, so
+#: workers start on the first jobs while the rest are still being enqueued.
+FIRST_CHUNK = 32
+DEFAULT_CHUNK = 1000
+#: Job ids read per LRANGE when loading a batch's known jobs.
+PAGE = 10_000
+
+# KEYS: batch jobs list, batch hash, batch queues set, rq:queues.
+# ARGV: job key prefix, queue key prefix, TTL, enqueued_at, timeout, number of
+#       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id) per job.
+_ENQUEUE = """
+local jp, qp, ttl, at, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local nq = tonumber(ARGV[6])
+local names, per = {}, {}
+for i = 1, nq do names[i] = ARGV[6 + i]; per[i] = {} end
+local ids = {}
+for i = 7 + nq, #ARGV, 4 do
+  local id, q = ARGV[i], tonumber(ARGV[i + 1])
+  redis.call('HSET', jp .. id, 'data', ARGV[i + 2], 'status', 'queued', 'origin', names[q],
+    'enqueued_at', at, 'timeout', timeout, 'description', ARGV[i + 3])
+  table.insert(per[q], id)
+  table.insert(ids, id)
+end
+local function push(key, list)
+  for i = 1, #list, 1000 do
+    redis.call('RPUSH', key, unpack(list, i, math.min(i + 999, #list)))
+  end
+end
+for i = 1, nq do
+  if #per[i] > 0 then
+    push(qp .. names[i], per[i])
+    redis.call('SADD', KEYS[3], names[i])
+    redis.call('SADD', KEYS[4], qp .. names[i])
+  end
+end
+push(KEYS[1], ids)
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
+return redis.call('HINCRBY', KEYS[2], 'total', #ids)
+"""
+
+
+def digest_of(job_id: str) -> bytes:
+    """The 20 hex digits that make a job id unique within its batch."""
+    return job_id[-20:].encode()
+
+
+@dataclass
+class KnownJobs:
+    """The digests of the jobs a batch already has, sorted (20 bytes each, not Python objects:
+    a million known jobs take 20 MB)."""
+
+    digests: np.ndarray = field(default_factory=lambda: np.empty(0, dtype="S20"))
+
+    @classmethod
+    def load(cls, conn: Redis, batch_id: str) -> KnownJobs:
+        key = keys.batch_jobs_key(batch_id)
+        pages, start = [], 0
+        while page := conn.lrange(key, start, start + PAGE - 1):
+            pages.append(np.array([j[-20:] for j in page], dtype="S20"))
+            start += len(page)
+        return cls(np.sort(np.concatenate(pages)) if pages else np.empty(0, dtype="S20"))
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def contains(self, digests: list[bytes]) -> np.ndarray:
+        """A bool per digest: whether the batch has it."""
+        if not len(self.digests) or not digests:
+            return np.zeros(len(digests), dtype=bool)
+        wanted = np.array(digests, dtype="S20")
+        at = np.minimum(np.searchsorted(self.digests, wanted), len(self.digests) - 1)
+        return self.digests[at] == wanted
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A job ready to enqueue: its id, the queue it goes to, its hash's ``data``, its
+    custom_id."""
+
+    job_id: str
+    queue: str
+    data: bytes
+    custom_id: str
+
+
+class Enqueuer:
+    """Enqueue prepared jobs of one batch in growing chunks, skipping those it already has."""
+
+    def __init__(
+        self,
+        conn: Redis,
+        batch_id: str,
+        *,
+        result_ttl: int,
+        job_timeout: int,
+        known: KnownJobs,
+        chunk_size: int = DEFAULT_CHUNK,
+        keep_ids: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.conn, self.batch_id = conn, batch_id
+        self.result_ttl, self.job_timeout = result_ttl, job_timeout
+        self.known, self.chunk_size = known, chunk_size
+        self.progress = progress
+        self.job_ids: list[str] | None = [] if keep_ids else None
+        self.submitted = self.present = 0
+        self._script = conn.register_script(_ENQUEUE)
+        self._pending: list[Prepared] = []
+        self._limit = min(FIRST_CHUNK, chunk_size)
+
+    def add(self, job: Prepared) -> None:
+        self._pending.append(job)
+        if len(self._pending) >= self._limit:
+            self.flush()
+
+    def add_all(self, jobs: Iterator[Prepared]) -> None:
+        for job in jobs:
+            self.add(job)
+
+    def flush(self) -> None:
+        chunk, self._pending = self._pending, []
+        if not chunk:
+            return
+        self._limit = min(self.chunk_size, self._limit * 2)
+        if self.job_ids is not None:
+            self.job_ids.extend(j.job_id for j in chunk)
+        have = self.known.contains([digest_of(j.job_id) for j in chunk])
+        fresh = [j for j, h in zip(chunk, have, strict=True) if not h]
+        self.present += len(chunk) - len(fresh)
+        if fresh:
+            queues: dict[str, int] = {}
+            args: list[object] = []
+            for j in fresh:
+                args += (j.job_id, queues.setdefault(j.queue, len(queues) + 1), j.data, j.custom_id)
+            self._script(
+                keys=[
+                    keys.batch_jobs_key(self.batch_id),
+                    keys.batch_key(self.batch_id),
+                    keys.batch_queues_key(self.batch_id),
+                    keys.RQ_QUEUES,
+                ],
+                args=[
+                    keys.rq_job_key(""),
+                    keys.rq_queue_key(""),
+                    self.result_ttl,
+                    keys.rq_time(),
+                    self.job_timeout,
+                    len(queues),
+                    *queues,
+                    *args,
+                ],
+            )
+            self.submitted += len(fresh)
+        if self.progress:
+            self.progress(len(chunk))
