@@ -218,17 +218,18 @@ def cancelled_record(conn: Redis, job_id: str) -> ResultRecord | None:
 _SWEEP = (
     DROP_LUA
     + """
-local n, prefix = 0, ARGV[2]
-while n < tonumber(ARGV[3]) do
-  local id = redis.call('LINDEX', KEYS[1], 0)
-  if not id or string.sub(id, 1, #prefix) ~= prefix
-     or not string.match(string.sub(id, #prefix + 1), '^' .. string.rep('%x', 20) .. '$') then
-    break
-  end
-  redis.call('LPOP', KEYS[1])
-  drop(ARGV[1] .. id, KEYS[2])
+local prefix, pattern = ARGV[2], '^' .. string.rep('%x', 20) .. '$'
+local head = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+local n = 0
+for _, id in ipairs(head) do
+  if string.sub(id, 1, #prefix) ~= prefix or not string.match(string.sub(id, #prefix + 1), pattern)
+  then break end
   n = n + 1
 end
+if n == 0 then return 0 end
+redis.call('LTRIM', KEYS[1], n, -1)
+local ttl = batch_ttl(KEYS[2])
+for i = 1, n do drop(ARGV[1] .. head[i], ttl) end
 return n
 """
 )

@@ -20,7 +20,7 @@ from schemas.errors import (
     PoisonJobError,
     UnsafeJobError,
 )
-from schemas.job import JobEnvelope, JobRefused, StoredJob, job_data, read_job_hash
+from schemas.job import ENDED_JOB_DATA, JobEnvelope, JobRefused, StoredJob, job_data, read_job_hash
 from schemas.request import ChatRequest, Message, TextPart
 from schemas.result import (
     AssistantMessage,
@@ -36,6 +36,7 @@ from schemas.result import (
 from schemas.validation import describe_validation_error
 
 __all__ = [
+    "ENDED_JOB_DATA",
     "AssistantMessage",
     "BatchInputLine",
     "BatchOutputLine",

@@ -11,16 +11,20 @@ batch record expires, so ``producer results`` can still name it.
 
 from __future__ import annotations
 
-#: Lua: ``drop(job_key, batch_key)`` replaces a job hash by ``{status: canceled,
-#: description: <custom_id>}``, expiring with the batch record.
+#: Lua: ``drop(job_key, ttl)`` replaces a job hash by ``{status: canceled,
+#: description: <custom_id>}`` that lives ``ttl`` seconds (the batch record's, from
+#: ``batch_ttl(batch_key)``).
 DROP_LUA = """
-local function drop(job, batch)
+local function batch_ttl(batch)
+  local ttl = redis.call('TTL', batch)
+  return ttl > 0 and ttl or 86400
+end
+local function drop(job, ttl)
   local cid = redis.call('HGET', job, 'description')
   redis.call('DEL', job)
   if cid then
     redis.call('HSET', job, 'status', 'canceled', 'description', cid)
-    local ttl = redis.call('TTL', batch)
-    redis.call('EXPIRE', job, ttl > 0 and ttl or 86400)
+    redis.call('EXPIRE', job, ttl)
   end
 end
 """

@@ -63,6 +63,12 @@ def job_data(
     return zlib.compress(json.dumps(call, separators=(",", ":")).encode())
 
 
+#: A succeeded job's ``data`` once its record is written: RQ's call with no arguments.
+#: The request is not needed any more (the record holds the answer), and RQ's tools
+#: still read the hash (``Job.fetch``, rq-dashboard).
+ENDED_JOB_DATA = zlib.compress(json.dumps([JOB_FUNCTION, None, [], {}]).encode())
+
+
 class JobRefused(Exception):
     """A job hash that is not a runnable mlxq job.
 

@@ -28,6 +28,7 @@ from typing import Any
 from redis import Redis
 
 from schemas import (
+    ENDED_JOB_DATA,
     InvalidRequestError,
     JobEnvelope,
     JobRefused,
@@ -323,6 +324,7 @@ class Lifecycle:
                     round(e.worked, 6),
                     base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
                     self.name,
+                    ENDED_JOB_DATA if ok else "",
                 )
             return [bool(w) for w in pipe.execute()]
 

@@ -67,7 +67,7 @@ while dropped < 1000 do
   if not id then break end
   local batch = string.match(id, '^(.+)%-' .. string.rep('%x', 20) .. '$')
   if not batch or redis.call('HEXISTS', ARGV[8] .. batch, 'cancelled_at') == 0 then break end
-  drop(ARGV[5] .. id, ARGV[8] .. batch)
+  drop(ARGV[5] .. id, batch_ttl(ARGV[8] .. batch))
   dropped = dropped + 1
   id = nil
 end
@@ -101,7 +101,8 @@ return {'start', id, queue, fields}
 #: ARGV: record JSON, TTL, counter field, job id, finished_at, token, RQ status,
 #:       ended_at (RQ format), worker counter field, seconds worked, the error for
 #:       RQ's result stream (as RQ stores it: base64 of zlib; "" when it succeeded),
-#:       worker name
+#:       worker name, the job hash's new ``data`` ("": keep it; a succeeded job's
+#:       request is dropped: ``schemas.ENDED_JOB_DATA``, a call with no arguments)
 #: An empty record JSON writes no record (a refused job nobody can be told about).
 #: Returns 1 if this call wrote the record (0: none written, or the job had one).
 END = (
@@ -116,6 +117,7 @@ end
 redis.call('ZREM', KEYS[6], id .. ':' .. token)
 if redis.call('EXISTS', KEYS[5]) == 1 then
   redis.call('HSET', KEYS[5], 'status', ARGV[7], 'ended_at', ARGV[8])
+  if ARGV[13] ~= '' then redis.call('HSET', KEYS[5], 'data', ARGV[13]) end
   redis.call('EXPIRE', KEYS[5], ARGV[2])
   if ARGV[11] ~= '' then
     redis.call('XADD', KEYS[9], 'MAXLEN', 10, '*', 'type', 2, 'worker_name', ARGV[12],
