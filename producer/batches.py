@@ -10,7 +10,6 @@ from redis import Redis
 
 from schemas import BatchOutputLine, CancelledError, InvalidRequestError, ResultRecord, keys
 from schemas.cancel import CANCELLED_AT, DROP_LUA
-from schemas.store import has_result, read_results
 
 PAGE = 1000
 
@@ -154,20 +153,49 @@ def batch_job_ids(conn: Redis, batch_id: str) -> Iterator[list[str]]:
         start += len(page)
 
 
-def _unended(conn: Redis, job_ids: list[str]) -> list[tuple[bool, str | None, str | None]]:
-    """(running, job status, custom_id) of jobs that have no record, in one round trip."""
-    with conn.pipeline(transaction=False) as pipe:
-        pipe.hmget(keys.RUNNING, job_ids)
-        for job_id in job_ids:
-            pipe.hmget(keys.rq_job_key(job_id), "status", "description")
-        running, *jobs = pipe.execute()
-    return [
-        (held is not None, s.decode() if s else None, c.decode() if c is not None else None)
-        for held, (s, c) in zip(running, jobs, strict=True)
-    ]
-
-
 CANCELLED_MESSAGE = "cancelled before it started (producer cancel)"
+
+
+def page_outcomes(
+    conn: Redis, batch_id: str, page: list[str], cancelled: bool
+) -> list[ResultRecord | str | None]:
+    """Per job of ``page``: its record; a ``cancelled`` record if the batch is
+    ``cancelled`` and the job never started; its id (a ``str``) while it is queued
+    or running; None if its record and its job are gone (expired). Two round trips
+    per page, whatever its size.
+
+    Which jobs are running is read before the records: a job that ends in between
+    has its record by then, so it is never taken for a cancelled one.
+    """
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hmget(keys.RUNNING, page)
+        pipe.mget([keys.result_key(j) for j in page])
+        running, raws = pipe.execute()
+    missing = [j for j, raw in zip(page, raws, strict=True) if raw is None]
+    jobs: dict[str, list[bytes | None]] = {}
+    if missing:
+        with conn.pipeline(transaction=False) as pipe:
+            for job_id in missing:
+                pipe.hmget(keys.rq_job_key(job_id), "status", "description")
+            jobs = dict(zip(missing, pipe.execute(), strict=True))
+    out: list[ResultRecord | str | None] = []
+    for job_id, held, raw in zip(page, running, raws, strict=True):
+        if raw is not None:
+            out.append(ResultRecord.model_validate_json(raw))
+            continue
+        status, custom_id = jobs[job_id]
+        if held is None and (cancelled or status == b"canceled"):
+            cid = custom_id.decode() if custom_id else ""
+            error = CancelledError(CANCELLED_MESSAGE)
+            out.append(ResultRecord.failed(job_id, batch_id, cid, error))
+        else:
+            out.append(job_id if held is not None or status is not None else None)
+    return out
+
+
+def is_cancelled(conn: Redis, batch_id: str) -> bool:
+    """Whether ``producer cancel`` stopped the batch."""
+    return bool(conn.hexists(keys.batch_key(batch_id), CANCELLED_AT))
 
 
 def iter_output_lines(conn: Redis, batch_id: str) -> Iterator[BatchOutputLine | str]:
@@ -178,38 +206,16 @@ def iter_output_lines(conn: Redis, batch_id: str) -> Iterator[BatchOutputLine | 
     started get a ``cancelled`` line; jobs whose record and RQ job are both gone
     (expired) get an error line.
     """
-    cancelled = conn.hexists(keys.batch_key(batch_id), CANCELLED_AT)
+    cancelled = is_cancelled(conn, batch_id)
     for page in batch_job_ids(conn, batch_id):
-        records = read_results(conn, page)
-        missing = [j for j, r in zip(page, records, strict=True) if r is None]
-        unended = dict(zip(missing, _unended(conn, missing), strict=True)) if missing else {}
-        for job_id, record in zip(page, records, strict=True):
-            if record is not None:
-                yield BatchOutputLine.from_record(record)
-                continue
-            running, status, custom_id = unended[job_id]
-            if running or (status is not None and status != "canceled" and not cancelled):
-                yield job_id
-            elif status == "canceled" or cancelled:
-                error = CancelledError(CANCELLED_MESSAGE)
-                yield BatchOutputLine.from_record(
-                    ResultRecord.failed(job_id, batch_id, custom_id or "", error)
-                )
-            else:
+        outcomes = page_outcomes(conn, batch_id, page, cancelled)
+        for job_id, outcome in zip(page, outcomes, strict=True):
+            if isinstance(outcome, ResultRecord):
+                yield BatchOutputLine.from_record(outcome)
+            elif outcome is None:
                 yield BatchOutputLine.missing(job_id, "", "result expired or job lost")
-
-
-def cancelled_record(conn: Redis, job_id: str) -> ResultRecord | None:
-    """The "cancelled" record of a job that has none because its batch was cancelled
-    before the job started (None if that is not the case)."""
-    batch_id = keys.batch_of(job_id)
-    if not conn.hexists(keys.batch_key(batch_id), CANCELLED_AT):
-        return None
-    running, _, custom_id = _unended(conn, [job_id])[0]
-    if running or has_result(conn, job_id):
-        return None
-    error = CancelledError(CANCELLED_MESSAGE)
-    return ResultRecord.failed(job_id, batch_id, custom_id or "", error)
+            else:
+                yield outcome
 
 
 #: Drop the cancelled batch's ids at the head of a queue, at most ARGV[3] per call.

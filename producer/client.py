@@ -13,17 +13,17 @@ from producer.batches import (
     batch_job_ids,
     batch_status,
     cancel_batch,
-    cancelled_record,
+    is_cancelled,
+    page_outcomes,
     wait_for_batch,
 )
 from producer.fleet import live_workers
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
 from schemas import ChatRequest, ResultRecord, keys
-from schemas.cancel import CANCELLED_AT
 from schemas.fleet import WorkerInfo
 from schemas.settings import DEFAULT_REDIS_URL
-from schemas.store import read_result, read_results
+from schemas.store import read_result
 
 
 class Client:
@@ -82,7 +82,11 @@ class Client:
     def result(self, job_id: str) -> ResultRecord | None:
         """The job's result record, or None while it has none. A job of a cancelled batch
         that never started gets a ``cancelled`` record (workers write none for it)."""
-        return read_result(self.connection, job_id) or cancelled_record(self.connection, job_id)
+        batch_id = keys.batch_of(job_id)
+        if not is_cancelled(self.connection, batch_id):
+            return read_result(self.connection, job_id)
+        outcome = page_outcomes(self.connection, batch_id, [job_id], cancelled=True)[0]
+        return outcome if isinstance(outcome, ResultRecord) else None
 
     def wait_result(self, job_id: str, timeout: float = 600.0, poll_s: float = 0.2) -> ResultRecord:
         """Block until the job has a result record; TimeoutError after ``timeout`` seconds."""
@@ -126,9 +130,7 @@ class Client:
         """Result records of the batch in submission order (None for jobs not ended),
         read a page (one round trip) at a time; jobs of a cancelled batch that never
         started get a ``cancelled`` record."""
-        cancelled = self.connection.hexists(keys.batch_key(batch_id), CANCELLED_AT)
+        cancelled = is_cancelled(self.connection, batch_id)
         for page in batch_job_ids(self.connection, batch_id):
-            for job_id, record in zip(page, read_results(self.connection, page), strict=True):
-                if record is None and cancelled:
-                    record = cancelled_record(self.connection, job_id)
-                yield record
+            for outcome in page_outcomes(self.connection, batch_id, page, cancelled):
+                yield outcome if isinstance(outcome, ResultRecord) else None
