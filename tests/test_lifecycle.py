@@ -79,8 +79,11 @@ def test_a_taken_job_is_started_where_rq_and_rq_info_see_it(conn, redis_url):
         check=True,
     ).stdout
     assert "mini-1" in info and "mlxq" in info
+    assert rq_job.args[0]["request"]["messages"]
     assert lc.end(job, succeeded(job)) is True
     assert rq_job.get_status(refresh=True) == "finished"
+    # The request is dropped once the record holds the answer; RQ still reads the hash.
+    assert Job.fetch(job_id, connection=conn, serializer=JSONSerializer).args == []
     assert FinishedJobRegistry(queue=rq_queue(conn)).get_job_ids() == [job_id]
     assert StartedJobRegistry(queue=rq_queue(conn)).get_job_ids() == []
     assert conn.hlen(keys.RUNNING) == 0
@@ -102,6 +105,7 @@ def test_a_failed_job_shows_in_rqs_failed_registry_with_its_error(conn):
     lc.end(job, ResultRecord.failed(job.id, job.envelope.batch_id, "c", error))
     rq_job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
     assert rq_job.get_status() == "failed"
+    assert rq_job.args[0]["custom_id"]  # a failed job keeps its request, to look into
     assert rq_job.latest_result().exc_string == "the batch broke"
     assert FailedJobRegistry(queue=rq_queue(conn)).get_job_ids() == [job_id]
     assert read_result(conn, job_id).error.code == "generation_error"
