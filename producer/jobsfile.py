@@ -23,9 +23,9 @@ from typing import BinaryIO
 import numpy as np
 from redis import Redis
 
-from producer.enqueue import DEFAULT_CHUNK, Enqueuer, Prepared
+from producer.enqueue import DEFAULT_CHUNK, Prepared
 from producer.lines import Defaults, LineInvalid, parse_line
-from producer.submit import SubmitSummary, queue_of, register_batch
+from producer.submit import SubmitSummary, enqueue_batch, queue_of
 from schemas import job_data, keys
 
 #: Called with (line number, message, the line's text) for each bad line.
@@ -156,17 +156,24 @@ def enqueue_file(
     """
     if _identity(checked.path) != checked.identity:
         raise FileChangedError(f"{checked.path} changed after it was checked; nothing enqueued")
-    queue_of(route, queue, "")
-    known = register_batch(conn, batch_id, queue, result_ttl, source)
-    enqueuer = Enqueuer(
+    return enqueue_batch(
         conn,
-        batch_id,
-        result_ttl=result_ttl,
+        _prepared(checked, defaults, batch_id, queue, route, result_ttl),
+        batch_id=batch_id,
+        queue=queue,
+        route=route,
         job_timeout=job_timeout,
-        known=known,
+        result_ttl=result_ttl,
+        source=source,
         chunk_size=chunk_size,
         progress=progress,
     )
+
+
+def _prepared(
+    checked: Checked, defaults: Defaults, batch_id: str, queue: str, route: str, result_ttl: int
+) -> Iterator[Prepared]:
+    """The valid lines of a checked file as jobs, read again from the file."""
     now = time.time()
     with open(checked.path, "rb") as f:
         for lineno, _, text, _ in _lines(f):
@@ -178,10 +185,7 @@ def enqueue_file(
                 continue
             job_id = keys.job_id_for(batch_id, custom_id)
             data = job_data(custom_id, now, body, result_ttl)
-            enqueuer.add(Prepared(job_id, queue_of(route, queue, request.model), data, custom_id))
-    enqueuer.flush()
-    jobs = enqueuer.submitted + enqueuer.present
-    return SubmitSummary(batch_id, queue, enqueuer.submitted, enqueuer.present, [], jobs)
+            yield Prepared(job_id, queue_of(route, queue, request.model), data, custom_id)
 
 
 def spool(stream: BinaryIO, directory: str | None = None) -> Path:

@@ -120,6 +120,36 @@ def submit_items(
     ``items`` are enqueued once.
     """
     batch_id = keys.validate_batch_id(batch_id or new_batch_id())
+    return enqueue_batch(
+        conn,
+        _prepare(items, batch_id, queue, route, result_ttl),
+        batch_id=batch_id,
+        queue=queue,
+        route=route,
+        job_timeout=job_timeout,
+        result_ttl=result_ttl,
+        source=source,
+        chunk_size=chunk_size,
+        progress=progress,
+        keep_ids=True,
+    )
+
+
+def enqueue_batch(
+    conn: Redis,
+    jobs: Iterable[Prepared],
+    *,
+    batch_id: str,
+    queue: str,
+    route: str,
+    job_timeout: int,
+    result_ttl: int,
+    source: str | None,
+    chunk_size: int,
+    progress: Callable[[int], None] | None,
+    keep_ids: bool = False,
+) -> SubmitSummary:
+    """Register the batch, then enqueue ``jobs`` (read lazily, one chunk in memory)."""
     queue_of(route, queue, "")  # a bad route fails before anything is written
     known = register_batch(conn, batch_id, queue, result_ttl, source)
     enqueuer = Enqueuer(
@@ -129,13 +159,14 @@ def submit_items(
         job_timeout=job_timeout,
         known=known,
         chunk_size=chunk_size,
-        keep_ids=True,
+        keep_ids=keep_ids,
         progress=progress,
     )
-    enqueuer.add_all(_prepare(items, batch_id, queue, route, result_ttl))
+    enqueuer.add_all(jobs)
     enqueuer.flush()
     ids = enqueuer.job_ids or []
-    return SubmitSummary(batch_id, queue, enqueuer.submitted, enqueuer.present, ids, len(ids))
+    done = enqueuer.submitted + enqueuer.present
+    return SubmitSummary(batch_id, queue, enqueuer.submitted, enqueuer.present, ids, done)
 
 
 def _prepare(

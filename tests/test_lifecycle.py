@@ -294,3 +294,21 @@ def test_recovery_with_nothing_dead_changes_nothing(conn, n):
     assert lc.recover() == []
     assert (conn.hgetall(keys.RUNNING), conn.lrange(keys.rq_queue_key("mlxq"), 0, -1)) == before
     assert len(held) == n
+
+
+def test_expired_registry_entries_are_pruned_in_bounded_steps(conn):
+    """RQ's finished / failed registries lose entries whose job hashes expired (nothing
+    else removes them), a bounded number per script call; live entries stay."""
+    lc = lifecycle(conn)
+    finished, failed = keys.rq_finished_key("mlxq"), keys.rq_failed_key("mlxq")
+    now = int(time.time())
+    conn.zadd(finished, {f"old-{i}": now - 10 for i in range(25)} | {"live": now + 3600})
+    conn.zadd(failed, {f"gone-{i}": now - 10 for i in range(7)})
+    assert lc.prune(step=10, most=1) == 17  # 10 + 7: one call, at most 10 per registry
+    assert conn.zcard(finished) == 16
+    assert lc.prune(step=10) == 15
+    assert conn.zrange(finished, 0, -1) == [b"live"] and conn.zcard(failed) == 0
+    (job_id,) = submit(conn)
+    job = lc.take()
+    lc.end(job, succeeded(job))
+    assert lc.prune() == 0 and conn.zscore(finished, job_id) > now  # kept for its TTL

@@ -54,6 +54,7 @@ class Heartbeat(threading.Thread):
         if now - self._recovered >= self.recover_every:
             self._recovered = now
             self._guard("recovery", self.lifecycle.recover)
+            self._guard("registry pruning", self.lifecycle.prune)
         if now - self._published >= PUBLISH_EVERY_S:
             self._published = now
             self._guard("publishing state", self.publish)

@@ -50,6 +50,8 @@ DEFAULT_LEASE_S = 30
 DEFAULT_MAX_CRASHES = 3
 #: How long a job's crash counter is kept.
 CRASH_MEMORY_S = 7 * 24 * 3600
+#: Expired registry entries one prune call removes per registry (about 2 ms of Redis).
+PRUNE_STEP = 2000
 #: Longest single blocking wait (seconds): a stop request is seen at least this often.
 BLOCK_S = 1.0
 
@@ -376,6 +378,18 @@ class Lifecycle:
             else:
                 log.info("%s: recovery: job %s %s", self.name, r.job_id, r.kind)
         return done
+
+    def prune(self, step: int = PRUNE_STEP, most: int = 10) -> int:
+        """Drop expired entries of RQ's finished / failed registries of this worker's queues,
+        ``step`` per registry per script call, at most ``most`` calls; how many went."""
+        registries = [f(q) for q in self.queues for f in (keys.rq_finished_key, keys.rq_failed_key)]
+        removed = 0
+        for _ in range(most):
+            n = int(self.conn.eval(scripts.PRUNE, len(registries), *registries, step))
+            removed += n
+            if n < step:
+                break
+        return removed
 
     def _poison(self, r: Recovered) -> None:
         error = PoisonJobError(

@@ -238,6 +238,26 @@ return out
 """
 )
 
+#: Remove expired entries (score <= now, unix seconds) from RQ's finished and failed
+#: registries, at most ARGV[1] per registry per call. Nothing else removes them: RQ's
+#: own cleanup runs in RQ's workers, and a million finished jobs would otherwise
+#: leave a million entries (~100 bytes each) behind their expired job hashes.
+#: KEYS: registries. Returns how many entries were removed.
+PRUNE = (
+    _NOW_MS
+    + """
+local n, now = 0, math.floor(now_ms / 1000)
+for i = 1, #KEYS do
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[i], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+  if #ids > 0 then
+    redis.call('ZREM', KEYS[i], unpack(ids))
+    n = n + #ids
+  end
+end
+return n
+"""
+)
+
 #: A clean exit: hand back anything still held or in the inbox, end the lease.
 #: KEYS: running, leases, holders, inbox. ARGV: token, job key prefix, started key
 #: prefix, queue key prefix, inbox queue. Returns the ids handed back.
