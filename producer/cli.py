@@ -61,8 +61,9 @@ def _fmt_eta(seconds: float | None) -> str:
 def _status_line(s: BatchStatus) -> str:
     rate = f"{s.rate_per_s:.2f} jobs/s" if s.rate_per_s else "- jobs/s"
     return (
-        f"{s.batch_id}: {s.done}/{s.total} done (succeeded {s.succeeded}, failed {s.failed}), "
-        f"running {s.running}, queued {s.queued}, {rate}, ETA {_fmt_eta(s.eta_s)}"
+        f"{s.batch_id}: {s.done}/{s.total} done (succeeded {s.succeeded}, failed {s.failed}"
+        + (f", cancelled {s.cancelled}" if s.cancelled else "")
+        + f"), running {s.running}, queued {s.queued}, {rate}, ETA {_fmt_eta(s.eta_s)}"
     )
 
 

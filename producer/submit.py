@@ -12,6 +12,7 @@ from redis import Redis
 
 from producer.enqueue import DEFAULT_CHUNK, Enqueuer, KnownJobs, Prepared
 from schemas import ChatRequest, InvalidRequestError, job_data, keys
+from schemas.cancel import CANCELLED_AT
 
 DEFAULT_JOB_TIMEOUT = 3600
 
@@ -69,20 +70,19 @@ def register_batch(
     Raises :class:`BatchCancelledError` for a cancelled batch (its workers would drop
     every job added to it).
     """
+    key = keys.batch_key(batch_id)
+    if conn.hexists(key, CANCELLED_AT):
+        raise BatchCancelledError(f"batch {batch_id!r} was cancelled; submit to a new --batch-id")
     now = time.time()
     pipe = conn.pipeline()
-    key = keys.batch_key(batch_id)
     pipe.hsetnx(key, "created_at", now)
-    pipe.hget(key, "cancelled_at")
     pipe.hset(key, mapping={"batch_id": batch_id, "queue": queue, "result_ttl": result_ttl})
     pipe.hsetnx(key, "total", 0)
     if source:
         pipe.hsetnx(key, "source", source)
     pipe.expire(key, result_ttl)
     pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
-    is_new, cancelled = pipe.execute()[:2]
-    if cancelled:
-        raise BatchCancelledError(f"batch {batch_id!r} was cancelled; submit to a new --batch-id")
+    is_new = pipe.execute()[0]
     return KnownJobs() if is_new else KnownJobs.load(conn, batch_id)
 
 

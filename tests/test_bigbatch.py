@@ -172,6 +172,9 @@ def test_standard_input_is_spooled_and_checked_like_a_file(tmp_path, conn, redis
     r = invoke("submit", "-", "--redis-url", redis_url, "--batch-id", "stdin2", input=bad)
     assert r.exit_code == 2 and "<stdin>:51: not valid JSON" in r.stderr
     assert not conn.exists(keys.batch_key("stdin2"))
+    for empty in ("", "\n\n   \n"):
+        r = invoke("submit", "-", "--redis-url", redis_url, input=empty)
+        assert r.exit_code == 1 and "<stdin>: no valid lines to submit" in r.output
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("mlxq-stdin-*"))
 
 
@@ -284,8 +287,12 @@ def test_cancel_while_workers_take_jobs_cancels_each_queued_job_exactly_once(
     assert client.result(s.job_ids[-1]).error.code == "cancelled"
     # A cancelled batch takes no more jobs.
     more = write_lines(tmp_path / "more.jsonl", 3)
-    r = invoke("submit", more, "--batch-id", "race", "--redis-url", redis_url)
+    meta = conn.hgetall(keys.batch_key("race"))
+    r = invoke("submit", more, "--batch-id", "race", "--redis-url", redis_url, "--queue", "other")
     assert r.exit_code == 1 and "was cancelled" in r.output
+    assert conn.hgetall(keys.batch_key("race")) == meta and not conn.exists("rq:queue:other")
+    r = invoke("status", "race", "--redis-url", redis_url)
+    assert f"cancelled {n - len(ran)}" in r.stdout
 
 
 def test_cancel_of_a_queue_no_worker_serves_sweeps_it(conn):
