@@ -433,5 +433,127 @@ def tail(job_id: str, redis_url: str, timeout: float | None, as_json: bool) -> N
         click.echo()
 
 
+@main.command()
+@_redis_option
+@click.option("--host", envvar="MLXQ_GATEWAY_HOST", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port",
+    envvar="MLXQ_GATEWAY_PORT",
+    type=click.IntRange(1, 65535),
+    default=8000,
+    show_default=True,
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="API keys, one per line (also env MLXQ_API_KEYS, comma-separated).",
+)
+@click.option("--no-auth", is_flag=True, help="Accept requests without a key (local use only).")
+@click.option(
+    "--allow-model",
+    "allow_models",
+    multiple=True,
+    envvar="MLXQ_ALLOW_MODELS",
+    help="Glob of models clients may name (repeatable; default: any).",
+)
+@click.option(
+    "--queue",
+    envvar=ENV_QUEUE,
+    default=keys.DEFAULT_QUEUE,
+    show_default=True,
+    help="Queue of Batch API jobs.",
+)
+@click.option(
+    "--interactive-queue",
+    default=keys.INTERACTIVE_QUEUE,
+    show_default=True,
+    help="Queue of chat completions (workers serve it first by default).",
+)
+@click.option(
+    "--max-queued",
+    type=click.IntRange(1),
+    default=256,
+    show_default=True,
+    help="Answer 429 while the interactive queue holds this many jobs.",
+)
+@click.option(
+    "--max-file-mb", type=click.IntRange(1), default=200, show_default=True, help="Largest upload."
+)
+@click.option(
+    "--max-body-mb",
+    type=click.IntRange(1),
+    default=8,
+    show_default=True,
+    help="Largest request body.",
+)
+@click.option(
+    "--timeout",
+    "chat_timeout",
+    type=click.FloatRange(1),
+    default=600.0,
+    show_default=True,
+    help="Seconds a chat completion waits for its result (504 after).",
+)
+@click.option(
+    "--workers", type=click.IntRange(1), default=1, show_default=True, help="Gateway processes."
+)
+def serve(
+    redis_url: str,
+    host: str,
+    port: int,
+    api_key_file: Path | None,
+    no_auth: bool,
+    allow_models: tuple[str, ...],
+    queue: str,
+    interactive_queue: str,
+    max_queued: int,
+    max_file_mb: int,
+    max_body_mb: int,
+    chat_timeout: float,
+    workers: int,
+) -> None:
+    """Serve an OpenAI-compatible API (chat completions, Batch API, models) on this Redis."""
+    import os
+
+    import uvicorn
+
+    from producer.serve.settings import ENV_API_KEYS, ENV_CONFIG, MB, GatewaySettings, load_api_keys
+
+    api_keys = load_api_keys(api_key_file, os.environ.get(ENV_API_KEYS))
+    if not api_keys and not no_auth:
+        raise click.UsageError(
+            "no API keys: pass --api-key-file or set MLXQ_API_KEYS (or --no-auth)"
+        )
+    _connect(redis_url)
+    settings = GatewaySettings(
+        redis_url=redis_url,
+        api_keys=api_keys,
+        auth=not no_auth,
+        allow_models=allow_models,
+        queue=queue,
+        interactive_queue=interactive_queue,
+        max_interactive=max_queued,
+        max_file_bytes=max_file_mb * MB,
+        max_body_bytes=max_body_mb * MB,
+        chat_timeout_s=chat_timeout,
+    )
+    os.environ[ENV_CONFIG] = settings.to_env()
+    click.echo(
+        f"mlxq gateway on http://{host}:{port}/v1 ({len(api_keys)} API key(s), Redis "
+        f"{redact_url(redis_url)}, {workers} process(es))",
+        err=True,
+    )
+    uvicorn.run(
+        "producer.serve.app:factory",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="warning",
+        access_log=False,
+    )
+
+
 if __name__ == "__main__":
     main()

@@ -17,6 +17,10 @@ JOB_FUNCTION = "worker.jobs.run_chat_job"
 #: The RQ queue jobs go to unless told otherwise.
 DEFAULT_QUEUE = "mlxq"
 
+#: The queue of the gateway's chat completions (someone is waiting): workers serve it
+#: before the batch queues by default.
+INTERACTIVE_QUEUE = "mlxq.interactive"
+
 #: Sorted set of batch ids, scored by creation time (unix seconds).
 BATCHES = f"{PREFIX}:batches"
 
@@ -125,6 +129,17 @@ WORKERS = f"{PREFIX}:workers"
 def worker_key(name: str) -> str:
     """String (JSON), short TTL: a live worker's published state (models, stats)."""
     return f"{PREFIX}:worker:{name}"
+
+
+def file_key(file_id: str) -> str:
+    """Hash, TTL: a file uploaded to the gateway (``id``, ``filename``, ``purpose``, ``bytes``,
+    ``created_at``)."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_data_key(file_id: str) -> str:
+    """List, TTL: the uploaded file's bytes in pieces of at most 1 MiB, in order."""
+    return f"{PREFIX}:file:{file_id}:data"
 
 
 def batch_queues_key(batch_id: str) -> str:

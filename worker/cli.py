@@ -60,9 +60,10 @@ class BatchSize(click.ParamType):
     "queues",
     envvar=ENV_QUEUE,
     multiple=True,
-    default=[keys.DEFAULT_QUEUE],
+    default=[keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE],
     show_default=True,
-    help="Queue to serve (repeatable; env var: space-separated).",
+    help="Queue to serve, first ones first (repeatable; env var: space-separated). The "
+    "default serves the gateway's chat completions before batch jobs.",
 )
 @click.option(
     "--model",

@@ -1,0 +1,1 @@
+"""``producer serve``: the OpenAI-compatible gateway (FastAPI on uvicorn). Never imports mlx."""

@@ -1,0 +1,327 @@
+"""``producer serve``: an OpenAI-compatible HTTP gateway in front of mlxq's Redis.
+
+Routes: ``/v1/chat/completions`` (plain and streamed), ``/v1/models``, the Batch
+API (``/v1/files``, ``/v1/batches``). Every route needs an API key (bearer
+token). The gateway keeps no state of its own (files, batches and jobs live in
+Redis), so several can run behind one load balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, File, Form, Query, Request, UploadFile
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from producer.fleet import live_workers
+from producer.serve import batchapi, chat, files
+from producer.serve.settings import GatewaySettings, error
+from schemas import ChatRequest, describe_validation_error, keys
+
+
+class Guard:
+    """Every request: a valid API key (else 401) and a body within the limit (else 413).
+
+    Pure ASGI, so it also covers unknown routes and streams the body without buffering.
+    """
+
+    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if not self.settings.key_ok(headers.get("authorization")):
+            reply = error(
+                401, "missing or invalid API key", "authentication_error", "invalid_api_key"
+            )
+            return await reply(scope, receive, send)
+        is_file = scope["path"].rstrip("/") == "/v1/files" and scope["method"] == "POST"
+        limit = (
+            self.settings.max_file_bytes + (1 << 20) if is_file else self.settings.max_body_bytes
+        )
+        length = headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            return await _too_large(limit)(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await _too_large(limit)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return error(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.aredis = AsyncRedis.from_url(settings.redis_url)
+        app.state.redis = Redis.from_url(settings.redis_url)
+        yield
+        await app.state.aredis.aclose()
+        app.state.redis.close()
+
+    app = FastAPI(title="mlxq gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(Guard, settings=settings)
+    _errors(app)
+    _chat_routes(app, settings)
+    _file_routes(app, settings)
+    _batch_routes(app, settings)
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error(400, f"{where}: {first.get('msg', 'invalid request')}".strip(": "))
+
+    @app.exception_handler(HTTPException)
+    async def http(_: Request, e: HTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        return error(e.status_code, str(e.detail), code=codes.get(e.status_code))
+
+
+async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        return error(400, f"the body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        return error(400, "the body must be a JSON object")
+    return body
+
+
+def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            req = ChatRequest.model_validate(body)
+        except ValidationError as e:
+            return error(400, describe_validation_error(e))
+        for name in filter(None, (req.model, req.draft_model, req.adapter)):
+            if not s.model_allowed(name):
+                return error(404, f"the model {name!r} does not exist", code="model_not_found")
+        aredis: AsyncRedis = request.app.state.aredis
+        if await aredis.llen(keys.rq_queue_key(s.interactive_queue)) >= s.max_interactive:
+            reply = error(
+                429, "too many chat completions queued; retry shortly", code="rate_limit_exceeded"
+            )
+            reply.headers["Retry-After"] = "1"
+            return reply
+        job_id = await run_in_threadpool(chat.enqueue, request.app.state.redis, req, body, s)
+        headers = {"x-mlxq-job-id": job_id}
+        if not req.stream:
+            record = await chat.wait_record(aredis, job_id, request, s.chat_timeout_s)
+            return _record_reply(record, headers)
+        first, last_id, record = await chat.first_chunks(aredis, job_id, request, s.chat_timeout_s)
+        if record is not None or not first:
+            return _record_reply(record, headers)
+        if first[0].get("error"):
+            e = first[0]["error"]
+            return error(
+                _status_of(e),
+                e.get("message", "failed"),
+                e.get("type", "server_error"),
+                e.get("code"),
+            )
+        return StreamingResponse(
+            chat.relay(aredis, job_id, first, last_id),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        workers = await run_in_threadpool(live_workers, request.app.state.redis)
+        names = sorted({m.name for w in workers for m in w.models if s.model_allowed(m.name)})
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "mlxq"} for n in names]
+        return {"object": "list", "data": data}
+
+
+_STATUS = {"model_not_found": 404, "context_length_exceeded": 400, "invalid_request": 400}
+
+
+def _status_of(e: dict[str, Any]) -> int:
+    return _STATUS.get(e.get("code", ""), 400 if e.get("type") == "invalid_request_error" else 500)
+
+
+def _record_reply(record: Any, headers: dict[str, str]) -> Response:
+    if record is None:
+        return error(
+            504, "no result in time; the job was cancelled unless it had started", "timeout"
+        )
+    if record.status == "succeeded" and record.response is not None:
+        return JSONResponse(record.response.model_dump(mode="json"), headers=headers)
+    err = record.error
+    return error(
+        record.status_code,
+        err.message if err else "failed",
+        err.type if err else "server_error",
+        err.code if err else None,
+    )
+
+
+def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
+    @app.post("/v1/files")
+    async def upload(
+        request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
+    ) -> Response:
+        if purpose != "batch":
+            return error(400, f"purpose {purpose!r} is not supported (only 'batch')")
+        try:
+            obj = await files.store_upload(
+                request.app.state.aredis, file, purpose, s.max_file_bytes, s.file_ttl
+            )
+        except files.TooLarge as e:
+            return error(413, str(e), code="file_too_large")
+        return JSONResponse(obj)
+
+    async def _meta(request: Request, file_id: str) -> dict[str, Any] | None:
+        if (out := files.parse_output_id(file_id)) is not None:
+            if (
+                await run_in_threadpool(batchapi.batch_object, request.app.state.redis, out[0])
+                is None
+            ):
+                return None
+            size = sum(
+                len(x)
+                for x in await run_in_threadpool(
+                    lambda: list(files.iter_output_file(request.app.state.redis, out[0], out[1]))
+                )
+            )
+            return {
+                "id": file_id,
+                "filename": f"{out[0]}_{'error' if out[1] else 'output'}.jsonl",
+                "purpose": "batch_output",
+                "bytes": size,
+                "created_at": 0,
+            }
+        return await files.file_meta(request.app.state.aredis, file_id)
+
+    @app.get("/v1/files/{file_id}")
+    async def retrieve(request: Request, file_id: str) -> Response:
+        meta = await _meta(request, file_id)
+        if meta is None:
+            return error(404, f"no file {file_id!r}", code="file_not_found")
+        return JSONResponse(files.file_object(meta))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def content(request: Request, file_id: str) -> Response:
+        if (out := files.parse_output_id(file_id)) is not None:
+            if (
+                await run_in_threadpool(batchapi.batch_object, request.app.state.redis, out[0])
+                is None
+            ):
+                return error(404, f"no file {file_id!r}", code="file_not_found")
+            return StreamingResponse(
+                files.iter_output_file(request.app.state.redis, out[0], out[1]),
+                media_type="application/jsonl",
+            )
+        if await files.file_meta(request.app.state.aredis, file_id) is None:
+            return error(404, f"no file {file_id!r}", code="file_not_found")
+        return StreamingResponse(
+            files.iter_upload(request.app.state.aredis, file_id), media_type="application/jsonl"
+        )
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete(request: Request, file_id: str) -> Response:
+        if not await files.delete_upload(request.app.state.aredis, file_id):
+            return error(404, f"no file {file_id!r}", code="file_not_found")
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
+    def sync(request: Request) -> Redis:
+        return request.app.state.redis
+
+    async def _run(fn: Callable[..., Any], *args: Any) -> Any:
+        return await run_in_threadpool(fn, *args)
+
+    @app.post("/v1/batches")
+    async def create(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            spec = batchapi.BatchCreate.model_validate(body)
+        except ValidationError as e:
+            return error(400, describe_validation_error(e))
+        meta = await files.file_meta(request.app.state.aredis, spec.input_file_id)
+        if meta is None:
+            return error(404, f"no file {spec.input_file_id!r}", code="file_not_found")
+        if meta["purpose"] != "batch":
+            return error(
+                400, f"file {spec.input_file_id!r} has purpose {meta['purpose']!r}, not 'batch'"
+            )
+        batch_id = await _run(batchapi.create, sync(request), spec, s)
+        _background(request, batchapi.validate, sync(request), batch_id, spec.input_file_id, s)
+        return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def retrieve(request: Request, batch_id: str) -> Response:
+        obj = await _run(batchapi.batch_object, sync(request), batch_id)
+        return (
+            JSONResponse(obj)
+            if obj
+            else error(404, f"no batch {batch_id!r}", code="batch_not_found")
+        )
+
+    @app.get("/v1/batches")
+    async def listing(
+        request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
+    ) -> Response:
+        return JSONResponse(await _run(batchapi.list_batches, sync(request), limit, after))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(request: Request, batch_id: str) -> Response:
+        if await _run(batchapi.batch_object, sync(request), batch_id) is None:
+            return error(404, f"no batch {batch_id!r}", code="batch_not_found")
+        await _run(batchapi.cancel, sync(request), batch_id)
+        return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))
+
+
+_TASKS: set[Any] = set()
+
+
+def _background(request: Request, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` in a thread, keeping a reference to its task until it ends."""
+    task = asyncio.get_running_loop().create_task(run_in_threadpool(fn, *args))
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
+
+
+def factory() -> FastAPI:
+    """The app for ``uvicorn --factory`` (``producer serve --workers N``)."""
+    return create_app(GatewaySettings.from_env())

@@ -1,0 +1,231 @@
+"""OpenAI's Batch API over mlxq batches: create from an uploaded file, read, list, cancel.
+
+A Batch API batch *is* an mlxq batch (``mlxq:batch:<id>``, same counters, same
+``producer status`` / ``results``), with the Batch API's fields on the same hash
+(``input_file_id``, ``endpoint``, ``completion_window``, ``metadata``,
+``gw_status``, ``errors``). Creating one answers at once with status
+``validating``; a task then checks every line of the file with ``producer
+submit``'s rules and either fails the batch with the line errors or enqueues it
+(status ``in_progress``). Everything after that is read from the batch's
+counters, so any gateway process answers for any batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from redis import Redis
+
+from producer.batches import batch_status, cancel_batch
+from producer.jobsfile import check_file, enqueue_file
+from producer.lines import Defaults
+from producer.serve.files import output_file_id, spool_upload
+from producer.serve.settings import GatewaySettings
+from producer.submit import BatchCancelledError, new_batch_id
+from schemas import keys
+from schemas.cancel import CANCELLED_AT
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = {"24h": 24 * 3600}
+#: Line errors kept on a failed batch (OpenAI's ``errors.data``); the count says the rest.
+MAX_ERRORS = 1000
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=128)
+    endpoint: Literal["/v1/chat/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def create(conn: Redis, body: BatchCreate, settings: GatewaySettings) -> str:
+    """Register a batch in status ``validating``; the caller then runs :func:`validate`."""
+    batch_id, now = new_batch_id(), time.time()
+    fields = {
+        "batch_id": batch_id,
+        "created_at": now,
+        "queue": settings.queue,
+        "result_ttl": settings.result_ttl,
+        "total": 0,
+        "input_file_id": body.input_file_id,
+        "endpoint": body.endpoint,
+        "completion_window": body.completion_window,
+        "metadata": json.dumps(body.metadata) if body.metadata is not None else "",
+        "gw_status": "validating",
+        "source": f"gateway:{body.input_file_id}",
+    }
+    with conn.pipeline() as pipe:
+        pipe.hset(keys.batch_key(batch_id), mapping=fields)
+        pipe.expire(keys.batch_key(batch_id), settings.result_ttl)
+        pipe.zadd(keys.BATCHES, {batch_id: now})
+        pipe.execute()
+    return batch_id
+
+
+def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings) -> None:
+    """Check every line of the batch's file; fail the batch with the line errors, or
+    enqueue it. Runs in a worker thread of the gateway process that created the batch."""
+    key = keys.batch_key(batch_id)
+    errors: list[dict[str, Any]] = []
+    count = 0
+
+    def on_error(lineno: int, message: str, _text: str) -> None:
+        nonlocal count
+        count += 1
+        if len(errors) < MAX_ERRORS:
+            errors.append(
+                {"code": "invalid_line", "message": message, "param": None, "line": lineno}
+            )
+
+    with tempfile.TemporaryDirectory(prefix="mlxq-gateway-") as tmp:
+        path = Path(tmp) / "input.jsonl"
+        try:
+            spool_upload(conn, file_id, path)
+            checked = check_file(path, Defaults(), on_error)
+            if not count and not checked.valid:
+                on_error(0, "the file has no requests", "")
+            if count:
+                return _fail(conn, key, errors, count)
+            enqueue_file(
+                conn,
+                checked,
+                Defaults(),
+                batch_id=batch_id,
+                queue=settings.queue,
+                job_timeout=settings.job_timeout,
+                result_ttl=settings.result_ttl,
+                source=f"gateway:{file_id}",
+            )
+        except BatchCancelledError:
+            conn.hset(key, "gw_status", "enqueued")
+            return
+        except Exception as e:  # the batch must not stay "validating" forever
+            log.exception("batch %s: validation failed", batch_id)
+            return _fail(conn, key, [{"code": "server_error", "message": str(e), "line": None}], 1)
+    conn.hset(key, mapping={"gw_status": "enqueued", "in_progress_at": time.time()})
+
+
+def _fail(conn: Redis, key: str, errors: list[dict[str, Any]], count: int) -> None:
+    if count > len(errors):
+        errors.append(
+            {"code": "too_many_errors", "message": f"{count} invalid lines in all", "line": None}
+        )
+    conn.hset(
+        key,
+        mapping={"gw_status": "failed", "failed_at": time.time(), "errors": json.dumps(errors)},
+    )
+
+
+def cancel(conn: Redis, batch_id: str) -> None:
+    """Cancel a batch (O(1): ``producer cancel``); one still validating is never enqueued."""
+    key = keys.batch_key(batch_id)
+    if conn.hget(key, "gw_status") == b"validating":
+        conn.hsetnx(key, CANCELLED_AT, repr(time.time()))
+        return
+    cancel_batch(conn, batch_id)
+
+
+def batch_object(conn: Redis, batch_id: str) -> dict[str, Any] | None:
+    """OpenAI's Batch object for an mlxq batch (None if there is none)."""
+    raw = conn.hgetall(keys.batch_key(batch_id))
+    if not raw:
+        return None
+    meta = {k.decode(): v.decode() for k, v in raw.items()}
+    created = float(meta.get("created_at", 0))
+    window = meta.get("completion_window") or "24h"
+    expires = created + WINDOW_S.get(window, WINDOW_S["24h"])
+    obj: dict[str, Any] = {
+        "id": batch_id,
+        "object": "batch",
+        "endpoint": meta.get("endpoint") or "/v1/chat/completions",
+        "errors": None,
+        "input_file_id": meta.get("input_file_id", ""),
+        "completion_window": window,
+        "status": "in_progress",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": int(created),
+        "in_progress_at": _ts(meta.get("in_progress_at")),
+        "expires_at": int(expires),
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": _ts(meta.get("failed_at")),
+        "expired_at": _ts(meta.get("expired_at")),
+        "cancelling_at": _ts(meta.get(CANCELLED_AT)),
+        "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": json.loads(meta["metadata"]) if meta.get("metadata") else None,
+    }
+    gw = meta.get("gw_status")
+    if gw == "failed":
+        errors = json.loads(meta.get("errors") or "[]")
+        return obj | {"status": "failed", "errors": {"object": "list", "data": errors}}
+    if gw == "validating":
+        return obj | {"status": "cancelling" if meta.get(CANCELLED_AT) else "validating"}
+    s = batch_status(conn, batch_id)
+    obj["request_counts"] = {
+        "total": s.total,
+        "completed": s.succeeded,
+        "failed": s.failed + s.cancelled,
+    }
+    if s.cancelled_at is None and not s.finished and time.time() > expires:
+        conn.hsetnx(keys.batch_key(batch_id), "expired_at", time.time())
+        cancel_batch(conn, batch_id)  # OpenAI ends a batch at its window; so does mlxq
+        return batch_object(conn, batch_id)
+    ended_at = _ts(meta.get("last_done_at")) or _ts(meta.get(CANCELLED_AT))
+    if s.cancelled_at is not None and s.running == 0:
+        status = "expired" if meta.get("expired_at") else "cancelled"
+        obj["cancelled_at"] = ended_at if status == "cancelled" else None
+    elif s.cancelled_at is not None:
+        status = "expired" if meta.get("expired_at") else "cancelling"
+    elif s.finished:
+        status = "completed"
+        obj["completed_at"] = obj["finalizing_at"] = ended_at
+    else:
+        status = "in_progress"
+    obj["status"] = status
+    if status in ("completed", "cancelled", "expired"):
+        if s.succeeded:
+            obj["output_file_id"] = output_file_id(batch_id, errors=False)
+        if s.failed + s.cancelled:
+            obj["error_file_id"] = output_file_id(batch_id, errors=True)
+    return obj
+
+
+def list_batches(conn: Redis, limit: int, after: str | None) -> dict[str, Any]:
+    """Batches newest first, ``limit`` per page, after the batch id ``after``."""
+    start = 0
+    if after:
+        rank = conn.zrevrank(keys.BATCHES, after)
+        start = rank + 1 if rank is not None else 0
+    data: list[dict[str, Any]] = []
+    while len(data) < limit + 1:
+        ids = conn.zrevrange(keys.BATCHES, start, start + limit)
+        if not ids:
+            break
+        start += len(ids)
+        for raw in ids:
+            obj = batch_object(conn, raw.decode())
+            if obj is not None and len(data) < limit + 1:
+                data.append(obj)
+    page = data[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(data) > limit,
+    }
+
+
+def _ts(value: str | None) -> int | None:
+    return int(float(value)) if value else None

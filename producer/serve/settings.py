@@ -1,0 +1,90 @@
+"""The gateway's settings, its API keys, and OpenAI-shaped error responses."""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fastapi.responses import JSONResponse
+
+from schemas import keys
+from schemas.settings import DEFAULT_REDIS_URL
+
+ENV_API_KEYS = "MLXQ_API_KEYS"
+#: How ``producer serve --workers N`` hands its settings to the processes uvicorn starts.
+ENV_CONFIG = "MLXQ_GATEWAY_CONFIG"
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    redis_url: str = DEFAULT_REDIS_URL
+    api_keys: frozenset[str] = field(default_factory=frozenset)
+    #: False only with ``--no-auth`` (a gateway on 127.0.0.1 for one user).
+    auth: bool = True
+    allow_models: tuple[str, ...] = ()
+    #: Where the jobs of Batch API batches go.
+    queue: str = keys.DEFAULT_QUEUE
+    #: Where chat completions go (workers serve it first by default).
+    interactive_queue: str = keys.INTERACTIVE_QUEUE
+    #: A chat completion is refused with 429 while the interactive queue is this deep.
+    max_interactive: int = 256
+    max_file_bytes: int = 200 * MB
+    max_body_bytes: int = 8 * MB
+    file_ttl: int = keys.DEFAULT_RESULT_TTL
+    result_ttl: int = keys.DEFAULT_RESULT_TTL
+    #: Result TTL of a chat completion's record (the client has it once answered).
+    chat_ttl: int = 3600
+    #: Longest a chat completion waits for its record (504 after, and cancelled if unstarted).
+    chat_timeout_s: float = 600.0
+    job_timeout: int = 3600
+
+    def to_env(self) -> str:
+        data = asdict(self) | {"api_keys": sorted(self.api_keys)}
+        return json.dumps(data)
+
+    @classmethod
+    def from_env(cls) -> GatewaySettings:
+        data = json.loads(os.environ[ENV_CONFIG])
+        data["api_keys"] = frozenset(data["api_keys"])
+        data["allow_models"] = tuple(data["allow_models"])
+        return cls(**data)
+
+    def key_ok(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header carries one of the API keys."""
+        if not self.auth:
+            return True
+        if not header or not header.startswith("Bearer "):
+            return False
+        given = header[len("Bearer ") :].strip().encode()
+        # compare_digest against every key: the time does not depend on which matched.
+        return any([hmac.compare_digest(given, k.encode()) for k in self.api_keys])
+
+    def model_allowed(self, name: str) -> bool:
+        return not self.allow_models or any(fnmatch.fnmatchcase(name, p) for p in self.allow_models)
+
+
+def load_api_keys(path: Path | None, env: str | None) -> frozenset[str]:
+    """Keys from a file (one per line, ``#`` comments) and from ``MLXQ_API_KEYS``
+    (comma- or space-separated)."""
+    found: set[str] = set()
+    if path is not None:
+        for line in path.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                found.add(line)
+    for part in (env or "").replace(",", " ").split():
+        found.add(part)
+    return frozenset(found)
+
+
+def error(
+    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
+    """An OpenAI error response: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status)

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible gateway, driven by the official ``openai`` SDK.
+
+Real pieces throughout: ``producer serve`` in a subprocess, a real worker
+process on tiny models, a real redis-server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from email.message import Message
+from pathlib import Path
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+
+from producer.localredis import free_port
+from schemas import keys
+from tests.test_faults import slow_job, wait_for
+
+KEY = "sk-mlxq-test-key"
+
+
+class Gateway:
+    def __init__(self, redis_url: str, tmp: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"gateway-{self.port}.log"
+        exe = str(Path(sys.executable).with_name("producer"))
+        env = os.environ | {"MLXQ_API_KEYS": KEY, "MLXQ_REDIS_URL": redis_url}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [exe, "serve", "--port", str(self.port), *args], env=env, stderr=log
+            )
+        wait_for(self._up, timeout=30, every=0.1)
+
+    def _up(self) -> bool:
+        try:
+            return request("GET", f"{self.url}/v1/models", headers=auth()).status == 200
+        except OSError:
+            return False
+
+    def client(self, key: str = KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class Reply:
+    def __init__(self, status: int, headers: Message, body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+
+def request(
+    method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None
+) -> Reply:
+    """A raw HTTP request (no SDK), for what the SDK would not send."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return Reply(r.status, r.headers, r.read())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.headers, e.read())
+
+
+@pytest.fixture
+def gateway(redis_url, tmp_path) -> Iterator[callable]:
+    started: list[Gateway] = []
+
+    def start(*args: str) -> Gateway:
+        g = Gateway(redis_url, tmp_path, *args)
+        started.append(g)
+        return g
+
+    yield start
+    for g in started:
+        g.stop()
+
+
+def messages(text: str = "hello gateway") -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_chat_completions_plain_streamed_and_with_a_draft(gateway, workers, tiny, conn):
+    gw = gateway()
+    workers()
+    client = gw.client()
+    plain = client.chat.completions.create(
+        model=tiny.target, messages=messages(), max_tokens=12, temperature=0
+    )
+    assert isinstance(plain, ChatCompletion) and plain.choices[0].message.content
+    assert plain.usage.completion_tokens > 0
+    pieces, final = [], None
+    for chunk in client.chat.completions.create(
+        model=tiny.target, messages=messages(), max_tokens=12, temperature=0, stream=True
+    ):
+        pieces += [c.delta.content or "" for c in chunk.choices]
+        final = chunk
+    assert "".join(pieces) == plain.choices[0].message.content
+    assert (
+        final.usage is not None and final.usage.completion_tokens == plain.usage.completion_tokens
+    )
+    drafted = client.chat.completions.create(
+        model=tiny.target,
+        messages=messages(),
+        max_tokens=12,
+        temperature=0,
+        extra_body={"draft_model": tiny.draft, "num_draft_tokens": 3},
+    )
+    assert drafted.choices[0].message.content == plain.choices[0].message.content
+    record = json.loads(conn.get(keys.result_key(_last_chat_job(conn))))
+    assert record["metrics"]["draft_model"] == tiny.draft
+    # The worker publishes what it keeps warm every couple of seconds.
+    wait_for(lambda: tiny.target in [m.id for m in client.models.list().data], timeout=15)
+    # Chat jobs went through the interactive queue.
+    assert conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 0
+
+
+def _last_chat_job(conn) -> str:
+    newest = conn.zrevrange(keys.BATCHES, 0, 0)[0].decode()
+    return conn.lindex(keys.batch_jobs_key(newest), 0).decode()
+
+
+def test_every_route_needs_a_valid_key(gateway):
+    gw = gateway()
+    with pytest.raises(openai.AuthenticationError) as e:
+        gw.client(key="sk-wrong").models.list()
+    assert e.value.status_code == 401
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/batches"), ("GET", "/nowhere")]:
+        r = request(method, gw.url + path)
+        assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert KEY not in gw.log.read_text()
+
+
+def test_bad_requests_get_openai_errors(gateway):
+    gw = gateway()
+    url = gw.url + "/v1/chat/completions"
+    r = request("POST", url, b"{not json", auth())
+    assert r.status == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = request("POST", url, {"model": "m", "messages": messages(), "colour": "red"}, auth())
+    assert r.status == 400 and "colour" in r.json()["error"]["message"]
+    client = gw.client()
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id="x", endpoint="/v1/embeddings", completion_window="24h")
+
+
+def test_unknown_and_disallowed_models_are_404(gateway, workers, tiny):
+    gw = gateway("--allow-model", "/tmp/*", "--allow-model", str(Path(tiny.target).parent) + "/*")
+    workers()
+    client = gw.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="elsewhere/model", messages=messages(), max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    missing = str(Path(tiny.target).parent / "no-such-model")
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as e:
+            out = client.chat.completions.create(
+                model=missing, messages=messages(), max_tokens=2, stream=stream
+            )
+            list(out) if stream else out
+        assert e.value.body["code"] == "model_not_found"
+
+
+def test_a_deep_interactive_queue_answers_429_and_a_gone_client_cancels(gateway, conn, tiny):
+    gw = gateway("--max-queued", "1", "--timeout", "2")
+    client = gw.client()
+    statuses: list[int] = []
+
+    def first() -> None:
+        try:
+            client.chat.completions.create(model=tiny.target, messages=messages(), max_tokens=2)
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+
+    waiting = threading.Thread(target=first)
+    waiting.start()  # no worker: this job stays queued
+    wait_for(lambda: conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 1, timeout=10)
+    body = {"model": tiny.target, "messages": messages(), "max_tokens": 2}
+    r = request("POST", gw.url + "/v1/chat/completions", body, auth())
+    assert r.status == 429 and r.headers["Retry-After"] == "1"
+    waiting.join(30)
+    assert statuses == [504]
+    # The first one timed out before any worker took it: its job is cancelled.
+    batch = conn.zrevrange(keys.BATCHES, 0, 0)[0].decode()
+    assert conn.hexists(keys.batch_key(batch), "cancelled_at")
+
+
+def write_batch_file(path: Path, model: str, n: int, bad: dict[int, str] | None = None) -> Path:
+    lines = []
+    for i in range(n):
+        body = {
+            "model": model,
+            "messages": messages(f"item {i}"),
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        line = {"custom_id": f"item-{i}", "method": "POST", "url": "/v1/chat/completions"}
+        lines.append(json.dumps(line | {"body": body}))
+    for i, text in (bad or {}).items():
+        lines[i] = text
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_batch_api_flow_with_the_sdk(gateway, workers, tiny, tmp_path):
+    gw = gateway()
+    client = gw.client()
+    path = write_batch_file(tmp_path / "in.jsonl", tiny.target, 5)
+    uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+    assert uploaded.bytes == path.stat().st_size and uploaded.purpose == "batch"
+    assert client.files.content(uploaded.id).content == path.read_bytes()
+    batch = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"team": "evals"},
+    )
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"team": "evals"}
+    workers()
+    done = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+        timeout=120,
+        every=0.2,
+    )
+    assert done.request_counts.total == 5 and done.request_counts.completed == 5
+    assert done.error_file_id is None and done.completed_at is not None
+    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == [f"item-{i}" for i in range(5)]
+    for line in lines:
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        ChatCompletion.model_validate(line["response"]["body"])
+    assert batch.id in [b.id for b in client.batches.list(limit=10)]
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_bad_lines_fail_the_batch_with_their_errors(gateway, tmp_path, tiny, conn):
+    gw = gateway()
+    client = gw.client()
+    path = write_batch_file(tmp_path / "in.jsonl", tiny.target, 6, bad={1: "{oops", 4: "[1]"})
+    batch = client.batches.create(
+        input_file_id=client.files.create(file=path.open("rb"), purpose="batch").id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    failed = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "failed" and b, timeout=30
+    )
+    assert [(e.line, "JSON" in e.message or "object" in e.message) for e in failed.errors.data] == [
+        (2, True),
+        (5, True),
+    ]
+    assert conn.llen(keys.rq_queue_key("mlxq")) == 0  # nothing enqueued
+
+
+def test_oversize_upload_is_413(gateway, tmp_path):
+    gw = gateway("--max-file-mb", "1")
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"x" * (3 << 20))
+    with pytest.raises(openai.APIStatusError) as e:
+        gw.client().files.create(file=big.open("rb"), purpose="batch")
+    assert e.value.status_code == 413
+
+
+def test_cancel_a_running_batch(gateway, workers, tiny, tmp_path, conn):
+    gw = gateway()
+    client = gw.client()
+    path = tmp_path / "slow.jsonl"
+    rows = [
+        {"custom_id": f"s{i}", "method": "POST", "url": "/v1/chat/completions"}
+        | {"body": slow_job(tiny) | {"messages": messages(f"slow {i}")}}
+        for i in range(4)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batch = client.batches.create(
+        input_file_id=client.files.create(file=path.open("rb"), purpose="batch").id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    workers("--max-batch", "1", "--queue", "mlxq")
+    wait_for(lambda: conn.hlen(keys.RUNNING) == 1, timeout=60)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling"
+    ended = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
+        timeout=120,
+        every=0.3,
+    )
+    assert ended.request_counts.completed == 1 and ended.request_counts.failed == 3
+    errors = [json.loads(x) for x in client.files.content(ended.error_file_id).text.splitlines()]
+    assert sorted(e["custom_id"] for e in errors) == ["s1", "s2", "s3"]
+    assert all(e["error"]["code"] == "cancelled" for e in errors)
