@@ -1,0 +1,180 @@
+"""The gateway: overhead per request with a real worker, and requests/s with instant jobs.
+
+1. ``--clients`` concurrent ``openai`` SDK clients (AsyncOpenAI, one event loop)
+   send chat completions through ``producer serve`` to one real worker on the
+   tiny benchmark model. Every request must be answered once. The gateway's
+   overhead per request is the client's latency minus the job's own time from
+   its record (``finished_at`` minus the envelope's ``submitted_at``, stamped by
+   the gateway just before it enqueues): HTTP, validation, enqueueing, noticing
+   the record and answering. p50 and p99.
+2. Requests/s the gateway sustains when jobs take no time: a stand-in worker
+   (the real job lifecycle, ending each job at once with a fixed answer) serves
+   the interactive queue, and the same clients run for ``--seconds``, with 1
+   and with 4 gateway processes (``producer serve --workers``).
+
+Run:  .venv/bin/python -m bench.gateway [--clients 64] [--requests 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+from redis import Redis
+
+from bench.bigbatch import answer
+from bench.fixtures import model
+from producer.localredis import LocalRedis, free_port
+from schemas import keys
+from worker.lifecycle import Lifecycle
+
+OUT = Path(__file__).parent / "out"
+BIN = Path(sys.executable).parent
+KEY = "sk-bench"
+
+
+def start_gateway(url: str, processes: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = os.environ | {"MLXQ_API_KEYS": KEY, "MLXQ_REDIS_URL": url}
+    proc = subprocess.Popen(
+        [str(BIN / "producer"), "serve", "--port", str(port), "--workers", str(processes)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}/v1"
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
+    for _ in range(300):
+        try:
+            client.models.list()
+            return proc, base
+        except openai.APIConnectionError:
+            time.sleep(0.1)
+    raise SystemExit("the gateway did not start")
+
+
+async def one(client: openai.AsyncOpenAI, target: str, i: int) -> tuple[str, float]:
+    start = time.perf_counter()
+    raw = await client.chat.completions.with_raw_response.create(
+        model=target,
+        messages=[{"role": "user", "content": f"request {i}"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    elapsed = time.perf_counter() - start
+    raw.parse()
+    return raw.headers["x-mlxq-job-id"], elapsed
+
+
+async def overhead(base: str, target: str, clients: int, requests: int) -> list[tuple[str, float]]:
+    client = openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=600)
+    sem = asyncio.Semaphore(clients)
+
+    async def bounded(i: int) -> tuple[str, float]:
+        async with sem:
+            return await one(client, target, i)
+
+    return await asyncio.gather(*(bounded(i) for i in range(requests)))
+
+
+async def sustained(base: str, target: str, clients: int, seconds: float) -> int:
+    client = openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=60)
+    deadline, count = time.monotonic() + seconds, 0
+
+    async def loop(c: int) -> None:
+        nonlocal count
+        i = 0
+        while time.monotonic() < deadline:
+            await one(client, target, c * 1_000_000 + i)
+            count += 1
+            i += 1
+
+    await asyncio.gather(*(loop(c) for c in range(clients)))
+    return count
+
+
+def stand_in(url: str, stop: threading.Event) -> None:
+    """Ends every interactive job at once with a fixed answer (the real lifecycle)."""
+    life = Lifecycle(Redis.from_url(url), "stand-in", [keys.INTERACTIVE_QUEUE])
+    life.register()
+    while not stop.is_set():
+        job = life.take(block_s=0.2)
+        if job is not None:
+            e = job.envelope
+            life.end(job, answer(job.id, e.batch_id, e.custom_id))
+    life.unregister()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    args = ap.parse_args()
+    OUT.mkdir(exist_ok=True)
+    target = model("8x512")
+    report: dict[str, object] = {"clients": args.clients, "requests": args.requests}
+    with LocalRedis() as server:
+        conn = Redis.from_url(server.url)
+        gateway, base = start_gateway(server.url, 1)
+        worker = subprocess.Popen(
+            [str(BIN / "worker"), "--redis-url", server.url, "--name", "bench", "--model", target],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            asyncio.run(overhead(base, target, 4, 8))  # the worker loads the model
+            results = asyncio.run(overhead(base, target, args.clients, args.requests))
+        finally:
+            worker.terminate()
+            worker.wait(60)
+        ids = [job_id for job_id, _ in results]
+        assert len(set(ids)) == len(ids) == args.requests, "a request lost or duplicated"
+        overheads, own = [], []
+        for job_id, latency in results:
+            record = json.loads(conn.get(keys.result_key(job_id)))
+            assert record["status"] == "succeeded", record
+            # From the gateway's submitted_at stamp (just before enqueueing) to the end.
+            job_time = record["metrics"]["queue_wait_s"] + record["metrics"]["total_time_s"]
+            own.append(job_time)
+            overheads.append((latency - job_time) * 1000)
+        report |= {
+            "answered": len(ids),
+            "job_time_p50_s": round(statistics.median(own), 3),
+            "overhead_p50_ms": round(percentile(overheads, 0.5), 2),
+            "overhead_p99_ms": round(percentile(overheads, 0.99), 2),
+            "overhead_max_ms": round(max(overheads), 2),
+        }
+        gateway.terminate()
+        gateway.wait(30)
+        for processes in (1, 4):
+            stop = threading.Event()
+            thread = threading.Thread(target=stand_in, args=(server.url, stop))
+            thread.start()
+            gateway, base = start_gateway(server.url, processes)
+            try:
+                count = asyncio.run(sustained(base, target, args.clients, args.seconds))
+            finally:
+                stop.set()
+                thread.join(30)
+                gateway.terminate()
+                gateway.wait(30)
+            report[f"instant_jobs_req_per_s_{processes}_process"] = round(count / args.seconds, 1)
+    (OUT / "gateway.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
