@@ -29,7 +29,7 @@ PAGE = 10_000
 # KEYS: batch jobs list, batch hash, batch queues set, rq:queues.
 # ARGV: job key prefix, queue key prefix, TTL, enqueued_at, timeout, number of
 #       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id) per job.
-_ENQUEUE = """
+ENQUEUE_LUA = """
 local jp, qp, ttl, at, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local nq = tonumber(ARGV[6])
 local names, per = {}, {}
@@ -56,6 +56,7 @@ for i = 1, nq do
 end
 push(KEYS[1], ids)
 redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', KEYS[3], ttl)
 return redis.call('HINCRBY', KEYS[2], 'total', #ids)
 """
@@ -105,6 +106,24 @@ class Prepared:
     custom_id: str
 
 
+def enqueue_call(
+    batch_id: str, jobs: list[Prepared], result_ttl: int, job_timeout: int
+) -> tuple[list[str], list[object]]:
+    """The keys and arguments of :data:`ENQUEUE_LUA` for ``jobs`` of ``batch_id``."""
+    queues: dict[str, int] = {}
+    per_job: list[object] = []
+    for j in jobs:
+        per_job += (j.job_id, queues.setdefault(j.queue, len(queues) + 1), j.data, j.custom_id)
+    script_keys = [
+        keys.batch_jobs_key(batch_id),
+        keys.batch_key(batch_id),
+        keys.batch_queues_key(batch_id),
+        keys.RQ_QUEUES,
+    ]
+    args = [keys.rq_job_key(""), keys.rq_queue_key(""), result_ttl, keys.rq_time(), job_timeout]
+    return script_keys, [*args, len(queues), *queues, *per_job]
+
+
 class Enqueuer:
     """Enqueue prepared jobs of one batch in growing chunks, skipping those it already has."""
 
@@ -126,7 +145,7 @@ class Enqueuer:
         self.progress = progress
         self.job_ids: list[str] | None = [] if keep_ids else None
         self.submitted = self.present = 0
-        self._script = conn.register_script(_ENQUEUE)
+        self._script = conn.register_script(ENQUEUE_LUA)
         self._pending: list[Prepared] = []
         self._limit = min(FIRST_CHUNK, chunk_size)
 
@@ -150,28 +169,10 @@ class Enqueuer:
         fresh = [j for j, h in zip(chunk, have, strict=True) if not h]
         self.present += len(chunk) - len(fresh)
         if fresh:
-            queues: dict[str, int] = {}
-            args: list[object] = []
-            for j in fresh:
-                args += (j.job_id, queues.setdefault(j.queue, len(queues) + 1), j.data, j.custom_id)
-            self._script(
-                keys=[
-                    keys.batch_jobs_key(self.batch_id),
-                    keys.batch_key(self.batch_id),
-                    keys.batch_queues_key(self.batch_id),
-                    keys.RQ_QUEUES,
-                ],
-                args=[
-                    keys.rq_job_key(""),
-                    keys.rq_queue_key(""),
-                    self.result_ttl,
-                    keys.rq_time(),
-                    self.job_timeout,
-                    len(queues),
-                    *queues,
-                    *args,
-                ],
+            script_keys, args = enqueue_call(
+                self.batch_id, fresh, self.result_ttl, self.job_timeout
             )
+            self._script(keys=script_keys, args=args)
             self.submitted += len(fresh)
         if self.progress:
             self.progress(len(chunk))

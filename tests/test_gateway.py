@@ -117,25 +117,21 @@ def test_chat_completions_plain_streamed_and_with_a_draft(gateway, workers, tiny
     assert (
         final.usage is not None and final.usage.completion_tokens == plain.usage.completion_tokens
     )
-    drafted = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=tiny.target,
         messages=messages(),
         max_tokens=12,
         temperature=0,
         extra_body={"draft_model": tiny.draft, "num_draft_tokens": 3},
     )
+    drafted = raw.parse()
     assert drafted.choices[0].message.content == plain.choices[0].message.content
-    record = json.loads(conn.get(keys.result_key(_last_chat_job(conn))))
+    record = json.loads(conn.get(keys.result_key(raw.headers["x-mlxq-job-id"])))
     assert record["metrics"]["draft_model"] == tiny.draft
     # The worker publishes what it keeps warm every couple of seconds.
     wait_for(lambda: tiny.target in [m.id for m in client.models.list().data], timeout=15)
     # Chat jobs went through the interactive queue.
     assert conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 0
-
-
-def _last_chat_job(conn) -> str:
-    newest = conn.zrevrange(keys.BATCHES, 0, 0)[0].decode()
-    return conn.lindex(keys.batch_jobs_key(newest), 0).decode()
 
 
 def test_every_route_needs_a_valid_key(gateway):
@@ -202,8 +198,9 @@ def test_a_deep_interactive_queue_answers_429_and_a_gone_client_cancels(gateway,
     waiting.join(30)
     assert statuses == [504]
     # The first one timed out before any worker took it: its job is cancelled.
-    batch = conn.zrevrange(keys.BATCHES, 0, 0)[0].decode()
-    assert conn.hexists(keys.batch_key(batch), "cancelled_at")
+    (batch,) = [k for k in conn.keys("mlxq:batch:chat_*") if k.count(b":") == 2]
+    assert conn.hexists(batch, "cancelled_at") and conn.ttl(batch) > 0
+    assert conn.zcard(keys.BATCHES) == 0  # chat completions are not Batch API batches
 
 
 def write_batch_file(path: Path, model: str, n: int, bad: dict[int, str] | None = None) -> Path:

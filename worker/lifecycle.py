@@ -130,6 +130,9 @@ class Lifecycle:
         self.inbox = keys.inbox_key(self.token)
         self.worker_key = keys.rq_worker_key(name)
         self.host, self.pid = socket.gethostname(), os.getpid()
+        # The two scripts every job runs: sent by SHA (EVALSHA), not as ~2 KB of text a call.
+        self._take = conn.register_script(scripts.TAKE)
+        self._end = conn.register_script(scripts.END)
         self.holder = json.dumps(
             {"name": name, "host": self.host, "pid": self.pid, "inbox_queue": self.queues[0]}
         )
@@ -207,14 +210,16 @@ class Lifecycle:
     def _take_once(self, queues: list[str]) -> Job | Refused | str | None:
         while True:
             now = rq_time()
-            reply = self.conn.eval(
-                scripts.TAKE,
-                5 + len(queues),
-                *(keys.RUNNING, keys.LEASES, self.inbox, self.worker_key, keys.RQ_SUSPENDED),
-                *[keys.rq_queue_key(q) for q in queues],
-                *(self.token, self.lease_ms, self.name, now),
-                *(keys.rq_job_key(""), keys.result_key(""), keys.rq_started_key("")),
-                *(keys.batch_key(""), self.queues[0], *queues),
+            reply = self._take(
+                keys=[
+                    *(keys.RUNNING, keys.LEASES, self.inbox, self.worker_key, keys.RQ_SUSPENDED),
+                    *[keys.rq_queue_key(q) for q in queues],
+                ],
+                args=[
+                    *(self.token, self.lease_ms, self.name, now),
+                    *(keys.rq_job_key(""), keys.result_key(""), keys.rq_started_key("")),
+                    *(keys.batch_key(""), self.queues[0], *queues),
+                ],
             )
             if not reply:
                 return None
@@ -311,22 +316,25 @@ class Lifecycle:
                         keys.batch_done_key(batch),
                     ]
                     once_args = ["", int(e.ttl), "failed", e.job_id, repr(time.time())]
-                pipe.eval(
-                    scripts.END,
-                    9,
-                    *once_keys,
-                    *(keys.RUNNING, keys.rq_job_key(e.job_id)),
-                    *(keys.rq_started_key(e.queue), registry, self.worker_key),
-                    keys.rq_results_key(e.job_id),
-                    *once_args,
-                    self.token,
-                    "finished" if ok else "failed",
-                    rq_time(),
-                    "successful_job_count" if ok else "failed_job_count",
-                    round(e.worked, 6),
-                    base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
-                    self.name,
-                    ENDED_JOB_DATA if ok else "",
+                self._end(
+                    keys=[
+                        *once_keys,
+                        *(keys.RUNNING, keys.rq_job_key(e.job_id)),
+                        *(keys.rq_started_key(e.queue), registry, self.worker_key),
+                        keys.rq_results_key(e.job_id),
+                    ],
+                    args=[
+                        *once_args,
+                        self.token,
+                        "finished" if ok else "failed",
+                        rq_time(),
+                        "successful_job_count" if ok else "failed_job_count",
+                        round(e.worked, 6),
+                        base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
+                        self.name,
+                        ENDED_JOB_DATA if ok else "",
+                    ],
+                    client=pipe,
                 )
             return [bool(w) for w in pipe.execute()]
 

@@ -24,6 +24,7 @@ from redis.asyncio import Redis as AsyncRedis
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.serve import batchapi, chat, files
 from producer.serve.settings import GatewaySettings, error
@@ -84,6 +85,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aredis = AsyncRedis.from_url(settings.redis_url)
         app.state.redis = Redis.from_url(settings.redis_url)
+        app.state.enqueue = app.state.aredis.register_script(ENQUEUE_LUA)
         yield
         await app.state.aredis.aclose()
         app.state.redis.close()
@@ -140,7 +142,7 @@ def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
             )
             reply.headers["Retry-After"] = "1"
             return reply
-        job_id = await run_in_threadpool(chat.enqueue, request.app.state.redis, req, body, s)
+        job_id = await chat.enqueue(request.app.state.enqueue, req, body, s)
         headers = {"x-mlxq-job-id": job_id}
         if not req.stream:
             record = await chat.wait_record(aredis, job_id, request, s.chat_timeout_s)
@@ -177,19 +179,21 @@ def _status_of(e: dict[str, Any]) -> int:
     return _STATUS.get(e.get("code", ""), 400 if e.get("type") == "invalid_request_error" else 500)
 
 
-def _record_reply(record: Any, headers: dict[str, str]) -> Response:
+def _record_reply(record: dict[str, Any] | None, headers: dict[str, str]) -> Response:
+    """The HTTP answer for a job's record: its chat.completion, or its error."""
     if record is None:
         return error(
             504, "no result in time; the job was cancelled unless it had started", "timeout"
         )
-    if record.status == "succeeded" and record.response is not None:
-        return JSONResponse(record.response.model_dump(mode="json"), headers=headers)
-    err = record.error
+    if record.get("status") == "succeeded" and record.get("response") is not None:
+        body = json.dumps(record["response"], separators=(",", ":")).encode()
+        return Response(body, media_type="application/json", headers=headers)
+    err = record.get("error") or {}
     return error(
-        record.status_code,
-        err.message if err else "failed",
-        err.type if err else "server_error",
-        err.code if err else None,
+        int(record.get("status_code") or 500),
+        err.get("message", "failed"),
+        err.get("type", "server_error"),
+        err.get("code"),
     )
 
 

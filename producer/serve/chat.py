@@ -14,34 +14,39 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.commands.core import AsyncScript
 from starlette.requests import Request
 
+from producer.enqueue import Prepared, enqueue_call
 from producer.serve.settings import GatewaySettings
-from producer.submit import SubmitItem, submit_items
-from schemas import ChatRequest, ResultRecord, keys
+from schemas import ChatRequest, job_data, keys
 from schemas.cancel import CANCELLED_AT
 
 #: Longest single blocking read (seconds): how often a gone client is noticed.
 WAIT_S = 1
 
 
-def enqueue(conn: Redis, request: ChatRequest, body: dict[str, Any], s: GatewaySettings) -> str:
-    """Enqueue the request as a batch of one on the interactive queue; its job id."""
-    summary = submit_items(
-        conn,
-        [SubmitItem("chat", request, body)],
-        batch_id=f"chat_{secrets.token_hex(10)}",
-        queue=s.interactive_queue,
-        job_timeout=s.job_timeout,
-        result_ttl=s.chat_ttl,
-        source="gateway",
+async def enqueue(
+    script: AsyncScript, request: ChatRequest, body: dict[str, Any], s: GatewaySettings
+) -> str:
+    """Enqueue the request as a batch of one on the interactive queue, in one call of
+    ``script`` (:data:`producer.enqueue.ENQUEUE_LUA`) on the event loop; its job id.
+    Chat batches stay out of ``mlxq:batches``: they are not Batch API batches."""
+    batch_id = f"chat_{secrets.token_hex(10)}"
+    job = Prepared(
+        keys.job_id_for(batch_id, "chat"),
+        s.interactive_queue,
+        job_data("chat", time.time(), body, s.chat_ttl),
+        "chat",
     )
-    return summary.job_ids[0]
+    script_keys, args = enqueue_call(batch_id, [job], s.chat_ttl, s.job_timeout)
+    await script(keys=script_keys, args=args)
+    return job.job_id
 
 
 async def cancel_if_unstarted(conn: AsyncRedis, job_id: str) -> bool:
@@ -49,21 +54,24 @@ async def cancel_if_unstarted(conn: AsyncRedis, job_id: str) -> bool:
     its record is kept for its TTL)."""
     if await conn.hexists(keys.RUNNING, job_id) or await conn.exists(keys.result_key(job_id)):
         return False
-    await conn.hsetnx(keys.batch_key(keys.batch_of(job_id)), CANCELLED_AT, "0")
+    batch = keys.batch_key(keys.batch_of(job_id))
+    await conn.hsetnx(batch, CANCELLED_AT, repr(time.time()))
+    await conn.expire(batch, 3600)
     return True
 
 
 async def wait_record(
     conn: AsyncRedis, job_id: str, request: Request, timeout_s: float
-) -> ResultRecord | None:
-    """The job's record, or None if the client went away or ``timeout_s`` passed (the job
-    is then cancelled if it has not started)."""
+) -> dict[str, Any] | None:
+    """The job's record (its JSON, not re-validated: a worker wrote it through the
+    ResultRecord model), or None if the client went away or ``timeout_s`` passed (the
+    job is then cancelled if it has not started)."""
     done = keys.batch_done_key(keys.batch_of(job_id))
     waited = 0.0
     while True:
         raw = await conn.get(keys.result_key(job_id))
         if raw is not None:
-            return ResultRecord.model_validate_json(raw)
+            return json.loads(raw)
         if waited >= timeout_s or await request.is_disconnected():
             await cancel_if_unstarted(conn, job_id)
             return None
@@ -73,7 +81,7 @@ async def wait_record(
 
 async def first_chunks(
     conn: AsyncRedis, job_id: str, request: Request, timeout_s: float
-) -> tuple[list[dict[str, Any]], str, ResultRecord | None]:
+) -> tuple[list[dict[str, Any]], str, dict[str, Any] | None]:
     """Wait for the job's first stream chunks: (chunks, last stream id, record if the job
     ended without streaming). ([], "", None): the client went away or the wait timed out."""
     key, waited = keys.stream_key(job_id), 0.0
@@ -84,7 +92,7 @@ async def first_chunks(
             return [json.loads(f[b"chunk"]) for _, f in entries], entries[-1][0].decode(), None
         raw = await conn.get(keys.result_key(job_id))
         if raw is not None and not await conn.exists(key):
-            return [], "", ResultRecord.model_validate_json(raw)
+            return [], "", json.loads(raw)
         waited += WAIT_S
         if waited >= timeout_s or await request.is_disconnected():
             await cancel_if_unstarted(conn, job_id)
