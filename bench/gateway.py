@@ -42,6 +42,8 @@ BIN = Path(sys.executable).parent
 KEY = "sk-bench"
 #: job id -> (wall clock when the client sent it, when the client had parsed the answer)
 STAMPS: dict[str, tuple[float, float]] = {}
+#: The gateway's own account of each request's overhead (its x-mlxq-gateway-overhead-ms).
+GATEWAY_MS: list[float] = []
 
 
 def start_gateway(url: str, processes: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -75,6 +77,7 @@ async def one(client: openai.AsyncOpenAI, target: str, i: int) -> tuple[str, flo
     elapsed = time.perf_counter() - start
     raw.parse()
     STAMPS[raw.headers["x-mlxq-job-id"]] = (wall, time.time())
+    GATEWAY_MS.append(float(raw.headers["x-mlxq-gateway-overhead-ms"]))
     return raw.headers["x-mlxq-job-id"], elapsed
 
 
@@ -164,6 +167,10 @@ def main() -> None:
             "overhead_p50_ms": round(percentile(overheads, 0.5), 2),
             "overhead_p99_ms": round(percentile(overheads, 0.99), 2),
             "overhead_max_ms": round(max(overheads), 2),
+            "gateway_side_overhead_p50_ms": round(percentile(GATEWAY_MS[-args.requests :], 0.5), 2),
+            "gateway_side_overhead_p99_ms": round(
+                percentile(GATEWAY_MS[-args.requests :], 0.99), 2
+            ),
             "in_p50_ms": round(percentile(inbound, 0.5), 2),
             "in_p99_ms": round(percentile(inbound, 0.99), 2),
             "out_p50_ms": round(percentile(outbound, 0.5), 2),

@@ -309,3 +309,18 @@ def test_cancel_a_running_batch(gateway, workers, tiny, tmp_path, conn):
     errors = [json.loads(x) for x in client.files.content(ended.error_file_id).text.splitlines()]
     assert sorted(e["custom_id"] for e in errors) == ["s1", "s2", "s3"]
     assert all(e["error"]["code"] == "cancelled" for e in errors)
+
+
+def test_workers_serve_the_interactive_queue_first(workers, tiny, conn):
+    from producer.fleet import live_workers
+
+    workers(name="plain")
+    workers("--model", tiny.target, name="pinned")
+    listed = wait_for(lambda: len(ws := live_workers(conn)) == 2 and ws, timeout=60)
+    queues = {w.name: w.queues for w in listed}
+    assert queues["plain"] == [keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE]
+    assert queues["pinned"] == [
+        keys.INTERACTIVE_QUEUE,
+        keys.queue_for_model(tiny.target),
+        keys.DEFAULT_QUEUE,
+    ]

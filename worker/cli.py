@@ -215,6 +215,9 @@ def main(
         click.echo(f"preloaded {model} ({entry.nbytes / 1e6:.1f} MB)", err=True)
     served = [keys.queue_for_model(m) for m in models]
     served += [q for q in queues if q not in served] if (shared or not models) else []
+    if keys.INTERACTIVE_QUEUE in served:  # someone is waiting on these: before model queues
+        served.remove(keys.INTERACTIVE_QUEUE)
+        served.insert(0, keys.INTERACTIVE_QUEUE)
     worker = Worker(
         conn,
         served,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -43,6 +44,7 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.perf_counter()
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if not self.settings.key_ok(headers.get("authorization")):
             reply = error(
@@ -146,6 +148,12 @@ def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
         headers = {"x-mlxq-job-id": job_id}
         if not req.stream:
             record = await chat.wait_record(aredis, job_id, request, s.chat_timeout_s)
+            if record and record.get("metrics"):
+                # What this request spent in the gateway beyond its job's own time (from the
+                # enqueue stamp to the record): parsing, checks, enqueueing, noticing the end.
+                m, spent = record["metrics"], time.perf_counter() - request.state.arrived
+                job_s = (m.get("queue_wait_s") or 0.0) + (m.get("total_time_s") or 0.0)
+                headers["x-mlxq-gateway-overhead-ms"] = f"{(spent - job_s) * 1000:.2f}"
             return _record_reply(record, headers)
         first, last_id, record = await chat.first_chunks(aredis, job_id, request, s.chat_timeout_s)
         if record is not None or not first:
