@@ -9,8 +9,10 @@
    the record and answering. p50 and p99.
 2. Requests/s the gateway sustains when jobs take no time: a stand-in worker
    (the real job lifecycle, ending each job at once with a fixed answer) serves
-   the interactive queue, and the same clients run for ``--seconds``, with 1
-   and with 4 gateway processes (``producer serve --workers``).
+   the interactive queue, with 1 and with 4 gateway processes (``producer serve
+   --workers``), for ``--seconds`` each: first the same SDK clients (one
+   process: its own CPU, ~1.3 ms a request, caps it), then a raw keep-alive
+   HTTP load in two processes with the request bytes made once.
 
 Run:  .venv/bin/python -m bench.gateway [--clients 64] [--requests 512]
 """
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import openai
@@ -108,6 +111,39 @@ async def sustained(base: str, target: str, clients: int, seconds: float) -> int
     return count
 
 
+async def raw_load(base: str, target: str, conns: int, seconds: float) -> int:
+    """Chat completions over plain keep-alive HTTP/1.1 connections, the request bytes made
+    once: a load generator light enough that the gateway, not the client, is measured."""
+    host, port = base.split("//")[1].split("/")[0].split(":")
+    body = json.dumps(
+        {"model": target, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}"
+        f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    request, deadline, count = head.encode() + body, time.monotonic() + seconds, 0
+
+    async def conn() -> None:
+        nonlocal count
+        reader, writer = await asyncio.open_connection(host, int(port))
+        while time.monotonic() < deadline:
+            writer.write(request)
+            headers = await reader.readuntil(b"\r\n\r\n")
+            assert headers.startswith(b"HTTP/1.1 200"), headers[:200]
+            length = int(headers.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            count += 1
+        writer.close()
+
+    await asyncio.gather(*(conn() for _ in range(conns)))
+    return count
+
+
+def _raw_load_process(base: str, target: str, conns: int, seconds: float) -> int:
+    return asyncio.run(raw_load(base, target, conns, seconds))
+
+
 def stand_in(url: str, stop: threading.Event) -> None:
     """Ends every interactive job at once with a fixed answer (the real lifecycle)."""
     life = Lifecycle(Redis.from_url(url), "stand-in", [keys.INTERACTIVE_QUEUE])
@@ -130,13 +166,18 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--gateways", type=int, default=1, help="gateway processes for part 1")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     target = model("medium")
-    report: dict[str, object] = {"clients": args.clients, "requests": args.requests}
+    report: dict[str, object] = {
+        "clients": args.clients,
+        "requests": args.requests,
+        "gateway_processes": args.gateways,
+    }
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
-        gateway, base = start_gateway(server.url, 1)
+        gateway, base = start_gateway(server.url, args.gateways)
         worker = subprocess.Popen(
             [str(BIN / "worker"), "--redis-url", server.url, "--name", "bench", "--model", target],
             stderr=subprocess.DEVNULL,
@@ -185,12 +226,20 @@ def main() -> None:
             gateway, base = start_gateway(server.url, processes)
             try:
                 count = asyncio.run(sustained(base, target, args.clients, args.seconds))
+                with ProcessPoolExecutor(2) as pool:
+                    per = args.clients // 2
+                    runs = [
+                        pool.submit(_raw_load_process, base, target, per, args.seconds)
+                        for _ in range(2)
+                    ]
+                    raw = sum(r.result() for r in runs)
             finally:
                 stop.set()
                 thread.join(30)
                 gateway.terminate()
                 gateway.wait(30)
-            report[f"instant_jobs_req_per_s_{processes}_process"] = round(count / args.seconds, 1)
+            report[f"instant_sdk_req_per_s_{processes}_process"] = round(count / args.seconds, 1)
+            report[f"instant_raw_http_req_per_s_{processes}_process"] = round(raw / args.seconds, 1)
     (OUT / "gateway.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 
