@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--gateways", type=int, default=1, help="gateway processes for part 1")
+    ap.add_argument("--worker-threads", type=int, default=1, help="the worker's BLAS threads")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     target = model("medium")
@@ -174,13 +175,17 @@ def main() -> None:
         "clients": args.clients,
         "requests": args.requests,
         "gateway_processes": args.gateways,
+        "worker_blas_threads": args.worker_threads,
     }
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
         gateway, base = start_gateway(server.url, args.gateways)
+        # One BLAS thread: on a Mac the model runs on the GPU and leaves the CPU cores to the
+        # gateway and the clients; on this CPU-only box a 2-thread worker would take both.
         worker = subprocess.Popen(
             [str(BIN / "worker"), "--redis-url", server.url, "--name", "bench", "--model", target],
             stderr=subprocess.DEVNULL,
+            env=os.environ | {"OPENBLAS_NUM_THREADS": str(args.worker_threads)},
         )
         try:
             asyncio.run(overhead(base, target, 4, 8))  # the worker loads the model

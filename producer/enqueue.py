@@ -29,13 +29,17 @@ PAGE = 10_000
 # KEYS: batch jobs list, batch hash, batch queues set, rq:queues.
 # ARGV: job key prefix, queue key prefix, TTL, enqueued_at, timeout, number of
 #       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id) per job.
+# Returns the batch's new total, or -1 (nothing written) when ``most`` (the last
+# argument of enqueue_call, 0: no limit) jobs already wait on the first queue.
 ENQUEUE_LUA = """
 local jp, qp, ttl, at, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local nq = tonumber(ARGV[6])
 local names, per = {}, {}
 for i = 1, nq do names[i] = ARGV[6 + i]; per[i] = {} end
+local most = tonumber(ARGV[#ARGV])
+if most > 0 and redis.call('LLEN', qp .. names[1]) >= most then return -1 end
 local ids = {}
-for i = 7 + nq, #ARGV, 4 do
+for i = 7 + nq, #ARGV - 1, 4 do
   local id, q = ARGV[i], tonumber(ARGV[i + 1])
   redis.call('HSET', jp .. id, 'data', ARGV[i + 2], 'status', 'queued', 'origin', names[q],
     'enqueued_at', at, 'timeout', timeout, 'description', ARGV[i + 3])
@@ -107,9 +111,10 @@ class Prepared:
 
 
 def enqueue_call(
-    batch_id: str, jobs: list[Prepared], result_ttl: int, job_timeout: int
+    batch_id: str, jobs: list[Prepared], result_ttl: int, job_timeout: int, most: int = 0
 ) -> tuple[list[str], list[object]]:
-    """The keys and arguments of :data:`ENQUEUE_LUA` for ``jobs`` of ``batch_id``."""
+    """The keys and arguments of :data:`ENQUEUE_LUA` for ``jobs`` of ``batch_id``; with
+    ``most`` > 0 the script writes nothing (-1) while that many jobs wait on the queue."""
     queues: dict[str, int] = {}
     per_job: list[object] = []
     for j in jobs:
@@ -121,7 +126,7 @@ def enqueue_call(
         keys.RQ_QUEUES,
     ]
     args = [keys.rq_job_key(""), keys.rq_queue_key(""), result_ttl, keys.rq_time(), job_timeout]
-    return script_keys, [*args, len(queues), *queues, *per_job]
+    return script_keys, [*args, len(queues), *queues, *per_job, most]
 
 
 class Enqueuer:

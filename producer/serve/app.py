@@ -29,7 +29,7 @@ from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.serve import batchapi, chat, files
 from producer.serve.settings import GatewaySettings, error
-from schemas import ChatRequest, describe_validation_error, keys
+from schemas import ChatRequest, describe_validation_error
 
 
 class Guard:
@@ -138,13 +138,13 @@ def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
             if not s.model_allowed(name):
                 return error(404, f"the model {name!r} does not exist", code="model_not_found")
         aredis: AsyncRedis = request.app.state.aredis
-        if await aredis.llen(keys.rq_queue_key(s.interactive_queue)) >= s.max_interactive:
+        job_id = await chat.enqueue(request.app.state.enqueue, req, body, s)
+        if job_id is None:
             reply = error(
                 429, "too many chat completions queued; retry shortly", code="rate_limit_exceeded"
             )
             reply.headers["Retry-After"] = "1"
             return reply
-        job_id = await chat.enqueue(request.app.state.enqueue, req, body, s)
         headers = {"x-mlxq-job-id": job_id}
         if not req.stream:
             record = await chat.wait_record(aredis, job_id, request, s.chat_timeout_s)

@@ -33,9 +33,10 @@ WAIT_S = 1
 
 async def enqueue(
     script: AsyncScript, request: ChatRequest, body: dict[str, Any], s: GatewaySettings
-) -> str:
+) -> str | None:
     """Enqueue the request as a batch of one on the interactive queue, in one call of
-    ``script`` (:data:`producer.enqueue.ENQUEUE_LUA`) on the event loop; its job id.
+    ``script`` (:data:`producer.enqueue.ENQUEUE_LUA`) on the event loop; its job id, or
+    None if ``max_interactive`` jobs already wait.
     Chat batches stay out of ``mlxq:batches``: they are not Batch API batches."""
     batch_id = f"chat_{secrets.token_hex(10)}"
     job = Prepared(
@@ -44,8 +45,11 @@ async def enqueue(
         job_data("chat", time.time(), body, s.chat_ttl),
         "chat",
     )
-    script_keys, args = enqueue_call(batch_id, [job], s.chat_ttl, s.job_timeout)
-    await script(keys=script_keys, args=args)
+    script_keys, args = enqueue_call(
+        batch_id, [job], s.chat_ttl, s.job_timeout, most=s.max_interactive
+    )
+    if await script(keys=script_keys, args=args) == -1:
+        return None  # the interactive queue is full: checked and refused in the same script
     return job.job_id
 
 
@@ -69,14 +73,15 @@ async def wait_record(
     done = keys.batch_done_key(keys.batch_of(job_id))
     waited = 0.0
     while True:
-        raw = await conn.get(keys.result_key(job_id))
-        if raw is not None:
-            return json.loads(raw)
+        # The done list gets the job's id once its record is written (first loop: the job
+        # was enqueued a moment ago, so there is nothing to GET yet).
+        if await conn.blpop([done], timeout=WAIT_S):
+            raw = await conn.get(keys.result_key(job_id))
+            return json.loads(raw) if raw is not None else None
+        waited += WAIT_S
         if waited >= timeout_s or await request.is_disconnected():
             await cancel_if_unstarted(conn, job_id)
             return None
-        await conn.blpop([done], timeout=WAIT_S)
-        waited += WAIT_S
 
 
 async def first_chunks(
