@@ -324,3 +324,25 @@ def test_workers_serve_the_interactive_queue_first(workers, tiny, conn):
         keys.queue_for_model(tiny.target),
         keys.DEFAULT_QUEUE,
     ]
+
+
+def test_a_batch_left_validating_by_a_dead_gateway_is_taken_over(gateway, tiny, tmp_path, conn):
+    from producer.serve import batchapi
+    from producer.serve.settings import GatewaySettings
+
+    gw = gateway()
+    client = gw.client()
+    path = write_batch_file(tmp_path / "in.jsonl", tiny.target, 7)
+    file_id = client.files.create(file=path.open("rb"), purpose="batch").id
+    spec = batchapi.BatchCreate(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    # What a gateway that died right after creating the batch leaves: no claim, no validation.
+    batch_id = batchapi.create(conn, spec, GatewaySettings())
+    assert client.batches.retrieve(batch_id).status == "validating"
+    ready = wait_for(
+        lambda: (b := client.batches.retrieve(batch_id)).status == "in_progress" and b, timeout=30
+    )
+    assert ready.request_counts.total == 7
+    assert conn.llen(keys.rq_queue_key("mlxq")) == 7
+    assert not conn.exists(keys.batch_key(batch_id) + ":validating")

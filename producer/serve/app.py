@@ -298,12 +298,19 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
                 400, f"file {spec.input_file_id!r} has purpose {meta['purpose']!r}, not 'batch'"
             )
         batch_id = await _run(batchapi.create, sync(request), spec, s)
-        _background(request, batchapi.validate, sync(request), batch_id, spec.input_file_id, s)
+        await _validate(request, batch_id, spec.input_file_id)
         return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))
+
+    async def _validate(request: Request, batch_id: str, file_id: str) -> None:
+        """Validate the batch here if no live gateway is doing it (see batchapi.claim)."""
+        if await _run(batchapi.claim, sync(request), batch_id):
+            _background(request, batchapi.validate, sync(request), batch_id, file_id, s)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(request: Request, batch_id: str) -> Response:
         obj = await _run(batchapi.batch_object, sync(request), batch_id)
+        if obj and obj["status"] == "validating":  # its gateway may have died
+            await _validate(request, batch_id, obj["input_file_id"])
         return (
             JSONResponse(obj)
             if obj

@@ -34,6 +34,9 @@ from schemas.cancel import CANCELLED_AT
 log = logging.getLogger(__name__)
 
 WINDOW_S = {"24h": 24 * 3600}
+#: A validating gateway's claim on a batch lasts this long unless renewed (it renews a
+#: third of the way): when a gateway dies mid-validation, another one takes over after it.
+LOCK_S = 30
 #: Line errors kept on a failed batch (OpenAI's ``errors.data``); the count says the rest.
 MAX_ERRORS = 1000
 
@@ -71,12 +74,33 @@ def create(conn: Redis, body: BatchCreate, settings: GatewaySettings) -> str:
     return batch_id
 
 
+def _lock_key(batch_id: str) -> str:
+    return f"{keys.batch_key(batch_id)}:validating"
+
+
+def claim(conn: Redis, batch_id: str) -> bool:
+    """Take the right to validate the batch (for ``LOCK_S``, renewed while it runs): at
+    creation, or when the gateway that held it died (its lock expired) and the batch is
+    still ``validating``. Validating twice is harmless: the enqueue skips present jobs."""
+    if conn.hget(keys.batch_key(batch_id), "gw_status") != b"validating":
+        return False
+    return bool(conn.set(_lock_key(batch_id), "1", nx=True, ex=LOCK_S))
+
+
 def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings) -> None:
     """Check every line of the batch's file; fail the batch with the line errors, or
-    enqueue it. Runs in a worker thread of the gateway process that created the batch."""
+    enqueue it. Runs in a thread of the gateway process that :func:`claim`-ed the batch,
+    renewing the claim as it goes."""
     key = keys.batch_key(batch_id)
     errors: list[dict[str, Any]] = []
     count = 0
+    renewed = time.monotonic()
+
+    def renew(_: int) -> None:
+        nonlocal renewed
+        if time.monotonic() - renewed > LOCK_S / 3:
+            conn.expire(_lock_key(batch_id), LOCK_S)
+            renewed = time.monotonic()
 
     def on_error(lineno: int, message: str, _text: str) -> None:
         nonlocal count
@@ -90,7 +114,7 @@ def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings
         path = Path(tmp) / "input.jsonl"
         try:
             spool_upload(conn, file_id, path)
-            checked = check_file(path, Defaults(), on_error)
+            checked = check_file(path, Defaults(), on_error, progress=renew)
             if not count and not checked.valid:
                 on_error(0, "the file has no requests", "")
             if count:
@@ -104,6 +128,7 @@ def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings
                 job_timeout=settings.job_timeout,
                 result_ttl=settings.result_ttl,
                 source=f"gateway:{file_id}",
+                progress=renew,
             )
         except BatchCancelledError:
             conn.hset(key, "gw_status", "enqueued")
@@ -112,6 +137,7 @@ def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings
             log.exception("batch %s: validation failed", batch_id)
             return _fail(conn, key, [{"code": "server_error", "message": str(e), "line": None}], 1)
     conn.hset(key, mapping={"gw_status": "enqueued", "in_progress_at": time.time()})
+    conn.delete(_lock_key(batch_id))
 
 
 def _fail(conn: Redis, key: str, errors: list[dict[str, Any]], count: int) -> None:
