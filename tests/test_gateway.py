@@ -6,6 +6,7 @@ process on tiny models, a real redis-server.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -272,13 +273,19 @@ def test_bad_lines_fail_the_batch_with_their_errors(gateway, tmp_path, tiny, con
     assert conn.llen(keys.rq_queue_key("mlxq")) == 0  # nothing enqueued
 
 
-def test_oversize_upload_is_413(gateway, tmp_path):
-    gw = gateway("--max-file-mb", "1")
+def test_oversize_upload_and_body_are_413(gateway, tmp_path):
+    gw = gateway("--max-file-mb", "1", "--max-body-mb", "1")
     big = tmp_path / "big.jsonl"
     big.write_bytes(b"x" * (3 << 20))
     with pytest.raises(openai.APIStatusError) as e:
         gw.client().files.create(file=big.open("rb"), purpose="batch")
     assert e.value.status_code == 413
+    # A body sent in chunks (no Content-Length) is cut off at the limit too.
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
+    pieces = (b"x" * (256 << 10) for _ in range(8))
+    conn.request("POST", "/v1/chat/completions", body=pieces, headers=auth(), encode_chunked=True)
+    reply = conn.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == "request_too_large"
 
 
 def test_cancel_a_running_batch(gateway, workers, tiny, tmp_path, conn):
