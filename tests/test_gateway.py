@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -353,3 +354,21 @@ def test_a_batch_left_validating_by_a_dead_gateway_is_taken_over(gateway, tiny, 
     assert ready.request_counts.total == 7
     assert conn.llen(keys.rq_queue_key("mlxq")) == 7
     assert not conn.exists(keys.batch_key(batch_id) + ":validating")
+
+
+def test_batches_are_listed_newest_first_in_pages(gateway, conn):
+    from producer import Client
+
+    for i in range(5):
+        body = {"model": "m", "messages": messages(f"{i}")}
+        Client(connection=conn).submit([body], batch_id=f"page-{i}")
+        time.sleep(0.01)  # distinct creation times
+    client = gateway().client()
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ["page-4", "page-3"] and first.has_more
+    rest = client.batches.list(limit=10, after="page-3")
+    assert [b.id for b in rest.data] == ["page-2", "page-1", "page-0"] and not rest.has_more
+    assert [b.id for b in client.batches.list(limit=2)] == [  # the SDK pages through
+        f"page-{i}" for i in range(4, -1, -1)
+    ]
+    assert all(b.status == "in_progress" and b.request_counts.total == 1 for b in rest.data)
