@@ -44,10 +44,11 @@ from worker.lifecycle import Lifecycle
 OUT = Path(__file__).parent / "out"
 BIN = Path(sys.executable).parent
 KEY = "sk-bench"
-#: job id -> (wall clock when the client sent it, when the client had parsed the answer)
-STAMPS: dict[str, tuple[float, float]] = {}
-#: The gateway's own account of each request's overhead (its x-mlxq-gateway-overhead-ms).
-GATEWAY_MS: list[float] = []
+#: Vary max_tokens (4-64) by request, so completions spread over batch steps.
+VARY = False
+#: job id -> (wall clock when its bytes left the client, when the client had parsed the
+#: answer, the gateway's own account of its overhead: x-mlxq-gateway-overhead-ms)
+STAMPS: dict[str, tuple[float, float, float]] = {}
 
 
 def start_gateway(url: str, processes: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -77,13 +78,13 @@ async def one(client: openai.AsyncOpenAI, target: str, i: int) -> tuple[str, flo
     raw = await client.chat.completions.with_raw_response.create(
         model=target,
         messages=[{"role": "user", "content": f"request {i}"}],
-        max_tokens=8,
+        max_tokens=4 + 4 * (i % 16) if VARY else 8,
         temperature=0,
     )
     raw.parse()
     elapsed = time.perf_counter() - start
-    STAMPS[raw.headers["x-mlxq-job-id"]] = (sent[0], time.time())
-    GATEWAY_MS.append(float(raw.headers["x-mlxq-gateway-overhead-ms"]))
+    gateway_ms = float(raw.headers["x-mlxq-gateway-overhead-ms"])
+    STAMPS[raw.headers["x-mlxq-job-id"]] = (sent[0], time.time(), gateway_ms)
     return raw.headers["x-mlxq-job-id"], elapsed
 
 
@@ -175,6 +176,35 @@ def stand_in(url: str, stop: threading.Event) -> None:
     life.unregister()
 
 
+def overhead_stats(conn: Redis, results: list[tuple[str, float]]) -> dict[str, float]:
+    """Overhead percentiles (ms) of ``results``: as the SDK saw it, from when the request
+    bytes left, inside the gateway; and its inbound and outbound parts."""
+    seen, wire, gateway, inbound, outbound, own = [], [], [], [], [], []
+    for job_id, latency in results:
+        record = json.loads(conn.get(keys.result_key(job_id)))
+        assert record["status"] == "succeeded", record
+        # From the gateway's submitted_at stamp (just before enqueueing) to the end.
+        job = record["metrics"]["queue_wait_s"] + record["metrics"]["total_time_s"]
+        sent, got, gateway_ms = STAMPS[job_id]
+        own.append(job)
+        seen.append((latency - job) * 1000)
+        wire.append((got - sent - job) * 1000)
+        gateway.append(gateway_ms)
+        inbound.append((record["finished_at"] - job - sent) * 1000)
+        outbound.append((got - record["finished_at"]) * 1000)
+    out = {"requests": len(results), "job_time_p50_s": round(statistics.median(own), 3)}
+    for name, values in (
+        ("sdk", seen),
+        ("from_sent", wire),
+        ("gateway_side", gateway),
+        ("in", inbound),
+        ("out", outbound),
+    ):
+        out[f"{name}_p50_ms"] = round(percentile(values, 0.5), 2)
+        out[f"{name}_p99_ms"] = round(percentile(values, 0.99), 2)
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -187,7 +217,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--gateways", type=int, default=1, help="gateway processes for part 1")
     ap.add_argument("--worker-threads", type=int, default=1, help="the worker's BLAS threads")
+    ap.add_argument(
+        "--vary",
+        action="store_true",
+        help="max_tokens 4-64 by request (default: 8 for all, so a batch ends all at once)",
+    )
     args = ap.parse_args()
+    global VARY
+    VARY = args.vary
     OUT.mkdir(exist_ok=True)
     target = model("medium")
     report: dict[str, object] = {
@@ -195,6 +232,7 @@ def main() -> None:
         "requests": args.requests,
         "gateway_processes": args.gateways,
         "worker_blas_threads": args.worker_threads,
+        "max_tokens": "4-64 by request" if args.vary else 8,
     }
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
@@ -214,36 +252,11 @@ def main() -> None:
             worker.wait(60)
         ids = [job_id for job_id, _ in results]
         assert len(set(ids)) == len(ids) == args.requests, "a request lost or duplicated"
-        overheads, own, inbound, outbound, wire = [], [], [], [], []
-        for job_id, latency in results:
-            record = json.loads(conn.get(keys.result_key(job_id)))
-            assert record["status"] == "succeeded", record
-            # From the gateway's submitted_at stamp (just before enqueueing) to the end.
-            job_time = record["metrics"]["queue_wait_s"] + record["metrics"]["total_time_s"]
-            own.append(job_time)
-            sent, got = STAMPS[job_id]
-            overheads.append((latency - job_time) * 1000)
-            wire.append((got - sent - job_time) * 1000)
-            submitted = record["finished_at"] - job_time
-            inbound.append((submitted - sent) * 1000)
-            outbound.append((got - record["finished_at"]) * 1000)
-        report |= {
-            "answered": len(ids),
-            "job_time_p50_s": round(statistics.median(own), 3),
-            "overhead_p50_ms": round(percentile(overheads, 0.5), 2),
-            "overhead_p99_ms": round(percentile(overheads, 0.99), 2),
-            "overhead_max_ms": round(max(overheads), 2),
-            "sent_to_answer_overhead_p50_ms": round(percentile(wire, 0.5), 2),
-            "sent_to_answer_overhead_p99_ms": round(percentile(wire, 0.99), 2),
-            "gateway_side_overhead_p50_ms": round(percentile(GATEWAY_MS[-args.requests :], 0.5), 2),
-            "gateway_side_overhead_p99_ms": round(
-                percentile(GATEWAY_MS[-args.requests :], 0.99), 2
-            ),
-            "in_p50_ms": round(percentile(inbound, 0.5), 2),
-            "in_p99_ms": round(percentile(inbound, 0.99), 2),
-            "out_p50_ms": round(percentile(outbound, 0.5), 2),
-            "out_p99_ms": round(percentile(outbound, 0.99), 2),
-        }
+        report["answered"] = len(ids)
+        # All requests, then the steady state: without the first wave of `clients`
+        # requests, which all start in the same instant.
+        for label, part in (("all", results), ("steady", results[args.clients :])):
+            report[label] = overhead_stats(conn, part)
         gateway.terminate()
         gateway.wait(30)
         for processes in (1, 4):
