@@ -372,3 +372,27 @@ def test_batches_are_listed_newest_first_in_pages(gateway, conn):
         f"page-{i}" for i in range(4, -1, -1)
     ]
     assert all(b.status == "in_progress" and b.request_counts.total == 1 for b in rest.data)
+
+
+def test_a_client_that_disconnects_cancels_its_unstarted_job(gateway, conn, tiny):
+    import socket
+
+    gw = gateway()
+    body = json.dumps({"model": tiny.target, "messages": messages(), "max_tokens": 2}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", gw.port)) as sock:
+        sock.sendall(head + body)
+        wait_for(lambda: conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 1, timeout=10)
+    # No worker: the job is still queued when its client goes away, so it is cancelled.
+    batch = wait_for(
+        lambda: [
+            k
+            for k in conn.keys("mlxq:batch:chat_*")
+            if k.count(b":") == 2 and conn.hexists(k, "cancelled_at")
+        ],
+        timeout=10,
+    )
+    assert len(batch) == 1
