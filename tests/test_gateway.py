@@ -244,7 +244,11 @@ def test_the_batch_api_flow_with_the_sdk(gateway, workers, tiny, tmp_path):
     )
     assert done.request_counts.total == 5 and done.request_counts.completed == 5
     assert done.error_file_id is None and done.completed_at is not None
-    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    output = client.files.content(done.output_file_id).content
+    meta = client.files.retrieve(done.output_file_id)
+    assert (meta.bytes, meta.purpose) == (len(output), "batch_output")
+    assert client.files.retrieve(done.output_file_id).bytes == len(output)  # kept on the batch
+    lines = [json.loads(x) for x in output.decode().splitlines()]
     assert sorted(x["custom_id"] for x in lines) == [f"item-{i}" for i in range(5)]
     for line in lines:
         assert line["error"] is None and line["response"]["status_code"] == 200

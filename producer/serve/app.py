@@ -228,24 +228,8 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
 
     async def _meta(request: Request, file_id: str) -> dict[str, Any] | None:
         if (out := files.parse_output_id(file_id)) is not None:
-            if (
-                await run_in_threadpool(batchapi.batch_object, request.app.state.redis, out[0])
-                is None
-            ):
-                return None
-            size = sum(
-                len(x)
-                for x in await run_in_threadpool(
-                    lambda: list(files.iter_output_file(request.app.state.redis, out[0], out[1]))
-                )
-            )
-            return {
-                "id": file_id,
-                "filename": f"{out[0]}_{'error' if out[1] else 'output'}.jsonl",
-                "purpose": "batch_output",
-                "bytes": size,
-                "created_at": 0,
-            }
+            redis = request.app.state.redis
+            return await run_in_threadpool(batchapi.output_file_meta, redis, out[0], out[1])
         return await files.file_meta(request.app.state.aredis, file_id)
 
     @app.get("/v1/files/{file_id}")

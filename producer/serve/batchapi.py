@@ -25,7 +25,7 @@ from redis import Redis
 from producer.batches import batch_status, cancel_batch
 from producer.jobsfile import check_file, enqueue_file
 from producer.lines import Defaults
-from producer.serve.files import output_file_id, spool_upload
+from producer.serve.files import iter_output_file, output_file_id, spool_upload
 from producer.serve.settings import GatewaySettings
 from producer.submit import BatchCancelledError, new_batch_id
 from schemas import keys
@@ -225,6 +225,26 @@ def batch_object(conn: Redis, batch_id: str) -> dict[str, Any] | None:
         if s.failed + s.cancelled:
             obj["error_file_id"] = output_file_id(batch_id, errors=True)
     return obj
+
+
+def output_file_meta(conn: Redis, batch_id: str, errors: bool) -> dict[str, Any] | None:
+    """The File metadata of a batch's output or error file (None: no such batch). Its size
+    is counted by making the file; once the batch has ended it is kept on the batch."""
+    obj = batch_object(conn, batch_id)
+    if obj is None:
+        return None
+    field = "err_bytes" if errors else "out_bytes"
+    cached = conn.hget(keys.batch_key(batch_id), field)
+    size = int(cached) if cached else sum(len(x) for x in iter_output_file(conn, batch_id, errors))
+    if not cached and obj["status"] in ("completed", "cancelled", "expired", "failed"):
+        conn.hset(keys.batch_key(batch_id), field, size)
+    return {
+        "id": output_file_id(batch_id, errors),
+        "filename": f"{batch_id}_{'error' if errors else 'output'}.jsonl",
+        "purpose": "batch_output",
+        "bytes": size,
+        "created_at": obj["completed_at"] or obj["cancelled_at"] or obj["created_at"],
+    }
 
 
 def list_batches(conn: Redis, limit: int, after: str | None) -> dict[str, Any]:
