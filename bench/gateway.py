@@ -47,8 +47,9 @@ KEY = "sk-bench"
 #: Vary max_tokens (4-64) by request, so completions spread over batch steps.
 VARY = False
 #: job id -> (wall clock when its bytes left the client, when the client had parsed the
-#: answer, the gateway's own account of its overhead: x-mlxq-gateway-overhead-ms)
-STAMPS: dict[str, tuple[float, float, float]] = {}
+#: answer, the gateway's own account of its overhead: x-mlxq-gateway-overhead-ms, when
+#: the answer's headers arrived)
+STAMPS: dict[str, tuple[float, float, float, float]] = {}
 
 
 def start_gateway(url: str, processes: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -84,7 +85,7 @@ async def one(client: openai.AsyncOpenAI, target: str, i: int) -> tuple[str, flo
     raw.parse()
     elapsed = time.perf_counter() - start
     gateway_ms = float(raw.headers["x-mlxq-gateway-overhead-ms"])
-    STAMPS[raw.headers["x-mlxq-job-id"]] = (sent[0], time.time(), gateway_ms)
+    STAMPS[raw.headers["x-mlxq-job-id"]] = (sent[0], time.time(), gateway_ms, sent[1])
     return raw.headers["x-mlxq-job-id"], elapsed
 
 
@@ -97,8 +98,13 @@ async def _note_sent(_request: object) -> None:
     SENT.get().append(time.time())
 
 
+async def _note_answered(_response: object) -> None:
+    SENT.get().append(time.time())  # the answer's headers are in, before the SDK parses it
+
+
 def sdk(base: str, timeout: float) -> openai.AsyncOpenAI:
-    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [_note_sent]})
+    hooks = {"request": [_note_sent], "response": [_note_answered]}
+    http = openai.DefaultAsyncHttpxClient(event_hooks=hooks)
     return openai.AsyncOpenAI(
         base_url=base, api_key=KEY, max_retries=0, timeout=timeout, http_client=http
     )
@@ -177,18 +183,21 @@ def stand_in(url: str, stop: threading.Event) -> None:
 
 
 def overhead_stats(conn: Redis, results: list[tuple[str, float]]) -> dict[str, float]:
-    """Overhead percentiles (ms) of ``results``: as the SDK saw it, from when the request
-    bytes left, inside the gateway; and its inbound and outbound parts."""
-    seen, wire, gateway, inbound, outbound, own = [], [], [], [], [], []
+    """Overhead percentiles (ms) of ``results``: as the SDK saw it (its own request
+    building and answer parsing included), from when the request bytes left, from then
+    to the answer's arrival (the HTTP round trip, no SDK CPU), inside the gateway; and
+    the inbound and outbound parts."""
+    seen, wire, http, gateway, inbound, outbound, own = [], [], [], [], [], [], []
     for job_id, latency in results:
         record = json.loads(conn.get(keys.result_key(job_id)))
         assert record["status"] == "succeeded", record
         # From the gateway's submitted_at stamp (just before enqueueing) to the end.
         job = record["metrics"]["queue_wait_s"] + record["metrics"]["total_time_s"]
-        sent, got, gateway_ms = STAMPS[job_id]
+        sent, got, gateway_ms, answered = STAMPS[job_id]
         own.append(job)
         seen.append((latency - job) * 1000)
         wire.append((got - sent - job) * 1000)
+        http.append((answered - sent - job) * 1000)
         gateway.append(gateway_ms)
         inbound.append((record["finished_at"] - job - sent) * 1000)
         outbound.append((got - record["finished_at"]) * 1000)
@@ -196,6 +205,7 @@ def overhead_stats(conn: Redis, results: list[tuple[str, float]]) -> dict[str, f
     for name, values in (
         ("sdk", seen),
         ("from_sent", wire),
+        ("http_round_trip", http),
         ("gateway_side", gateway),
         ("in", inbound),
         ("out", outbound),
