@@ -44,8 +44,6 @@ from worker.lifecycle import Lifecycle
 OUT = Path(__file__).parent / "out"
 BIN = Path(sys.executable).parent
 KEY = "sk-bench"
-#: Vary max_tokens (4-64) by request, so completions spread over batch steps.
-VARY = False
 #: job id -> (wall clock when its bytes left the client, when the client had parsed the
 #: answer, the gateway's own account of its overhead: x-mlxq-gateway-overhead-ms, when
 #: the answer's headers arrived)
@@ -71,7 +69,9 @@ def start_gateway(url: str, processes: int) -> tuple[subprocess.Popen[bytes], st
     raise SystemExit("the gateway did not start")
 
 
-async def one(client: openai.AsyncOpenAI, target: str, i: int) -> tuple[str, float]:
+async def one(
+    client: openai.AsyncOpenAI, target: str, i: int, vary: bool = False
+) -> tuple[str, float]:
     """One chat completion: (job id, seconds from the SDK call to its parsed answer)."""
     sent: list[float] = []
     SENT.set(sent)
@@ -79,7 +79,7 @@ async def one(client: openai.AsyncOpenAI, target: str, i: int) -> tuple[str, flo
     raw = await client.chat.completions.with_raw_response.create(
         model=target,
         messages=[{"role": "user", "content": f"request {i}"}],
-        max_tokens=4 + 4 * (i % 16) if VARY else 8,
+        max_tokens=4 + 4 * (i % 16) if vary else 8,
         temperature=0,
     )
     raw.parse()
@@ -110,13 +110,15 @@ def sdk(base: str, timeout: float) -> openai.AsyncOpenAI:
     )
 
 
-async def overhead(base: str, target: str, clients: int, requests: int) -> list[tuple[str, float]]:
+async def overhead(
+    base: str, target: str, clients: int, requests: int, vary: bool = False
+) -> list[tuple[str, float]]:
     client = sdk(base, 600)
     sem = asyncio.Semaphore(clients)
 
     async def bounded(i: int) -> tuple[str, float]:
         async with sem:
-            return await one(client, target, i)
+            return await one(client, target, i, vary)
 
     return await asyncio.gather(*(bounded(i) for i in range(requests)))
 
@@ -233,8 +235,6 @@ def main() -> None:
         help="max_tokens 4-64 by request (default: 8 for all, so a batch ends all at once)",
     )
     args = ap.parse_args()
-    global VARY
-    VARY = args.vary
     OUT.mkdir(exist_ok=True)
     target = model("medium")
     report: dict[str, object] = {
@@ -256,7 +256,7 @@ def main() -> None:
         )
         try:
             asyncio.run(overhead(base, target, 4, 8))  # the worker loads the model
-            results = asyncio.run(overhead(base, target, args.clients, args.requests))
+            results = asyncio.run(overhead(base, target, args.clients, args.requests, args.vary))
         finally:
             worker.terminate()
             worker.wait(60)

@@ -87,9 +87,6 @@ class KnownJobs:
             start += len(page)
         return cls(np.sort(np.concatenate(pages)) if pages else np.empty(0, dtype="S20"))
 
-    def __len__(self) -> int:
-        return len(self.digests)
-
     def contains(self, digests: list[bytes]) -> np.ndarray:
         """A bool per digest: whether the batch has it."""
         if not len(self.digests) or not digests:

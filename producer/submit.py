@@ -39,7 +39,6 @@ class SubmitSummary:
     #: The jobs' ids in submission order (empty when the caller did not keep them:
     #: a file submit of a million lines does not).
     job_ids: list[str]
-    jobs: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -47,7 +46,7 @@ class SubmitSummary:
             "queue": self.queue,
             "submitted": self.submitted,
             "already_present": self.already_present,
-            "jobs": self.jobs or len(self.job_ids),
+            "jobs": self.submitted + self.already_present,
         }
 
 
@@ -165,8 +164,7 @@ def enqueue_batch(
     enqueuer.add_all(jobs)
     enqueuer.flush()
     ids = enqueuer.job_ids or []
-    done = enqueuer.submitted + enqueuer.present
-    return SubmitSummary(batch_id, queue, enqueuer.submitted, enqueuer.present, ids, done)
+    return SubmitSummary(batch_id, queue, enqueuer.submitted, enqueuer.present, ids)
 
 
 def _prepare(

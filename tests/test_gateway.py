@@ -400,3 +400,55 @@ def test_a_client_that_disconnects_cancels_its_unstarted_job(gateway, conn, tiny
         timeout=10,
     )
     assert len(batch) == 1
+
+
+def test_concurrent_chat_completions_batch_and_streamed_ones_run_alone(
+    gateway, workers, tiny, conn
+):
+    gw = gateway()
+    client = gw.client()
+    # Bad input on the streaming path is refused before anything is queued.
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=tiny.target,
+            messages=messages(),
+            stream=True,
+            stream_options={"include_usage": "maybe"},
+        )
+    assert conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 0
+
+    def ask(i: int, stream: bool = False) -> tuple[str, str]:
+        kw = {"model": tiny.target, "messages": messages(f"batch me {i}"), "max_tokens": 10}
+        raw = client.chat.completions.with_raw_response.create(temperature=0, stream=stream, **kw)
+        reply = raw.parse()
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+        else:
+            text = reply.choices[0].message.content
+        return raw.headers["x-mlxq-job-id"], text
+
+    def concurrently(stream: bool, before_worker: bool) -> dict[int, tuple[str, str]]:
+        got: dict[int, tuple[str, str]] = {}
+        threads = [
+            threading.Thread(target=lambda i=i: got.__setitem__(i, ask(i, stream)))
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        if before_worker:  # all four queued before a worker exists: it takes them together
+            wait_for(lambda: conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 4)
+            workers()
+        for t in threads:
+            t.join(120)
+        return got
+
+    def batch_sizes(got: dict[int, tuple[str, str]]) -> list[int]:
+        records = [json.loads(conn.get(keys.result_key(job))) for job, _ in got.values()]
+        return [r["metrics"]["batch_size"] for r in records]
+
+    batched = concurrently(stream=False, before_worker=True)
+    assert min(batch_sizes(batched)) >= 2, batch_sizes(batched)
+    streamed = concurrently(stream=True, before_worker=False)
+    assert batch_sizes(streamed) == [1] * 4  # a streaming job runs on its own (by design)
+    for i in range(4):  # batched, streamed and alone: the same greedy text
+        assert streamed[i][1] == batched[i][1] == ask(i)[1], i

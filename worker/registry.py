@@ -20,7 +20,8 @@ from redis import Redis
 
 from schemas import keys
 from schemas.fleet import BatchInfo, LoadedModelInfo, PrefixCacheInfo, WorkerInfo
-from worker.lifecycle import alive, rq_time
+from schemas.keys import rq_time
+from worker.lifecycle import alive
 from worker.runtime import WorkerRuntime
 
 

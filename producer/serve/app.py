@@ -151,7 +151,7 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
         return reply
     headers = {"x-mlxq-job-id": job_id}
     if not req.stream:
-        record = await chat.wait_record(aredis, job_id, request, s.chat_timeout_s)
+        record = await chat.wait_record(aredis, job_id, request, s.chat_timeout_s, s.chat_ttl)
         if record and record.get("metrics"):
             # What this request spent in the gateway beyond its job's own time (from the
             # enqueue stamp to the record): parsing, checks, enqueueing, noticing the end.
@@ -159,7 +159,9 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
             job_s = (m.get("queue_wait_s") or 0.0) + (m.get("total_time_s") or 0.0)
             headers["x-mlxq-gateway-overhead-ms"] = f"{(spent - job_s) * 1000:.2f}"
         return _record_reply(record, headers)
-    first, last_id, record = await chat.first_chunks(aredis, job_id, request, s.chat_timeout_s)
+    first, last_id, record = await chat.first_chunks(
+        aredis, job_id, request, s.chat_timeout_s, s.chat_ttl
+    )
     if record is not None or not first:
         return _record_reply(record, headers)
     if first[0].get("error"):

@@ -53,19 +53,19 @@ async def enqueue(
     return job.job_id
 
 
-async def cancel_if_unstarted(conn: AsyncRedis, job_id: str) -> bool:
+async def cancel_if_unstarted(conn: AsyncRedis, job_id: str, ttl: int) -> bool:
     """Cancel a job nobody is waiting for any more, unless it has started (then it runs on:
     its record is kept for its TTL)."""
     if await conn.hexists(keys.RUNNING, job_id) or await conn.exists(keys.result_key(job_id)):
         return False
     batch = keys.batch_key(keys.batch_of(job_id))
     await conn.hsetnx(batch, CANCELLED_AT, repr(time.time()))
-    await conn.expire(batch, 3600)
+    await conn.expire(batch, ttl)
     return True
 
 
 async def wait_record(
-    conn: AsyncRedis, job_id: str, request: Request, timeout_s: float
+    conn: AsyncRedis, job_id: str, request: Request, timeout_s: float, ttl: int
 ) -> dict[str, Any] | None:
     """The job's record (its JSON, not re-validated: a worker wrote it through the
     ResultRecord model), or None if the client went away or ``timeout_s`` passed (the
@@ -80,12 +80,12 @@ async def wait_record(
             return json.loads(raw) if raw is not None else None
         waited += WAIT_S
         if waited >= timeout_s or await request.is_disconnected():
-            await cancel_if_unstarted(conn, job_id)
+            await cancel_if_unstarted(conn, job_id, ttl)
             return None
 
 
 async def first_chunks(
-    conn: AsyncRedis, job_id: str, request: Request, timeout_s: float
+    conn: AsyncRedis, job_id: str, request: Request, timeout_s: float, ttl: int
 ) -> tuple[list[dict[str, Any]], str, dict[str, Any] | None]:
     """Wait for the job's first stream chunks: (chunks, last stream id, record if the job
     ended without streaming). ([], "", None): the client went away or the wait timed out."""
@@ -100,7 +100,7 @@ async def first_chunks(
             return [], "", json.loads(raw)
         waited += WAIT_S
         if waited >= timeout_s or await request.is_disconnected():
-            await cancel_if_unstarted(conn, job_id)
+            await cancel_if_unstarted(conn, job_id, ttl)
             return [], "", None
 
 

@@ -71,8 +71,9 @@ async def store_upload(
             size += len(piece)
             if size > limit:
                 raise TooLarge(f"the file is larger than this gateway's limit of {limit} bytes")
-            await conn.rpush(data_key, piece)
-            await conn.expire(data_key, ttl)
+            async with conn.pipeline(transaction=False) as pipe:
+                pipe.rpush(data_key, piece).expire(data_key, ttl)
+                await pipe.execute()
     except BaseException:
         await conn.delete(data_key)
         raise
