@@ -3,7 +3,7 @@
 Cache folder: $MLXQ_BENCH_CACHE, else ~/.cache/mlxq-bench. Benchmarks accept
 ``--target`` / ``--draft`` hub ids or paths instead (e.g. on a Mac).
 
-All synthetic: random weights, one shared BPE tokenizer (vocab 512).
+All synthetic: random weights, one shared BPE tokenizer (vocab 512) but for ``wide32k``.
 - ``wide``: llama 12 x 1024 (intermediate 2816, 16 heads), fp32, ~150M params.
   Its greedy output falls into long repeats (mlx's default init).
 - ``copy``: 1 x 128, tied embeddings, attention and MLP outputs zeroed: it
@@ -31,6 +31,20 @@ SPECS: dict[str, TinySpec] = {
         seed=101,
         tied=False,
         weight_scale=1.0,
+    ),
+    # ``wide`` with a 32,000-entry byte-level BPE (structured output's benchmark).
+    "wide32k": TinySpec(
+        layers=12,
+        hidden=1024,
+        intermediate=2816,
+        heads=16,
+        kv_heads=16,
+        context=4096,
+        seed=101,
+        tied=False,
+        weight_scale=1.0,
+        vocab=32000,
+        tokenizer="bpe32k",
     ),
     "copy": TinySpec(
         layers=1,

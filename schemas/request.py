@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.structured import ANY_OBJECT, SchemaError, grammar_for
+
 #: Fields of the OpenAI API that mlxq does not implement yet. A request that
 #: sets one to a non-default value is rejected (never silently ignored).
 UNSUPPORTED: dict[str, str] = {
@@ -14,7 +16,6 @@ UNSUPPORTED: dict[str, str] = {
     "functions": "function calling is not supported yet",
     "function_call": "function calling is not supported yet",
     "parallel_tool_calls": "tool calling is not supported yet",
-    "response_format": "response_format (JSON mode / structured output) is not supported yet",
     "logprobs": "logprobs are not supported yet",
     "top_logprobs": "logprobs are not supported yet",
     "audio": "audio output is not supported",
@@ -48,6 +49,54 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     include_usage: bool = True
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's ``response_format.json_schema``. mlxq always enforces the schema
+    (``strict`` true or not): constrained decoding, never a hint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format: type {self.type} takes no json_schema")
+        if (schema := self.schema_or_none) is not None:
+            try:
+                grammar_for(schema)
+            except SchemaError as e:
+                where = "json_schema.schema" if self.type == "json_schema" else "json_object"
+                raise ValueError(f"response_format.{where} cannot be enforced: {e}") from None
+        return self
+
+    @property
+    def schema_or_none(self) -> dict[str, Any] | bool | None:
+        """The JSON schema the output must match; None for plain text."""
+        if self.type == "json_object":
+            return ANY_OBJECT
+        return self.json_schema.json_schema if self.json_schema is not None else None
+
+    @property
+    def grammar(self) -> str | None:
+        """The llguidance grammar that enforces it (cached per schema); None for text."""
+        schema = self.schema_or_none
+        return None if schema is None else grammar_for(schema)
 
 
 class Message(BaseModel):
@@ -97,6 +146,7 @@ class ChatRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     draft_model: str | None = Field(default=None, min_length=1, max_length=512)
@@ -174,7 +224,17 @@ class ChatRequest(BaseModel):
             raise ValueError("max_tokens and max_completion_tokens differ; give only one")
         if self.num_draft_tokens is not None and self.draft_model is None:
             raise ValueError("num_draft_tokens is set but no draft_model is named")
+        if self.grammar is not None and self.stop:
+            raise ValueError(
+                "stop cannot be combined with a JSON response_format: a stop string would "
+                "cut the JSON short (the output ends when the JSON is complete)"
+            )
         return self
+
+    @property
+    def grammar(self) -> str | None:
+        """The llguidance grammar the output must follow; None for free text."""
+        return self.response_format.grammar if self.response_format is not None else None
 
     @property
     def token_limit(self) -> int | None:

@@ -34,6 +34,17 @@ BAD_LINES = [
         {"custom_id": "y", "method": "POST", "url": "/v1/chat/completions", "body": chat("m", n=3)},
         "body.n: only n=1 is supported",
     ),
+    (chat("m", response_format={"type": "json_object"}), None),
+    (
+        chat(
+            "m",
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+            },
+        ),
+        'json_schema.schema cannot be enforced: Unimplemented keys: ["uniqueItems"]',
+    ),
 ]
 
 

@@ -35,7 +35,6 @@ def error_of(body: dict) -> str:
             "unknown field 'x' in stream_options",
         ),
         (chat("m", logprobs=True), "logprobs are not supported"),
-        (chat("m", response_format={"type": "json_object"}), "response_format"),
         (chat("m", frobnicate=1), "unknown field 'frobnicate'"),
         (chat("m", stop=["a", "b", "c", "d", "e"]), "at most 4 stop sequences"),
         (chat("m", stop=""), "stop sequences must not be empty"),

@@ -18,8 +18,15 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
+from schemas import MlxqError
 from worker.cache import LoadedModel
-from worker.engine import GenerationOutput, GenerationParams, StopScan, logits_processors
+from worker.engine import (
+    GenerationOutput,
+    GenerationParams,
+    StopScan,
+    check_constraint,
+    logits_processors,
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -35,7 +42,7 @@ class _Sequence:
 
     tag: Hashable
     prompt_len: int
-    max_tokens: int
+    params: GenerationParams
     scan: StopScan
     detokenizer: Any
     cached_tokens: int = 0
@@ -77,7 +84,8 @@ class Step:
     """What one decoding step did."""
 
     tokens: int  # tokens decoded (one per decoding sequence)
-    done: list[tuple[Hashable, GenerationOutput]]  # sequences that finished, with outputs
+    # sequences that finished, with their outputs (or what failed them)
+    done: list[tuple[Hashable, GenerationOutput | MlxqError]]
     prefilled: bool  # whether prompt chunks were prefilled in this step too
 
 
@@ -136,13 +144,13 @@ class BatchEngine:
         )
         detok = self.target.tokenizer.detokenizer  # a fresh one per access
         scan = StopScan(params.stop)
-        self._seqs[uid] = _Sequence(tag, len(prompt), params.max_tokens, scan, detok, reused)
+        self._seqs[uid] = _Sequence(tag, len(prompt), params, scan, detok, reused)
 
     def lengths(self) -> list[tuple[int, int]]:
         """(tokens in its KV cache, tokens it may still add) of every sequence: what
         ``worker.memory.batch_peak_bytes`` projects from."""
         seqs = self._seqs.values()
-        return [(s.prompt_len + len(s.tokens), s.max_tokens - len(s.tokens)) for s in seqs]
+        return [(s.prompt_len + len(s.tokens), s.params.max_tokens - len(s.tokens)) for s in seqs]
 
     def first_token_at(self, tag: Hashable) -> float | None:
         """When the running sequence ``tag`` produced its first token (perf_counter)."""
@@ -159,7 +167,7 @@ class BatchEngine:
         """One decoding step (and a chunk of prefill for sequences joining)."""
         prompts, responses = self.gen.next()
         now = time.perf_counter()
-        done: list[tuple[Hashable, GenerationOutput]] = []
+        done: list[tuple[Hashable, GenerationOutput | MlxqError]] = []
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is None:
@@ -172,6 +180,11 @@ class BatchEngine:
                 if finish == "stop" and r.finish_reason is None:
                     self.gen.remove([r.uid])  # a stop string: the generator would go on
                 del self._seqs[r.uid]
+                try:
+                    check_constraint(seq.params, seq.tokens, finish)
+                except MlxqError as e:  # this sequence fails, not the batch
+                    done.append((seq.tag, e))
+                    continue
                 done.append((seq.tag, seq.output(finish)))
         return Step(len(responses), done, bool(prompts))
 

@@ -42,6 +42,7 @@ from schemas import GenerationError, JobEnvelope, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from worker import records
 from worker.batching import BatchEngine
+from worker.constrain import constraint_for
 from worker.engine import GenerationOutput, GenerationParams, params_for, prompt_tokens
 from worker.generator import ChatGenerator
 from worker.jobs import deadline_of
@@ -228,7 +229,10 @@ class ContinuousBatch:
                 engine = self._engine(job)
             target = engine.target
             prompt = prompt_tokens(target.tokenizer, req)
-            params = params_for(req, len(prompt), target.context_length, target.vocab_size)
+            constraint = constraint_for(req, target.tokenizer, target.vocab_size)
+            params = params_for(
+                req, len(prompt), target.context_length, target.vocab_size, constraint=constraint
+            )
             if not self._room_for(job, len(prompt), params):
                 return False
             assert self.generator is not None
@@ -316,11 +320,14 @@ class ContinuousBatch:
         if ended:
             self.host.finish(ended)
 
-    def _finish_outputs(self, done: list[tuple[Any, GenerationOutput]]) -> None:
+    def _finish_outputs(self, done: list[tuple[Any, GenerationOutput | MlxqError]]) -> None:
         ended = []
         assert self.generator is not None
         for job_id, out in done:
             slot = self.slots.pop(job_id)
+            if isinstance(out, MlxqError):
+                ended.append((slot.job, records.failure(slot.job, self.rt, out)))
+                continue
             record = records.success(
                 slot.job,
                 self.rt,

@@ -18,6 +18,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from schemas import ChatRequest, ContextLengthError, InvalidRequestError, JobTimeoutError
+from worker.constrain import Constraint, verify
 from worker.prefix import common_prefix
 
 #: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
@@ -39,6 +40,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     num_draft_tokens: int = 3
+    constraint: Constraint | None = None  # response_format: the grammar the output follows
 
     @property
     def penalty_window(self) -> int:
@@ -112,8 +114,10 @@ def params_for(
     context_length: int | None,
     vocab_size: int,
     default_num_draft_tokens: int = 3,
+    constraint: Constraint | None = None,
 ) -> GenerationParams:
-    """Resolve a request's sampling fields and limits against the model; raise on misfit."""
+    """Resolve a request's sampling fields and limits against the model; raise on misfit.
+    ``constraint``: the request's response_format compiled for the model's tokenizer."""
     limit = request.token_limit
     if context_length is not None:
         room = context_length - n_prompt
@@ -141,17 +145,29 @@ def params_for(
         frequency_penalty=request.frequency_penalty,
         logit_bias=bias,
         num_draft_tokens=request.num_draft_tokens or default_num_draft_tokens,
+        constraint=constraint,
     )
 
 
 def logits_processors(params: GenerationParams) -> list:
-    return make_logits_processors(
+    """One sequence's processors: bias and penalties, then the grammar's mask last (so
+    nothing can lift a token the grammar forbids). Fresh objects: the mask is stateful."""
+    processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         presence_penalty=params.presence_penalty or None,
         presence_context_size=params.max_tokens,
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=params.max_tokens,
     )
+    if params.constraint is not None:
+        processors.append(params.constraint.processor())
+    return processors
+
+
+def check_constraint(params: GenerationParams, tokens: Sequence[int], finish: str) -> None:
+    """Raise unless ``tokens`` follow the job's grammar (a no-op without one)."""
+    if params.constraint is not None:
+        verify(params.constraint, tokens, finish)
 
 
 class StopScan:
@@ -287,6 +303,7 @@ def generate(
     end = time.perf_counter()
     if last is None:
         raise RuntimeError("mlx-lm produced no tokens")
+    check_constraint(params, tokens, finish)
     return GenerationOutput(
         text=text,
         finish_reason=finish,

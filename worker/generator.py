@@ -8,6 +8,7 @@ from typing import Any
 
 from schemas import ChatRequest
 from worker.cache import LoadedModel, ModelCache
+from worker.constrain import constraint_for
 from worker.engine import (
     Deadline,
     GenerationOutput,
@@ -113,6 +114,7 @@ class ChatGenerator:
             self.target.context_length,
             self.target.vocab_size,
             default_num_draft_tokens,
+            constraint_for(request, tokenizer, self.target.vocab_size),
         )
         if num_draft_tokens is not None:
             params = replace(params, num_draft_tokens=num_draft_tokens)

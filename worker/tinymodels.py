@@ -55,6 +55,10 @@ class TinySpec:
     # A "copy" draft: attention and MLP outputs zeroed, so with tied embeddings
     # it predicts the last token again (agrees with a target stuck in repeats).
     copy_last_token: bool = False
+    # "tiny": a BPE of exactly ``vocab`` entries trained on a small word corpus;
+    # "bpe32k": a byte-level BPE of ``vocab`` entries (e.g. 32,000) trained on
+    # Python's own standard library (code and English docs: a realistic vocabulary).
+    tokenizer: str = "tiny"
 
 
 def _corpus(seed: int, n_lines: int = 400) -> list[str]:
@@ -94,6 +98,47 @@ def write_tokenizer(path: Path, vocab: int = 512, seed: int = 0) -> None:
     if tok.get_vocab_size() != vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {vocab}")
     save_tokenizer(tok, path, CHAT_TEMPLATE, unk_token="<unk>")
+
+
+def _stdlib_corpus(limit_bytes: int) -> list[str]:
+    """Deterministic text for a realistic vocabulary: the standard library's sources."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(root.glob("**/*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= limit_bytes:
+            break
+    return texts
+
+
+def write_bytelevel_tokenizer(
+    path: Path, vocab: int = 32000, corpus_bytes: int = 8_000_000
+) -> None:
+    """Train a byte-level BPE (the GPT-2 / Llama 3 kind) of exactly ``vocab`` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_stdlib_corpus(corpus_bytes), trainer=trainer)
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {vocab}")
+    save_tokenizer(tok, path, CHAT_TEMPLATE)
 
 
 def save_tokenizer(tok: Any, path: Path, chat_template: str, unk_token: str | None = None) -> None:
@@ -137,7 +182,10 @@ def model_config(spec: TinySpec, eos_token_id: int) -> dict:
 def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
     """Write a tiny random llama model (weights, config, tokenizer) to ``path``."""
     path = Path(path)
-    write_tokenizer(path, vocab=spec.vocab, seed=spec.tokenizer_seed)
+    if spec.tokenizer == "bpe32k":
+        write_bytelevel_tokenizer(path, vocab=spec.vocab)
+    else:
+        write_tokenizer(path, vocab=spec.vocab, seed=spec.tokenizer_seed)
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     config = model_config(spec, eos_token_id=vocab["</s>"])
     mx.random.seed(spec.seed)

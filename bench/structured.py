@@ -1,0 +1,160 @@
+"""Structured output's cost: constrained vs free decoding on the 12 x 1024 target.
+
+The target is ``wide32k`` (12 x 1024, a 32,000-entry byte-level BPE). Jobs ask for
+the 10-field extraction schema of ``bench/grammar.py``; the same prompts run free
+(``response_format`` text) as the baseline, pair by pair, alternating, so noise
+hits both alike:
+
+- alone: decode seconds per token (total minus time to first token, over the
+  tokens after the first), constrained / free, median over prompts;
+- a batch of 8 (``BatchEngine``): seconds per decoding step while all 8 decode
+  (prefill steps left out), constrained / free, median over rounds;
+- compile: the first constrained job on a tokenizer (llguidance's tokenizer set-up
+  plus the schema) and a new schema on a tokenizer already set up.
+
+    bench/run bench.structured [--rounds 3] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from bench.fixtures import model
+from bench.grammar import SCHEMA
+from schemas import ChatRequest
+from worker.batching import BatchEngine
+from worker.cache import ModelCache
+from worker.constrain import constraint_for
+from worker.engine import params_for, prompt_tokens
+from worker.generator import ChatGenerator
+
+PROMPTS = [
+    f"Extract the customer record from message {i}: {text}"
+    for i, text in enumerate(
+        [
+            "Alice Smith, 31, alice@example.com, lives at 12 Market Street, Leeds.",
+            "Bob from Lyon (bob.martin@mail.fr) joined in March, score 77.",
+            "Customer Kenji, age 44, phone +81 3 1234 5678, tags: vip, early.",
+            "Maria Souza, Brazil, newsletter subscriber since 2021-05-02.",
+            "Hans Weber, 58, Berlin, 10115, hans@weber.de, not a customer yet.",
+            "Priya, 27, London, priya@example.co.uk, beta tester, score 91.5.",
+            "Tom O'Neil, Boston, MA 02110, +1 617 555 0100, priority.",
+            "Yuki Tanaka, 35, Osaka, yuki.t@example.jp, joined 2019-11-23.",
+        ]
+    )
+]
+
+
+def request(target: str, prompt: str, constrained: bool, tokens: int) -> ChatRequest:
+    fmt = (
+        {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA}}
+        if constrained
+        else {"type": "text"}
+    )
+    return ChatRequest.model_validate(
+        {
+            "model": target,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "response_format": fmt,
+        }
+    )
+
+
+def per_token_alone(gen: ChatGenerator, req: ChatRequest) -> tuple[float, int, str]:
+    out = gen.generate(req)
+    n = out.completion_tokens
+    return (out.total_time_s - out.time_to_first_token_s) / max(n - 1, 1), n, out.finish_reason
+
+
+def per_step_batched(gen: ChatGenerator, reqs: list[ChatRequest]) -> tuple[float, int]:
+    """Median seconds per decoding step while every sequence decodes; steps measured."""
+    target = gen.target
+    engine = BatchEngine(target, len(reqs))
+    try:
+        for i, req in enumerate(reqs):
+            prompt = prompt_tokens(target.tokenizer, req)
+            c = constraint_for(req, target.tokenizer, target.vocab_size)
+            p = params_for(req, len(prompt), target.context_length, target.vocab_size, constraint=c)
+            engine.add(i, prompt, p)
+        times = []
+        while len(engine) == len(reqs):
+            t = time.perf_counter()
+            step = engine.step()
+            elapsed = time.perf_counter() - t
+            if not step.prefilled and step.tokens == len(reqs) and not step.done:
+                times.append(elapsed)
+        return statistics.median(times), len(times)
+    finally:
+        engine.close()
+
+
+def compile_times(gen: ChatGenerator) -> dict[str, float]:
+    from worker import constrain
+
+    tok = gen.target.tokenizer
+    constrain._tokenizers.pop(tok, None)  # as on a fresh worker
+    req = request(gen.target.key[0], PROMPTS[0], True, 8)
+    t = time.perf_counter()
+    constraint_for(req, tok, gen.target.vocab_size)
+    first = time.perf_counter() - t
+    other = json.loads(json.dumps(SCHEMA))
+    other["description"] = f"variant {time.time()}"  # a schema not seen before
+    req2 = ChatRequest.model_validate(
+        req.model_dump(by_alias=True)
+        | {"response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": other}}}
+    )
+    t = time.perf_counter()
+    constraint_for(req2, tok, gen.target.vocab_size)
+    return {"first_job_s": first, "new_schema_s": time.perf_counter() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="a model path or hub id (default: wide32k)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48, help="max_tokens per job")
+    args = ap.parse_args()
+    target = args.target or model("wide32k")
+    gen = ChatGenerator.get_or_create(target, cache=ModelCache())
+    result: dict[str, Any] = {"target": target, "compile": compile_times(gen)}
+    gen.generate(request(target, PROMPTS[0], True, 4))  # warm both paths
+    gen.generate(request(target, PROMPTS[0], False, 4))
+
+    ratios, finished, tokens = [], 0, 0
+    for prompt in PROMPTS:
+        for _ in range(args.rounds):
+            free, _, _ = per_token_alone(gen, request(target, prompt, False, args.tokens))
+            con, n, finish = per_token_alone(gen, request(target, prompt, True, args.tokens))
+            ratios.append(con / free)
+        finished += finish == "stop"
+        tokens += n
+    result["alone"] = {
+        "ratio_median": statistics.median(ratios),
+        "ratio_mean": statistics.fmean(ratios),
+        "constrained_jobs_finished_json": f"{finished}/{len(PROMPTS)}",
+        "constrained_tokens_per_job": tokens / len(PROMPTS),
+    }
+    print(f"alone: constrained / free seconds per token, median {statistics.median(ratios):.3f}")
+
+    batch_ratios, steps = [], []
+    for _ in range(args.rounds):
+        free, _ = per_step_batched(gen, [request(target, p, False, args.tokens) for p in PROMPTS])
+        con, n = per_step_batched(gen, [request(target, p, True, args.tokens) for p in PROMPTS])
+        batch_ratios.append(con / free)
+        steps.append((free, con, n))
+    result["batch8"] = {
+        "ratio_median": statistics.median(batch_ratios),
+        "step_s_free_constrained_measured": steps,
+    }
+    print(f"batch of 8: constrained / free seconds per step, median {statistics.median(batch_ratios):.3f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
