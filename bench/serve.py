@@ -16,7 +16,7 @@ def burst(
     conn: Redis,
     bodies: list[dict],
     rt: runtime.WorkerRuntime | None = None,
-    max_batch: int = 1,
+    max_batch: int | None = 1,
 ) -> tuple[list[ResultRecord], float]:
     """Submit ``bodies`` and serve them with a burst worker (``rt`` installed first).
 

@@ -10,9 +10,14 @@ hits both alike:
 - a batch of 8 (``BatchEngine``): seconds per decoding step while all 8 decode
   (prefill steps left out), constrained / free, median over rounds;
 - compile: the first constrained job on a tokenizer (llguidance's tokenizer set-up
-  plus the schema) and a new schema on a tokenizer already set up.
+  plus the schema) and a new schema on a tokenizer already set up;
+- choices: one job with ``n`` = 8 vs 8 separate jobs of the same prompt (a few-shot
+  prompt of ~400 tokens, sampled, seeded), both through a real worker and Redis:
+  the separate jobs (unseeded: seeded sampling jobs never share a batch) batched
+  (``--max-batch auto``, the default) and one at a time;
+  completion tokens per second from submit to the last result.
 
-    bench/run bench.structured [--rounds 3] [--tokens 48]
+    bench/run bench.structured [--rounds 3] [--tokens 48] [--parts cost,choices]
 """
 
 from __future__ import annotations
@@ -107,11 +112,83 @@ def compile_times(gen: ChatGenerator) -> dict[str, float]:
     other["description"] = f"variant {time.time()}"  # a schema not seen before
     req2 = ChatRequest.model_validate(
         req.model_dump(by_alias=True)
-        | {"response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": other}}}
+        | {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "v", "schema": other},
+            }
+        }
     )
     t = time.perf_counter()
     constraint_for(req2, tok, gen.target.vocab_size)
     return {"first_job_s": first, "new_schema_s": time.perf_counter() - t}
+
+
+SHORT = "Review: Speculative decoding doubled our speed on code, not on chat.\nSentiment:"
+
+
+REVIEWS = [
+    ("The worker kept every model warm and the queue drained fast.", "positive"),
+    ("Jobs vanished when the machine rebooted and nobody noticed.", "negative"),
+    ("Fast on short prompts, but long documents timed out twice.", "mixed"),
+    ("Setup took five minutes and the results were exactly as promised.", "positive"),
+    ("The dashboard is pretty but the numbers never add up.", "negative"),
+    ("Great throughput on the minis, though memory use surprised us.", "mixed"),
+]
+
+
+def few_shot(repeats: int) -> str:
+    """A few-shot classification prompt: the examples ``repeats`` times (3: ~480 tokens)."""
+    head = (
+        "Classify the sentiment of each review as positive, negative or mixed, then say "
+        "why in one sentence.\n"
+    )
+    shots = "".join(f"Review: {r}\nSentiment: {s}\n" for r, s in REVIEWS * repeats)
+    return head + shots + SHORT
+
+
+def choices(target: str, rounds: int, tokens: int, shots: int) -> dict[str, Any]:
+    from redis import Redis
+
+    from bench.serve import burst
+    from producer.localredis import LocalRedis
+    from worker import runtime
+
+    def body(n: int, seed: int | None) -> dict[str, Any]:
+        return {
+            "model": target,
+            "messages": [{"role": "user", "content": few_shot(shots) if shots else SHORT}],
+            "max_tokens": tokens,
+            "temperature": 0.8,
+            "seed": seed,
+            "n": n,
+            "logit_bias": {str(i): -100 for i in eos_ids},  # every choice runs to max_tokens
+        }
+
+    cache = ModelCache()
+    entry, _ = cache.get(target)
+    eos_ids = sorted(entry.tokenizer.eos_token_ids)
+    prompt = len(prompt_tokens(entry.tokenizer, ChatRequest.model_validate(body(1, 0))))
+    arms: dict[str, list[float]] = {"n=8": [], "8 jobs, batched": [], "8 jobs, one at a time": []}
+    with LocalRedis() as server:
+        conn = Redis.from_url(server.url)
+        for r in range(rounds):
+            for arm in arms:
+                rt = runtime.WorkerRuntime(cache=cache, worker_id=f"bench-{r}")
+                # Separate jobs without a seed: seeded sampling jobs run one at a time.
+                bodies = [body(8, r)] if arm == "n=8" else [body(1, None) for _ in range(8)]
+                max_batch = 1 if "one at a time" in arm else None
+                records, elapsed = burst(conn, bodies, rt, max_batch)
+                done = sum(x.response.usage.completion_tokens for x in records if x.response)
+                arms[arm].append(done / elapsed)
+                print(f"  round {r} {arm}: {done} tokens in {elapsed:.1f} s")
+    med = {arm: statistics.median(v) for arm, v in arms.items()}
+    return {
+        "prompt_tokens": prompt,
+        "tokens_per_s": arms,
+        "n8_vs_batched": med["n=8"] / med["8 jobs, batched"],
+        "n8_vs_one_at_a_time": med["n=8"] / med["8 jobs, one at a time"],
+    }
 
 
 def main() -> None:
@@ -119,10 +196,24 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="a model path or hub id (default: wide32k)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48, help="max_tokens per job")
+    ap.add_argument("--parts", default="cost,choices")
+    ap.add_argument(
+        "--shots", type=int, default=3, help="choices: few-shot repeats (0: a one-line prompt)"
+    )
     args = ap.parse_args()
     target = args.target or model("wide32k")
+    result: dict[str, Any] = {"target": target}
+    if "choices" in args.parts:
+        result["choices"] = c = choices(target, args.rounds, args.tokens, args.shots)
+        print(
+            f"n=8 vs 8 separate jobs: {c['n8_vs_batched']:.2f}x batched, "
+            f"{c['n8_vs_one_at_a_time']:.2f}x one at a time (prompt {c['prompt_tokens']} tokens)"
+        )
+    if "cost" not in args.parts:
+        print(json.dumps(result))
+        return
     gen = ChatGenerator.get_or_create(target, cache=ModelCache())
-    result: dict[str, Any] = {"target": target, "compile": compile_times(gen)}
+    result["compile"] = compile_times(gen)
     gen.generate(request(target, PROMPTS[0], True, 4))  # warm both paths
     gen.generate(request(target, PROMPTS[0], False, 4))
 
@@ -152,7 +243,8 @@ def main() -> None:
         "ratio_median": statistics.median(batch_ratios),
         "step_s_free_constrained_measured": steps,
     }
-    print(f"batch of 8: constrained / free seconds per step, median {statistics.median(batch_ratios):.3f}")
+    ratio = statistics.median(batch_ratios)
+    print(f"batch of 8: constrained / free seconds per step, median {ratio:.3f}")
     print(json.dumps(result))
 
 

@@ -16,8 +16,6 @@ UNSUPPORTED: dict[str, str] = {
     "functions": "function calling is not supported yet",
     "function_call": "function calling is not supported yet",
     "parallel_tool_calls": "tool calling is not supported yet",
-    "logprobs": "logprobs are not supported yet",
-    "top_logprobs": "logprobs are not supported yet",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -31,6 +29,9 @@ UNSUPPORTED: dict[str, str] = {
 _HARMLESS = (None, False, [], {}, {"type": "text"}, "auto", "default", "none")
 
 _UNSUPPORTED_KEYS = frozenset(UNSUPPORTED)
+
+#: The most choices a request may ask for; a worker's ``--max-n`` (default 16) may allow fewer.
+MAX_N = 128
 _EXTRA_PARAM_FIELDS = ("draft_model", "num_draft_tokens", "adapter")
 
 
@@ -143,7 +144,9 @@ class ChatRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
-    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -200,13 +203,6 @@ class ChatRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return value or None
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported (submit the job several times with seeds)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
@@ -224,6 +220,10 @@ class ChatRequest(BaseModel):
             raise ValueError("max_tokens and max_completion_tokens differ; give only one")
         if self.num_draft_tokens is not None and self.draft_model is None:
             raise ValueError("num_draft_tokens is set but no draft_model is named")
+        if self.n > 1 and self.stream:
+            raise ValueError("n > 1 cannot be streamed yet: drop stream, or submit n jobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.grammar is not None and self.stop:
             raise ValueError(
                 "stop cannot be combined with a JSON response_format: a stop string would "

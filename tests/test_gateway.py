@@ -452,3 +452,51 @@ def test_concurrent_chat_completions_batch_and_streamed_ones_run_alone(
     assert batch_sizes(streamed) == [1] * 4  # a streaming job runs on its own (by design)
     for i in range(4):  # batched, streamed and alone: the same greedy text
         assert streamed[i][1] == batched[i][1] == ask(i)[1], i
+
+
+def test_structured_output_logprobs_and_n_through_the_sdk(gateway, workers, tiny):
+    """The SDK's own types parse what the fields produce; streamed logprobs too."""
+    from tests.test_structured import SCHEMA, schema_format
+
+    gw = gateway()
+    workers()
+    client = gw.client()
+    out = client.chat.completions.create(
+        model=tiny.target,
+        messages=messages(),
+        max_tokens=160,
+        temperature=0.7,
+        seed=3,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        response_format=schema_format(),
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice in out.choices:
+        assert choice.logprobs.content and len(choice.logprobs.content[0].top_logprobs) <= 2
+        if choice.finish_reason == "stop":
+            import jsonschema
+
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model=tiny.target,
+        messages=messages(),
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            streamed += [t.token for t in (c.logprobs.content if c.logprobs else None) or []]
+    whole = client.chat.completions.create(
+        model=tiny.target, messages=messages(), max_tokens=10, temperature=0, logprobs=True
+    )
+    assert streamed == [t.token for t in whole.choices[0].logprobs.content]
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        client.chat.completions.create(
+            model=tiny.target,
+            messages=messages(),
+            response_format=schema_format({"type": "array", "uniqueItems": True}),
+        )

@@ -31,8 +31,8 @@ BAD_LINES = [
         "duplicate custom_id 'dup' (first used on line 10)",
     ),
     (
-        {"custom_id": "y", "method": "POST", "url": "/v1/chat/completions", "body": chat("m", n=3)},
-        "body.n: only n=1 is supported",
+        {"custom_id": "y", "method": "POST", "url": "/v1/chat/completions", "body": chat("m", n=0)},
+        "body.n: Input should be greater than or equal to 1",
     ),
     (chat("m", response_format={"type": "json_object"}), None),
     (

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from schemas import MlxqError
 from worker.cache import LoadedModel
@@ -27,6 +27,7 @@ from worker.engine import (
     check_constraint,
     logits_processors,
 )
+from worker.logprobs import LogprobCollector
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,6 +35,38 @@ def _sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Any:
     # Sequences with the same settings share one sampler object, so BatchGenerator
     # samples the whole batch in one call instead of one call per sequence.
     return make_sampler(temperature, top_p, min_p, top_k=top_k)
+
+
+class KeyedSampler:
+    """mlx-lm's sampler chain (top-p, min-p, top-k, temperature) drawing from its own
+    random key, split at every token: a seeded sequence samples the same tokens
+    whatever else shares its batch or the global random state."""
+
+    def __init__(
+        self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int
+    ) -> None:
+        self.temperature = temperature
+        self.top_p, self.min_p, self.top_k = top_p, min_p, top_k
+        self.key = mx.random.key(seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, key = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+
+
+def sampler_for(params: GenerationParams) -> Any:
+    """The sampler of one sequence: shared among sequences with the same settings
+    (one call samples them all), or a :class:`KeyedSampler` of its own when seeded."""
+    if params.seed is not None and params.temperature > 0:
+        t, p, m, k = params.temperature, params.top_p, params.min_p, params.top_k
+        return KeyedSampler(t, p, m, k, params.seed)
+    return _sampler(params.temperature, params.top_p, params.min_p, params.top_k)
 
 
 @dataclass
@@ -46,6 +79,8 @@ class _Sequence:
     scan: StopScan
     detokenizer: Any
     cached_tokens: int = 0
+    collector: LogprobCollector | None = None
+    cut: bool = False  # a stop string cut the text
     admitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     text: str = ""
@@ -69,6 +104,7 @@ class _Sequence:
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             token_ids=tuple(self.tokens),
             cached_tokens=self.cached_tokens,
+            logprobs=self.collector.kept(len(self.text), self.cut) if self.collector else None,
         )
 
 
@@ -133,7 +169,7 @@ class BatchEngine:
         prefix): only the rest is prefilled, and the penalties still see the whole
         prompt. ``reused`` is what the output reports as cached.
         """
-        sampler = _sampler(params.temperature, params.top_p, params.min_p, params.top_k)
+        sampler = sampler_for(params)
         (uid,) = self.gen.insert(
             [prompt[cached:]],
             [params.max_tokens],
@@ -144,7 +180,8 @@ class BatchEngine:
         )
         detok = self.target.tokenizer.detokenizer  # a fresh one per access
         scan = StopScan(params.stop)
-        self._seqs[uid] = _Sequence(tag, len(prompt), params, scan, detok, reused)
+        collector = LogprobCollector(params.logprobs) if params.logprobs is not None else None
+        self._seqs[uid] = _Sequence(tag, len(prompt), params, scan, detok, reused, collector)
 
     def lengths(self) -> list[tuple[int, int]]:
         """(tokens in its KV cache, tokens it may still add) of every sequence: what
@@ -175,7 +212,7 @@ class BatchEngine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
             seq.tokens.append(int(r.token))
-            finish = self._advance(seq, int(r.token), r.finish_reason)
+            finish = self._advance(seq, int(r.token), r.finish_reason, r.logprobs)
             if finish is not None:
                 if finish == "stop" and r.finish_reason is None:
                     self.gen.remove([r.uid])  # a stop string: the generator would go on
@@ -189,7 +226,9 @@ class BatchEngine:
         return Step(len(responses), done, bool(prompts))
 
     @staticmethod
-    def _advance(seq: _Sequence, token: int, finish_reason: str | None) -> str | None:
+    def _advance(
+        seq: _Sequence, token: int, finish_reason: str | None, logprobs: mx.array
+    ) -> str | None:
         """Add ``token`` to the sequence's text; its finish reason if it ends here."""
         if finish_reason == "stop":  # EOS: not part of the text
             seq.detokenizer.finalize()
@@ -200,8 +239,10 @@ class BatchEngine:
         if finish_reason == "length":
             seq.detokenizer.finalize()
         seq.text += seq.detokenizer.last_segment
+        if seq.collector is not None:
+            seq.collector.add(token, logprobs, len(seq.text))
         if (at := seq.scan.find(seq.text, grown_from)) >= 0:
-            seq.text = seq.text[:at]
+            seq.text, seq.cut = seq.text[:at], True
             return "stop"
         return finish_reason
 

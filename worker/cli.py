@@ -140,6 +140,14 @@ class BatchSize(click.ParamType):
     "faster; N (1-256): at most N (memory still applies); 1 disables batching.",
 )
 @click.option(
+    "--max-n",
+    envvar="MLXQ_MAX_N",
+    type=click.IntRange(1, 128),
+    default=16,
+    show_default=True,
+    help="The most choices (n) one job may ask for; a job asking more fails with a 400.",
+)
+@click.option(
     "--lease-seconds",
     envvar="MLXQ_LEASE_SECONDS",
     type=click.IntRange(2, 3600),
@@ -176,6 +184,7 @@ def main(
     num_draft_tokens: int,
     speculative: str,
     max_batch: int | None,
+    max_n: int,
     lease_seconds: int,
     max_crashes: int,
     name: str | None,
@@ -202,6 +211,7 @@ def main(
         allow_models=allow_models,
         default_num_draft_tokens=num_draft_tokens,
         policy=SpeculationPolicy(speculative, default_k=num_draft_tokens),
+        max_n=max_n,
     )
     if name:
         rt.worker_id = name

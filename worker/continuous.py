@@ -77,8 +77,8 @@ def batch_key(
     (plain decoding, and why) comes along for its metrics.
     """
     req = envelope.request
-    if req.stream or (req.seed is not None and req.temperature > 0):
-        return None
+    if req.stream or req.n > 1 or (req.seed is not None and req.temperature > 0):
+        return None  # n > 1: its choices are a batch of their own
     key = (req.model, req.adapter)
     if not req.draft_model:
         return key, None

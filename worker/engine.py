@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from schemas import ChatRequest, ContextLengthError, InvalidRequestError, JobTimeoutError
 from worker.constrain import Constraint, verify
+from worker.logprobs import LogprobCollector, LogprobEntry
 from worker.prefix import common_prefix
 
 #: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
@@ -41,6 +42,7 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     num_draft_tokens: int = 3
     constraint: Constraint | None = None  # response_format: the grammar the output follows
+    logprobs: int | None = None  # None: no logprobs; else how many top alternatives (0-20)
 
     @property
     def penalty_window(self) -> int:
@@ -65,6 +67,9 @@ class GenerationOutput:
     peak_memory_gb: float
     token_ids: tuple[int, ...]
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
+    logprobs: tuple[LogprobEntry, ...] | None = None  # per token of the text, if asked
+    # n > 1: choices 1..n-1 (this one is choice 0; completion_tokens counts them all)
+    others: tuple[GenerationOutput, ...] = ()
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -146,6 +151,7 @@ def params_for(
         logit_bias=bias,
         num_draft_tokens=request.num_draft_tokens or default_num_draft_tokens,
         constraint=constraint,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
     )
 
 
@@ -243,7 +249,7 @@ def generate(
     prompt: list[int],
     params: GenerationParams,
     draft_model: nn.Module | None = None,
-    on_text: Callable[[str], None] | None = None,
+    on_text: Callable[[str, Sequence[LogprobEntry]], None] | None = None,
     deadline: Deadline | None = None,
     cache: list[Any] | None = None,
     cached: int = 0,
@@ -253,10 +259,11 @@ def generate(
     Greedy output (temperature 0) is the same with or without a draft.
     ``on_text`` receives the text as it is produced, in pieces that concatenate
     to exactly the final text: text that could still turn out to be the start
-    of a stop string is held back until it cannot. Past ``deadline`` it raises
-    :class:`JobTimeoutError` (checked at every token). ``cache`` (the target's layers,
-    then the draft's) holds the KV state of the first ``cached`` prompt tokens; only
-    the rest is prefilled.
+    of a stop string is held back until it cannot. With logprobs asked for, each
+    piece comes with the entries of the tokens whose text it completes. Past
+    ``deadline`` it raises :class:`JobTimeoutError` (checked at every token).
+    ``cache`` (the target's layers, then the draft's) holds the KV state of the first
+    ``cached`` prompt tokens; only the rest is prefilled.
     """
     if params.seed is not None:
         mx.random.seed(params.seed)
@@ -274,7 +281,9 @@ def generate(
     text, finish, tokens = "", "length", []
     last = None
     scan = StopScan(params.stop)
-    emitted = 0
+    emitted = sent = 0
+    collector = LogprobCollector(params.logprobs) if params.logprobs is not None else None
+    cut = False
     if cache is not None:
         kwargs["prompt_cache"] = cache
     for response in stream_generate(
@@ -288,18 +297,22 @@ def generate(
             counter.add(response.from_draft)
         grown_from = len(text)
         text += response.text
+        if collector is not None and response.finish_reason != "stop":  # not EOS
+            collector.add(int(response.token), response.logprobs, len(text))
         if (at := scan.find(text, grown_from)) >= 0:
-            text, finish = text[:at], "stop"
+            text, finish, cut = text[:at], "stop", True
             break
         if response.finish_reason is not None:
             finish = response.finish_reason
         if on_text is not None and (safe := scan.safe(text)) > emitted:
-            on_text(text[emitted:safe])
-            emitted = safe
+            done = collector.covered(safe, sent) if collector is not None else 0
+            on_text(text[emitted:safe], collector.entries[sent:done] if collector else ())
+            emitted, sent = safe, max(sent, done)
         if deadline is not None:
             deadline.check()
-    if on_text is not None and len(text) > emitted:
-        on_text(text[emitted:])
+    kept = collector.kept(len(text), cut) if collector is not None else None
+    if on_text is not None and (len(text) > emitted or (kept and len(kept) > sent)):
+        on_text(text[emitted:], kept[sent:] if kept else ())
     end = time.perf_counter()
     if last is None:
         raise RuntimeError("mlx-lm produced no tokens")
@@ -317,4 +330,5 @@ def generate(
         draft_tokens_accepted=counter.accepted if counter else 0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         token_ids=tuple(tokens),
+        logprobs=kept,
     )

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from schemas import ChatRequest
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from schemas import ChatRequest, MlxqError
+from worker.batching import BatchEngine
 from worker.cache import LoadedModel, ModelCache
 from worker.constrain import constraint_for
 from worker.engine import (
@@ -18,7 +23,7 @@ from worker.engine import (
     prompt_tokens,
 )
 from worker.memory import batch_peak_bytes, job_label
-from worker.prefix import starting_cache
+from worker.prefix import PREFILL_STEP, restore, snapshot, starting_cache
 
 _default_cache: ModelCache | None = None
 
@@ -143,6 +148,76 @@ class ChatGenerator:
             if self.models is not None:
                 self.models.kv_reserved = 0
         return replace(out, cached_tokens=reused)
+
+    def generate_choices(
+        self, request: ChatRequest, deadline: Deadline | None = None
+    ) -> GenerationOutput:
+        """``request.n`` choices of one prompt: one prefill, then the n sequences decode
+        together as one batch (each with its own sampler, processors, stops and limit;
+        with a ``seed``, choice i draws from seed + i). Choice 0 is the output, the others
+        in ``others``; ``completion_tokens`` counts every choice's tokens."""
+        target, n = self.target, request.n
+        prompt = prompt_tokens(target.tokenizer, request)
+        constraint = constraint_for(request, target.tokenizer, target.vocab_size)
+        params = params_for(
+            request, len(prompt), target.context_length, target.vocab_size, constraint=constraint
+        )
+        if self.models is not None:
+            need = batch_peak_bytes(target.kv, [(len(prompt), params.max_tokens)] * n)
+            self.models.make_kv_room(need, f"{n} x {job_label(len(prompt), params.max_tokens)}")
+            self.models.kv_reserved = need
+        engine = BatchEngine(target, n)
+        start = time.perf_counter()
+        try:
+            layers, held, reused = self._shared_prefill(request, prompt)
+            seed = params.seed
+            for i in range(n):
+                choice = replace(params, seed=seed + i) if seed is not None else params
+                cache = restore(layers, held) if layers is not None else None
+                engine.add(i, prompt, choice, cache, held if layers is not None else 0, reused)
+            outs: dict[Hashable, GenerationOutput] = {}
+            while len(engine):
+                for tag, out in engine.step().done:
+                    if isinstance(out, MlxqError):
+                        raise out
+                    outs[tag] = out
+                if deadline is not None:
+                    deadline.check()
+        finally:
+            engine.close()
+            if self.models is not None:
+                self.models.kv_reserved = 0
+        first, others = outs[0], tuple(outs[i] for i in range(1, n))
+        total = sum(o.completion_tokens for o in outs.values())
+        elapsed = time.perf_counter() - start
+        decode = max(elapsed - first.time_to_first_token_s, 1e-9)
+        return replace(
+            first,
+            completion_tokens=total,
+            generation_tokens_per_s=total / decode,
+            total_time_s=elapsed,
+            others=others,
+        )
+
+    def _shared_prefill(
+        self, request: ChatRequest, prompt: list[int]
+    ) -> tuple[list[Any] | None, int, int]:
+        """The KV state of all of ``prompt`` but its last token, computed once for every
+        choice (starting from a kept prefix, if any): (layers, tokens held, tokens reused).
+        (None, 0, 0) if the model's caches cannot be copied that way. (The batch's
+        penalties still see the whole prompt: it is handed to each sequence.)"""
+        held = len(prompt) - 1
+        if held < 1:
+            return None, 0, 0
+        cache, cached, reused = self.starting_cache(request, prompt, held)
+        if cache is None:
+            cache, cached = make_prompt_cache(self.target.model), 0
+        model = self.target.model
+        for i in range(cached, held, PREFILL_STEP):
+            model(mx.array(prompt[i : min(i + PREFILL_STEP, held)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        layers = snapshot(cache, held)
+        return (layers, held, reused) if layers is not None else (None, 0, 0)
 
     def starting_cache(
         self,

@@ -14,9 +14,11 @@ from redis import Redis
 
 from schemas import GenerationError, MlxqError, ResultRecord
 from worker import records
+from worker.constrain import token_bytes
 from worker.engine import Deadline
 from worker.generator import ChatGenerator
 from worker.lifecycle import Job
+from worker.policy import Decision
 from worker.runtime import WorkerRuntime
 from worker.streaming import ChunkWriter
 
@@ -54,9 +56,24 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
         rt.check_request(req)
         generator = ChatGenerator.get_or_create(req.model, req.draft_model, req.adapter, rt.cache)
         if req.stream:
-            writer = ChunkWriter(conn, job.id, completion_id, req.model, ttl)
+            target = generator.target
+            bytes_of = token_bytes(target.tokenizer, target.vocab_size) if req.logprobs else None
+            writer = ChunkWriter(conn, job.id, completion_id, req.model, ttl, bytes_of)
             writer.start()
         decision = None
+        if req.n > 1:
+            if req.draft_model:
+                decision = Decision(0, f"n={req.n}: the choices decode as one batch, plainly")
+            out = generator.generate_choices(req, deadline=deadline_of(job))
+            return records.success(
+                job,
+                rt,
+                out,
+                generator,
+                completion_id=completion_id,
+                batched_with=req.n,
+                decision=decision,
+            )
         if req.draft_model:
             decision = rt.policy.choose(req.model, req.draft_model, req.num_draft_tokens)
         out = generator.generate(

@@ -9,6 +9,7 @@ carries the target's vector from verification), batched, streamed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,32 +38,31 @@ class LogprobCollector:
             vals = lp[idx]
             mx.eval(chosen, idx, vals)
             pairs = sorted(zip(idx.tolist(), vals.tolist(), strict=True), key=lambda p: -p[1])
-            top = tuple((int(i), float(v)) for i, v in pairs)
+            # A token a mask forbids (-inf) is no alternative (and not JSON): left out.
+            top = tuple((int(i), float(v)) for i, v in pairs if v != -math.inf)
         else:
             top = ()
         self.entries.append((int(token), float(chosen.item()), top))
         self.ends.append(text_end)
 
-    def covered(self, upto: int) -> int:
-        """How many leading tokens have all their text within ``text[:upto]``."""
-        n = 0
+    def covered(self, upto: int, start: int = 0) -> int:
+        """How many leading tokens have all their text within ``text[:upto]`` (the first
+        ``start`` are known to)."""
+        n = start
         while n < len(self.ends) and self.ends[n] <= upto:
             n += 1
         return n
 
-    def kept(self, text_len: int, eos_last: bool, cut: bool) -> tuple[LogprobEntry, ...]:
-        """The entries of the tokens in the final text: not a closing EOS, and after a
+    def kept(self, text_len: int, cut: bool) -> tuple[LogprobEntry, ...]:
+        """The entries of the tokens in the final text (EOS is never added): after a
         stop string cut the text at ``text_len``, only tokens that began before it."""
-        entries = self.entries[:-1] if eos_last else self.entries
         if not cut:
-            return tuple(entries)
-        starts = [0, *self.ends[: len(entries) - 1]]
-        return tuple(e for e, s in zip(entries, starts, strict=True) if s < text_len)
+            return tuple(self.entries)
+        starts = [0, *self.ends[:-1]]
+        return tuple(e for e, s in zip(self.entries, starts, strict=True) if s < text_len)
 
 
-def render(
-    entries: Sequence[LogprobEntry], token_bytes: Callable[[int], bytes]
-) -> ChoiceLogprobs:
+def render(entries: Sequence[LogprobEntry], token_bytes: Callable[[int], bytes]) -> ChoiceLogprobs:
     """OpenAI's ``choices[].logprobs`` for ``entries``."""
 
     def one(token: int, logprob: float) -> dict[str, Any]:

@@ -17,9 +17,11 @@ from schemas import (
     Usage,
 )
 from schemas.result import PromptTokensDetails
+from worker.constrain import token_bytes
 from worker.engine import GenerationOutput
 from worker.generator import ChatGenerator
 from worker.lifecycle import Job
+from worker.logprobs import render
 from worker.policy import Decision
 from worker.runtime import WorkerRuntime
 
@@ -36,14 +38,27 @@ def new_completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex[:24]}"
 
 
-def completion_for(job: Job, out: GenerationOutput, completion_id: str) -> ChatCompletion:
-    """The OpenAI ``chat.completion`` object for a finished generation."""
+def completion_for(
+    job: Job, out: GenerationOutput, completion_id: str, generator: ChatGenerator
+) -> ChatCompletion:
+    """The OpenAI ``chat.completion`` object for a finished generation (its n choices)."""
+    bytes_of = None
+    if out.logprobs is not None:
+        bytes_of = token_bytes(generator.target.tokenizer, generator.target.vocab_size)
     return ChatCompletion(
         id=completion_id,
         created=int(time.time()),
         model=job.envelope.request.model,
         choices=[
-            Choice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)
+            Choice(
+                index=i,
+                message=AssistantMessage(content=o.text),
+                finish_reason=o.finish_reason,
+                logprobs=render(o.logprobs, bytes_of)
+                if o.logprobs is not None and bytes_of
+                else None,
+            )
+            for i, o in enumerate((out, *out.others))
         ],
         usage=Usage(
             prompt_tokens=out.prompt_tokens,
@@ -104,7 +119,7 @@ def success(
         batch_id=job.envelope.batch_id,
         custom_id=job.envelope.custom_id,
         status="succeeded",
-        response=completion_for(job, out, completion_id or new_completion_id()),
+        response=completion_for(job, out, completion_id or new_completion_id(), generator),
         metrics=metrics,
         finished_at=time.time(),
     )

@@ -7,7 +7,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from schemas import ChatRequest, ModelNotAllowedError
+from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
 from worker.cache import ModelCache
 from worker.generator import default_cache, set_default_cache
 from worker.policy import SpeculationPolicy
@@ -24,6 +24,7 @@ class WorkerRuntime:
     default_num_draft_tokens: int = 3
     stats: WorkerStats = field(default_factory=WorkerStats)
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    max_n: int = 16  # the most choices (``n``) one job may ask for here (``--max-n``)
 
     def check_allowed(self, name: str, what: str = "model") -> None:
         """Raise :class:`ModelNotAllowedError` unless ``name`` matches an ``--allow-model`` glob."""
@@ -40,6 +41,11 @@ class WorkerRuntime:
             self.check_allowed(request.draft_model, "draft model")
         if request.adapter:
             self.check_allowed(request.adapter, "adapter")
+        if request.n > self.max_n:
+            raise InvalidRequestError(
+                f"n={request.n} is more choices than this worker runs in one job "
+                f"(--max-n {self.max_n}): submit several jobs with different seeds"
+            )
 
 
 _current: WorkerRuntime | None = None

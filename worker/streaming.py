@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis import Redis
 
 from schemas import keys
+from worker.logprobs import LogprobEntry, render
 
 #: Entries kept per job stream (XADD MAXLEN ~): plenty for one completion.
 STREAM_MAXLEN = 20_000
@@ -17,8 +19,18 @@ STREAM_MAXLEN = 20_000
 class ChunkWriter:
     """Appends a job's chunks to ``mlxq:stream:<job_id>`` (field ``chunk``, JSON)."""
 
-    def __init__(self, conn: Redis, job_id: str, completion_id: str, model: str, ttl: int) -> None:
+    def __init__(
+        self,
+        conn: Redis,
+        job_id: str,
+        completion_id: str,
+        model: str,
+        ttl: int,
+        token_bytes: Callable[[int], bytes] | None = None,
+    ) -> None:
+        """``token_bytes``: given when the job asked for logprobs (chunks carry them)."""
         self.conn, self.key, self.ttl = conn, keys.stream_key(job_id), ttl
+        self.token_bytes = token_bytes
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -42,9 +54,14 @@ class ChunkWriter:
         self.conn.delete(self.key)
         self._choice({"role": "assistant", "content": ""})
 
-    def text(self, delta: str) -> None:
-        if delta:
-            self._choice({"content": delta})
+    def text(self, delta: str, logprobs: Sequence[LogprobEntry] = ()) -> None:
+        """A piece of the text, with the logprobs of the tokens it completes."""
+        if not delta and not logprobs:
+            return
+        extra = None
+        if self.token_bytes is not None:
+            extra = render(logprobs, self.token_bytes).model_dump(mode="json")
+        self._choice({"content": delta}, extra)
 
     def finish(self, finish_reason: str, usage: dict[str, int]) -> None:
         self._add(
@@ -54,5 +71,8 @@ class ChunkWriter:
     def error(self, error: dict[str, Any]) -> None:
         self._add({"choices": [], "error": error})
 
-    def _choice(self, delta: dict[str, str]) -> None:
-        self._add({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    def _choice(self, delta: dict[str, str], logprobs: dict[str, Any] | None = None) -> None:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        self._add({"choices": [choice]})
