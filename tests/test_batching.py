@@ -146,30 +146,39 @@ def test_deep_queue_of_draft_jobs_is_batched_when_batching_measures_faster(conn,
     jobs = _draft_jobs(tiny, 6)
     s = Client(connection=conn).submit(jobs, batch_id="spec")
     rt = runtime.WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("always"))
-    run_worker(redis_url, runtime=rt, max_batch=4)
+    run_worker(redis_url, runtime=rt, max_batch=1)
     alone = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
     assert all(r.metrics.speculative and r.metrics.batch_size == 1 for r in alone.values())
 
     policy = _seeded_policy(tiny)
     rt = runtime.WorkerRuntime(cache=ModelCache(), policy=policy)
-    for round_, reason in (("measure", "measuring batching"), ("exploit", "beats one at a time")):
+    rounds = (
+        ("measure", "measuring batching", False),
+        ("measure-spec", "measuring speculative batching at k=3", True),
+    )
+    for round_, reason, speculative in rounds:
         s = Client(connection=conn).submit(jobs, batch_id=round_)
         run_worker(redis_url, runtime=rt, max_batch=4)
         got = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
         assert max(r.metrics.batch_size for r in got.values()) > 1
         for cid, r in got.items():
             assert r.status == "succeeded", r.error
-            assert not r.metrics.speculative and reason in r.metrics.speculation_reason
+            assert r.metrics.speculative == speculative and reason in r.metrics.speculation_reason
             assert r.metrics.draft_model == tiny.draft
             text = r.response.choices[0].message.content
             assert text == alone[cid].response.choices[0].message.content
-        # The batches' aggregate speed was measured and fed back to the policy.
-        assert policy.batches[(tiny.target, None)].by_size
+            if speculative:  # the same rounds as alone at the same k: the same counts
+                assert r.metrics.draft_tokens_proposed == alone[cid].metrics.draft_tokens_proposed
+                assert r.metrics.draft_tokens_accepted == alone[cid].metrics.draft_tokens_accepted
+    # Both batch kinds' aggregate speeds were measured and fed back to the policy.
+    assert policy.batches[(tiny.target, None)].by_size
+    assert policy.spec_batches[(tiny.target, None, tiny.draft, 3)].by_size
 
 
 def test_deep_queue_of_draft_jobs_speculates_when_batching_measures_slower(conn, redis_url, tiny):
     policy = _seeded_policy(tiny)
     policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0)  # batches crawl
+    policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0, draft=tiny.draft, k=3)
     s = Client(connection=conn).submit(_draft_jobs(tiny, 4))
     run_worker(
         redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache(), policy=policy), max_batch=4

@@ -318,19 +318,27 @@ def test_a_long_job_outlives_its_lease_without_being_requeued(conn, redis_url, t
     assert w.wait() == 0
 
 
-def test_sigkill_mid_batch_recovers_every_job(conn, redis_url, tiny, workers):
+@pytest.mark.parametrize("speculative", [False, True])
+def test_sigkill_mid_batch_recovers_every_job(conn, redis_url, tiny, workers, speculative):
     client = Client(connection=conn)
-    s = client.submit({f"s{i}": slow_job(tiny, content=f"job {i}") for i in range(3)})
-    a = workers("--lease-seconds", "2", "--max-batch", "4", name="batch-a")
+    # Its own draft: every proposal accepted, so a round costs what plain decoding does.
+    extra = {"draft_model": tiny.slow} if speculative else {}
+    s = client.submit({f"s{i}": slow_job(tiny, content=f"job {i}", **extra) for i in range(3)})
+    args = ("--lease-seconds", "2", "--max-batch", "4", "--speculative", "always")
+    a = workers(*args, name="batch-a")
     wait_for(lambda: all(running_execution(conn, j) for j in s.job_ids))  # all in one batch
     a.signal(signal.SIGKILL)
     a.wait()
-    b = workers("--lease-seconds", "2", "--max-batch", "4", name="batch-b")
+    b = workers(*args, name="batch-b")
     records = [one_result(conn, j) for j in s.job_ids]
     assert all(r.status == "succeeded" for r in records)
     assert all(r.response.usage.completion_tokens == SLOW_TOKENS for r in records)
+    assert all(r.metrics.speculative == speculative for r in records)
+    if speculative:  # they ran in a speculative batch, after the kill too
+        assert all(r.metrics.batch_size > 1 and r.metrics.draft_tokens_proposed for r in records)
     assert all(conn.get(keys.crashes_key(j)) == b"1" for j in s.job_ids)
-    FAULT_REPORT.append({"test": "sigkill mid-batch", "kills": 1, "jobs_recovered": 3})
+    name = "sigkill mid-batch" + (" (speculative)" if speculative else "")
+    FAULT_REPORT.append({"test": name, "kills": 1, "jobs_recovered": 3})
     b.signal(signal.SIGTERM)
     assert b.wait() == 0
 

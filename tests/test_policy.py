@@ -139,18 +139,31 @@ def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
     assert first is not None and first.k == PLAIN and "measuring batching" in first.reason
     alone = max(true_speed(k, 0.8) for k in range(1, 9))
     policy.record_batch("t", None, 8, tokens=int(40 * alone), seconds=10.0)  # 4x alone
+    second = policy.batch_instead("t", "d", None, depth=7)  # then a speculative batch
+    assert second is not None and second.k == 3
+    assert "measuring speculative batching" in second.reason
+    policy.record_batch("t", None, 8, tokens=int(20 * alone), seconds=10.0, draft="d", k=3)
     won = policy.batch_instead("t", "d", None, depth=7)  # nearest measured size: 8
     assert won is not None and won.k == PLAIN and "beats one at a time" in won.reason
-    assert policy.batch_instead("t", "d", None, depth=8, fixed_k=3) is None  # the job's k rules
+    fixed = policy.batch_instead("t", "d", None, depth=8, fixed_k=2)  # the job's k rules
+    assert fixed is not None and fixed.k == 2
     assert policy.batch_instead("t", "d", "an-adapter", depth=8).reason.startswith(
         "auto: measuring"
     )
+    # A speculative batch measured faster than both (again and again): it runs.
+    for _ in range(4):
+        policy.record_batch("t", None, 8, tokens=int(80 * alone), seconds=10.0, draft="d", k=3)
+    spec = policy.batch_instead("t", "d", None, depth=8)
+    assert spec is not None and spec.k == 3 and "speculative batch at k=3" in spec.reason
+    assert policy.batch_limit("t", None, "d", 3)[1].startswith("speed: 8 measured fastest")
 
     slow = SpeculationPolicy("auto", default_k=3)
     drive(slow, p=0.8, jobs=3)
     slow.record_batch("t", None, 8, tokens=int(5 * alone), seconds=10.0)  # 0.5x alone
+    slow.record_batch("t", None, 8, tokens=int(6 * alone), seconds=10.0, draft="d", k=3)
     assert slow.batch_instead("t", "d", None, depth=8) is None  # speculating one at a time wins
 
-    assert SpeculationPolicy("always").batch_instead("t", "d", None, depth=8) is None
+    always = SpeculationPolicy("always", default_k=4).batch_instead("t", "d", None, depth=8)
+    assert always is not None and always.k == 4  # speculative, in a batch
     never = SpeculationPolicy("never").batch_instead("t", "d", None, depth=2)
     assert never is not None and never.k == PLAIN

@@ -70,7 +70,7 @@ def sampler_for(params: GenerationParams) -> Any:
 
 
 @dataclass
-class _Sequence:
+class SeqState:
     """One sequence of the batch, and what it has produced so far."""
 
     tag: Hashable
@@ -85,6 +85,8 @@ class _Sequence:
     first_token_at: float | None = None
     text: str = ""
     tokens: list[int] = field(default_factory=list)
+    draft_proposed: int = 0  # speculative batches (``worker.specbatch``)
+    draft_accepted: int = 0
 
     def output(self, finish: str) -> GenerationOutput:
         end = time.perf_counter()
@@ -99,8 +101,8 @@ class _Sequence:
             prompt_tokens_per_s=self.prompt_len / max(first - self.admitted_at, 1e-9),
             generation_tokens_per_s=n / max(end - first, 1e-9) if n > 1 else 0.0,
             total_time_s=end - self.admitted_at,
-            draft_tokens_proposed=0,
-            draft_tokens_accepted=0,
+            draft_tokens_proposed=self.draft_proposed,
+            draft_tokens_accepted=self.draft_accepted,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             token_ids=tuple(self.tokens),
             cached_tokens=self.cached_tokens,
@@ -119,10 +121,15 @@ PREFILL_BATCH = 8
 class Step:
     """What one decoding step did."""
 
-    tokens: int  # tokens decoded (one per decoding sequence)
+    tokens: int  # tokens decoded (one per decoding sequence; more when speculative)
     # sequences that finished, with their outputs (or what failed them)
     done: list[tuple[Hashable, GenerationOutput | MlxqError]]
     prefilled: bool  # whether prompt chunks were prefilled in this step too
+    decoding: int = -1  # sequences that decoded (-1: as many as ``tokens``)
+
+    @property
+    def sequences(self) -> int:
+        return self.tokens if self.decoding < 0 else self.decoding
 
 
 class BatchEngine:
@@ -144,7 +151,7 @@ class BatchEngine:
             prefill_batch_size=min(max_batch, PREFILL_BATCH),
             prefill_step_size=prefill_step,
         )
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SeqState] = {}
 
     @property
     def kv_bytes(self) -> int:
@@ -181,7 +188,7 @@ class BatchEngine:
         detok = self.target.tokenizer.detokenizer  # a fresh one per access
         scan = StopScan(params.stop)
         collector = LogprobCollector(params.logprobs) if params.logprobs is not None else None
-        self._seqs[uid] = _Sequence(tag, len(prompt), params, scan, detok, reused, collector)
+        self._seqs[uid] = SeqState(tag, len(prompt), params, scan, detok, reused, collector)
 
     def lengths(self) -> list[tuple[int, int]]:
         """(tokens in its KV cache, tokens it may still add) of every sequence: what
@@ -227,7 +234,7 @@ class BatchEngine:
 
     @staticmethod
     def _advance(
-        seq: _Sequence, token: int, finish_reason: str | None, logprobs: mx.array
+        seq: SeqState, token: int, finish_reason: str | None, logprobs: mx.array
     ) -> str | None:
         """Add ``token`` to the sequence's text; its finish reason if it ends here."""
         if finish_reason == "stop":  # EOS: not part of the text

@@ -50,10 +50,12 @@ from worker.lifecycle import Job, Lifecycle
 from worker.memory import batch_peak_bytes, job_label
 from worker.policy import Decision
 from worker.runtime import WorkerRuntime
+from worker.specbatch import SpecBatchEngine
 
 log = logging.getLogger(__name__)
 
-BatchKey = tuple[str, str | None]
+#: (model, adapter, draft, k): a plain batch has no draft and k 0.
+BatchKey = tuple[str, str | None, str | None, int]
 
 #: Seconds a batch stops taking jobs after one could not join (FIFO: it waits first).
 PAUSE_AFTER_HAND_BACK_S = 1.0
@@ -70,22 +72,24 @@ AUTO_CAP = 256
 def batch_key(
     envelope: JobEnvelope, rt: WorkerRuntime, depth: int
 ) -> tuple[BatchKey, Decision | None] | None:
-    """The (model, adapter) batch a job may join, or None if it runs alone.
+    """The batch a job may join, or None if it runs alone.
 
-    A job naming a draft joins only when the speculation policy finds batching
-    ``depth`` jobs faster than speculating one at a time; the policy's decision
-    (plain decoding, and why) comes along for its metrics.
+    A job naming a draft joins a batch when the speculation policy says so: without
+    the draft (k 0) or in a speculative batch with it at k; the policy's decision
+    (and why) comes along for its metrics.
     """
     req = envelope.request
     if req.stream or req.n > 1 or (req.seed is not None and req.temperature > 0):
         return None  # n > 1: its choices are a batch of their own
-    key = (req.model, req.adapter)
     if not req.draft_model:
-        return key, None
+        return (req.model, req.adapter, None, 0), None
     decision = rt.policy.batch_instead(
         req.model, req.draft_model, req.adapter, depth, req.num_draft_tokens
     )
-    return (key, decision) if decision is not None else None
+    if decision is None:
+        return None
+    draft = req.draft_model if decision.speculative else None
+    return (req.model, req.adapter, draft, decision.k), decision
 
 
 class Host(Protocol):
@@ -119,13 +123,13 @@ class ContinuousBatch:
         self.cap = host.max_batch or AUTO_CAP
         self.slots: dict[str, _Slot] = {}
         self.generator: ChatGenerator | None = None
-        self.engine: BatchEngine | None = None
+        self.engine: BatchEngine | SpecBatchEngine | None = None
         self._pause_until = 0.0
         self._held: tuple[int, int] | None = None  # (prompt, max_tokens) waiting for memory
         self._reason = QUEUE_EMPTY
         self._projected = 0  # the most the batch's KV caches can grow to (bytes)
         self._prefilled = True  # whether the last step prefilled (its time is not decoding)
-        self._speeds: dict[int, list[float]] = {}  # batch size -> [seconds, steps]
+        self._speeds: dict[int, list[float]] = {}  # batch size -> [seconds, steps, tokens]
         self.peak_kv_bytes = 0  # measured, after each step
         self.peak_projected_bytes = 0
         self.peak_size = 0
@@ -155,7 +159,7 @@ class ContinuousBatch:
                 self._finish_outputs(step.done)
                 self._expire()
                 if not (step.prefilled or self._prefilled):  # a decoding step only
-                    self._measure(step.tokens, seconds)
+                    self._measure(step.sequences, step.tokens, seconds)
                 self._prefilled = step.prefilled
                 self._fill()
                 self._publish(kv_bytes)
@@ -193,7 +197,7 @@ class ContinuousBatch:
         """How many jobs the batch may hold now, and why (before memory)."""
         if self.host.max_batch is not None:
             return self.cap, f"cap: --max-batch {self.cap}"
-        limit, reason = self.rt.policy.batch_limit(*self.key)
+        limit, reason = self.rt.policy.batch_limit(*self.key)  # per (model, adapter, draft, k)
         return (limit, reason) if limit < self.cap else (self.cap, f"cap: {self.cap} (auto)")
 
     def _fill(self) -> None:
@@ -237,7 +241,8 @@ class ContinuousBatch:
                 return False
             assert self.generator is not None
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
-                start = self.generator.starting_cache(req, prompt, len(prompt) - 1)
+                draft = self.generator.draft if self.key[2] else None
+                start = self.generator.starting_cache(req, prompt, len(prompt) - 1, draft)
         except MlxqError as e:
             self._end([(job, records.failure(job, self.rt, e))])
             return False
@@ -246,7 +251,8 @@ class ContinuousBatch:
             error = GenerationError(f"{type(e).__name__}: {e}")
             self._end([(job, records.failure(job, self.rt, error))])
             return False
-        engine.add(job.id, prompt, params, *start)
+        with self.host.computing():  # a speculative batch prefills a joiner here
+            engine.add(job.id, prompt, params, *start)
         self.slots[job.id] = _Slot(job, decision)
         self._reserve()
         return True
@@ -256,7 +262,7 @@ class ContinuousBatch:
         room (kept prefixes go) or raise ContextTooLargeError; if others run and it does
         not fit, hand it back to the front of its queue to wait."""
         assert self.engine is not None
-        alone = batch_peak_bytes(self.engine.target.kv, [(prompt, params.max_tokens)])
+        alone = self._peak([(prompt, params.max_tokens)])
         what = job_label(prompt, params.max_tokens)
         if not self.slots:
             self.rt.cache.make_kv_room(alone, what)
@@ -279,23 +285,33 @@ class ContinuousBatch:
     def _overflow(self, prompt: int, max_tokens: int) -> int:
         """Bytes by which the batch's projected KV would exceed the room with this job."""
         assert self.engine is not None
-        sequences = [*self.engine.lengths(), (prompt, max_tokens)]
-        return batch_peak_bytes(self.engine.target.kv, sequences) - self._room()
+        return self._peak([*self.engine.lengths(), (prompt, max_tokens)]) - self._room()
+
+    def _peak(self, sequences: list[tuple[int, int]]) -> int:
+        """The most the batch's KV caches can hold for ``sequences`` (the draft's too)."""
+        assert self.engine is not None
+        models = [self.engine.target]
+        if isinstance(self.engine, SpecBatchEngine):
+            models.append(self.engine.draft)
+        return sum(batch_peak_bytes(m.kv, sequences) for m in models)
 
     def _reserve(self) -> None:
         """Reserve what the batch's KV caches can grow to (kept prefixes keep out of it)."""
         assert self.engine is not None
-        self._projected = batch_peak_bytes(self.engine.target.kv, self.engine.lengths())
+        self._projected = self._peak(self.engine.lengths())
         self.peak_projected_bytes = max(self.peak_projected_bytes, self._projected)
         self.rt.cache.kv_reserved = self._projected
 
-    def _engine(self, job: Job) -> BatchEngine:
+    def _engine(self, job: Job) -> BatchEngine | SpecBatchEngine:
         if self.engine is None:
-            req = job.envelope.request
-            self.generator = ChatGenerator.get_or_create(
-                req.model, None, req.adapter, self.rt.cache
-            )
-            self.engine = BatchEngine(self.generator.target, self.cap)
+            model, adapter, draft, k = self.key
+            self.generator = ChatGenerator.get_or_create(model, draft, adapter, self.rt.cache)
+            if draft is not None and self.generator.draft is not None:
+                self.engine = SpecBatchEngine(
+                    self.generator.target, self.generator.draft, k, self.cap
+                )
+            else:
+                self.engine = BatchEngine(self.generator.target, self.cap)
         return self.engine
 
     def _publish(self, kv_bytes: int) -> None:
@@ -355,16 +371,18 @@ class ContinuousBatch:
         self._end(ended)
 
     # -- measuring --------------------------------------------------------
-    def _measure(self, size: int, seconds: float) -> None:
+    def _measure(self, size: int, tokens: int, seconds: float) -> None:
         """Pool decoding steps per batch size; report to the policy every few steps."""
         if size < 1:
             return
-        pooled = self._speeds.setdefault(size, [0.0, 0])
+        pooled = self._speeds.setdefault(size, [0.0, 0, 0])
         pooled[0] += seconds
         pooled[1] += 1
+        pooled[2] += tokens
         if pooled[1] >= MEASURE_STEPS:
             self._report(size)
 
     def _report(self, size: int) -> None:
-        seconds, steps = self._speeds.pop(size)  # each step decodes one token per sequence
-        self.rt.policy.record_batch(self.key[0], self.key[1], size, int(size * steps), seconds)
+        seconds, _, tokens = self._speeds.pop(size)
+        model, adapter, draft, k = self.key
+        self.rt.policy.record_batch(model, adapter, size, int(tokens), seconds, draft, k)

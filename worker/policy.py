@@ -196,6 +196,8 @@ class SpeculationPolicy:
         self.mode, self.default_k, self.ks, self.probe_every = mode, default_k, ks, probe_every
         self.pairs: dict[tuple[str, str], PairStats] = {}
         self.batches: dict[tuple[str, str | None], BatchRates] = {}
+        # speculative batches: (target, adapter, draft, k) -> their measured speeds
+        self.spec_batches: dict[tuple[str, str | None, str, int], BatchRates] = {}
         self._lock = threading.Lock()
 
     def batch_instead(
@@ -206,14 +208,22 @@ class SpeculationPolicy:
         depth: int,
         fixed_k: int | None = None,
     ) -> Decision | None:
-        """Plain decoding in a batch for a draft job with ``depth`` jobs waiting, or None.
+        """How a draft job with ``depth`` jobs waiting runs in a batch, or None.
 
-        None means: run it alone, as :meth:`choose` decides.
+        A decision with k == 0 batches it without the draft, k > 0 in a speculative
+        batch at that k; None means: run it alone, as :meth:`choose` decides.
+        ``always`` (or a job that fixes its k) batches speculatively; ``never``
+        batches plainly; ``auto`` measures all three ways and runs the fastest.
         """
-        if depth < 2 or fixed_k is not None or self.mode == "always":
+        if depth < 2:
             return None
         if self.mode == "never":
             return Decision(PLAIN, "policy never: draft ignored, batched")
+        if fixed_k is not None:
+            return Decision(fixed_k, f"num_draft_tokens fixed by the job: batched at k={fixed_k}")
+        if self.mode == "always":
+            k = self.default_k
+            return Decision(k, f"policy always: speculative batch at k={k}")
         with self._lock:
             pair = self.pairs.get((target, draft))
             if pair is None or any(pair.arms.get(k, Arm()).runs == 0 for k in self._explore()):
@@ -223,27 +233,56 @@ class SpeculationPolicy:
             batched = rates.rate(depth) if rates else None
             if batched is None:
                 return Decision(PLAIN, f"auto: measuring batching ({depth} jobs waiting)")
-            if batched > alone:
+            k = self.default_k
+            spec = self.spec_batches.get((target, adapter, draft, k))
+            spec_rate = spec.rate(depth) if spec else None
+            if spec_rate is None:
+                return Decision(k, f"auto: measuring speculative batching at k={k}")
+            best = max(alone, batched, spec_rate)
+            if best == spec_rate:
+                return Decision(
+                    k,
+                    f"auto: a speculative batch at k={k} ({spec_rate:.1f} tok/s) beats "
+                    f"batching without the draft ({batched:.1f}) and one at a time "
+                    f"({alone:.1f})",
+                )
+            if best == batched:
                 return Decision(
                     PLAIN,
                     f"auto: batching about {depth} jobs ({batched:.1f} tok/s) beats "
-                    f"one at a time ({alone:.1f} tok/s)",
+                    f"one at a time ({alone:.1f} tok/s) and a speculative batch "
+                    f"({spec_rate:.1f})",
                 )
             return None
 
     def record_batch(
-        self, target: str, adapter: str | None, size: int, tokens: int, seconds: float
+        self,
+        target: str,
+        adapter: str | None,
+        size: int,
+        tokens: int,
+        seconds: float,
+        draft: str | None = None,
+        k: int = PLAIN,
     ) -> None:
-        """Feed back ``tokens`` decoded in ``seconds`` by a batch of ``size`` jobs."""
+        """Feed back ``tokens`` decoded in ``seconds`` by a batch of ``size`` jobs (a
+        speculative one when ``draft`` and ``k`` are given)."""
         if size < 1 or tokens < 1 or seconds <= 0:
             return
         with self._lock:
-            self.batches.setdefault((target, adapter), BatchRates()).record(size, tokens / seconds)
+            self._rates(target, adapter, draft, k).record(size, tokens / seconds)
 
-    def batch_limit(self, target: str, adapter: str | None) -> tuple[int, str]:
+    def batch_limit(
+        self, target: str, adapter: str | None, draft: str | None = None, k: int = PLAIN
+    ) -> tuple[int, str]:
         """The batch size measured speed favours for (target, adapter), and why."""
         with self._lock:
-            return self.batches.setdefault((target, adapter), BatchRates()).limit()
+            return self._rates(target, adapter, draft, k).limit()
+
+    def _rates(self, target: str, adapter: str | None, draft: str | None, k: int) -> BatchRates:
+        if draft is None or k == PLAIN:
+            return self.batches.setdefault((target, adapter), BatchRates())
+        return self.spec_batches.setdefault((target, adapter, draft, k), BatchRates())
 
     def _explore(self) -> tuple[int, ...]:
         second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))

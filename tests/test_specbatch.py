@@ -1,0 +1,160 @@
+"""Speculative decoding inside continuous batches: the same greedy output and the same
+acceptance counts as each job speculating alone, whoever shares the batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from producer import Client
+from schemas import ChatRequest
+from schemas.store import read_result
+from tests.conftest import chat, run_worker
+from tests.models import noisy_copy, with_eos
+from tests.test_logprobs import _close
+from tests.test_structured import SCHEMA, schema_format
+from worker import runtime
+from worker.cache import ModelCache
+from worker.engine import params_for, prompt_tokens
+from worker.generator import ChatGenerator
+from worker.policy import SpeculationPolicy
+from worker.specbatch import SpecBatchEngine
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def pair(tiny, tmp_path_factory) -> tuple[str, str]:
+    """The tiny target with an extra EOS on a common token (sequences end at different
+    rounds), and a noisy copy of it as the draft (acceptance about 0.5-0.7)."""
+    root = tmp_path_factory.mktemp("spec")
+    gen = ChatGenerator.get_or_create(tiny.target, cache=ModelCache())
+    probe = gen.generate(
+        ChatRequest.model_validate(chat(tiny.target, max_tokens=60, temperature=0))
+    )
+    common = max(set(probe.token_ids), key=probe.token_ids.count)
+    target = with_eos(tiny.target, root / "target-eos", common)
+    return target, noisy_copy(tiny.target, root / "noisy", 0.01)
+
+
+def _requests(target: str, n: int, **fields) -> list[ChatRequest]:
+    return [
+        ChatRequest.model_validate(
+            chat(
+                target,
+                content=f"prompt {i} " + "queue worker " * (i % 4),
+                max_tokens=8 + 9 * (i % 5),
+                temperature=0,
+                stop=[". "] if i % 3 == 2 else None,
+                **fields,
+            )
+        )
+        for i in range(n)
+    ]
+
+
+def test_engine_equals_speculating_alone_with_joins_leaves_stops_and_eos(pair):
+    target, draft = pair
+    gen = ChatGenerator.get_or_create(target, draft, cache=ModelCache())
+    reqs = _requests(target, 9)
+    alone = [gen.generate(r, num_draft_tokens=K) for r in reqs]
+    engine = SpecBatchEngine(gen.target, gen.draft, K, 8)
+    outs, rounds, waiting = {}, 0, list(enumerate(reqs))
+
+    def join(count: int) -> None:
+        for _ in range(min(count, len(waiting))):
+            i, r = waiting.pop(0)
+            prompt = prompt_tokens(gen.target.tokenizer, r)
+            engine.add(i, prompt, params_for(r, len(prompt), 512, 512, K))
+
+    join(4)
+    sizes = []
+    while len(engine) or waiting:
+        sizes.append(len(engine))
+        for tag, out in engine.step().done:
+            outs[tag] = out
+        rounds += 1
+        if rounds % 2 == 0:
+            join(2)  # new sequences join between rounds, others have left
+    assert max(sizes) >= 4 and len(set(sizes)) > 2
+    assert {o.finish_reason for o in outs.values()} == {"stop", "length"}
+    eos = gen.target.tokenizer.eos_token_ids
+    assert any(o.token_ids[-1] in eos for o in outs.values())  # ended by EOS
+    assert any(o.finish_reason == "stop" and o.token_ids[-1] not in eos for o in outs.values())
+    for i, a in enumerate(alone):
+        b = outs[i]
+        assert (b.text, b.finish_reason, b.token_ids) == (a.text, a.finish_reason, a.token_ids), i
+        assert (b.draft_tokens_proposed, b.draft_tokens_accepted) == (
+            a.draft_tokens_proposed,
+            a.draft_tokens_accepted,
+        ), i
+    accepted = sum(o.draft_tokens_accepted for o in outs.values())
+    proposed = sum(o.draft_tokens_proposed for o in outs.values())
+    assert 0.2 < accepted / proposed < 0.95  # a draft that is right only some of the time
+
+
+def test_worker_runs_draft_jobs_in_a_speculative_batch(conn, redis_url, pair):
+    target, draft = pair
+    jobs = {
+        f"j{i}": r.model_dump(exclude_none=True)
+        for i, r in enumerate(_requests(target, 8, draft_model=draft))
+    }
+    runs = {}
+    for name, max_batch in (("alone", 1), ("batched", 4)):
+        s = Client(connection=conn).submit(jobs, batch_id=name)
+        rt = runtime.WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("always"))
+        run_worker(redis_url, runtime=rt, max_batch=max_batch)
+        runs[name] = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    assert max(r.metrics.batch_size for r in runs["batched"].values()) > 1
+    for cid, a in runs["alone"].items():
+        b = runs["batched"][cid]
+        assert b.status == "succeeded", b.error
+        assert b.metrics.speculative and "speculative batch at k=3" in b.metrics.speculation_reason
+        assert b.response.choices[0].message.content == a.response.choices[0].message.content
+        assert b.metrics.draft_tokens_accepted == a.metrics.draft_tokens_accepted
+        assert b.metrics.draft_tokens_proposed == a.metrics.draft_tokens_proposed
+
+
+def test_schema_and_logprobs_in_a_speculative_batch(conn, redis_url, tiny, pair):
+    _, draft = pair
+    body = {
+        "max_tokens": 120,
+        "temperature": 0,
+        "draft_model": draft,
+        "response_format": schema_format(),
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    jobs = {f"c{i}": chat(tiny.target, content=f"thing {i} " * (i + 1), **body) for i in range(4)}
+    runs = {}
+    for name, max_batch in (("alone", 1), ("batched", 4)):
+        s = Client(connection=conn).submit(jobs, batch_id=f"fmt-{name}")
+        rt = runtime.WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("always"))
+        run_worker(redis_url, runtime=rt, max_batch=max_batch)
+        runs[name] = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    import jsonschema
+
+    assert max(r.metrics.batch_size for r in runs["batched"].values()) > 1
+    for cid, a in runs["alone"].items():
+        b = runs["batched"][cid]
+        assert b.status == "succeeded", b.error
+        choice = b.response.choices[0]
+        assert choice.message.content == a.response.choices[0].message.content
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        _close(choice.logprobs.content, a.response.choices[0].logprobs.content)
+
+
+def test_a_model_with_caches_that_cannot_be_rewound_per_row_is_refused(tiny):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    gen = ChatGenerator.get_or_create(tiny.target, tiny.twin, cache=ModelCache())
+    engine = SpecBatchEngine(gen.target, gen.draft, K, 4)
+    req = _requests(tiny.target, 1)[0]
+    prompt = prompt_tokens(gen.target.tokenizer, req)
+    rotating = [RotatingKVCache(max_size=64) for _ in gen.target.model.layers]
+    with pytest.raises(ValueError, match="plain KV caches"):
+        engine.add("x", prompt, params_for(req, len(prompt), 512, 512), rotating, 0)
+    assert len(engine) == 0 and Path(tiny.target).exists()

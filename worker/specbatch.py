@@ -1,0 +1,288 @@
+"""Speculative decoding inside a continuous batch.
+
+Each round, for every live sequence at once: the draft proposes up to k tokens
+(k batched draft passes), the target verifies all of them in one batched pass of
+k + 1 tokens, each sequence accepts its own prefix under mlx-lm's rule (a draft
+token is kept while it equals the token the target samples at its position:
+greedy, exact match), and both models' caches are rewound per sequence. Rewinding
+row by row uses mlx-lm's own ``BatchKVCache`` padding: the rejected tail of a row
+becomes right padding, which ``finalize`` rolls to the left where the attention
+mask ignores it. Sequences join (prefilled on their own, then merged in) and leave
+between rounds, as in :class:`worker.batching.BatchEngine`, whose interface this
+engine shares so a continuous batch can run either.
+
+Pure MLX and mlx-lm; knows nothing of Redis or jobs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from schemas import MlxqError
+from worker.batching import BatchEngine, SeqState, Step, sampler_for
+from worker.cache import LoadedModel
+from worker.engine import GenerationOutput, GenerationParams, StopScan, check_constraint
+from worker.engine import logits_processors as make_processors
+from worker.logprobs import LogprobCollector
+from worker.prefix import PREFILL_STEP
+
+Cache = list[Any]
+
+
+@dataclass
+class _Row(SeqState):
+    """One sequence of a speculative batch: its :class:`SeqState` plus its draft state."""
+
+    processors: list[Any] = field(default_factory=list)
+    sampler: Any = None
+    history: list[int] = field(default_factory=list)  # prompt + generated
+    pending: list[int] = field(default_factory=list)  # tokens the draft has not seen yet
+
+
+def _prefill(model: nn.Module, cache: Cache, tokens: Sequence[int]) -> None:
+    for i in range(0, len(tokens), PREFILL_STEP):
+        model(mx.array(tokens[i : i + PREFILL_STEP])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def _merge(batch: Cache | None, single: Cache) -> Cache:
+    """``single`` (one sequence's plain caches) appended as a row of ``batch``."""
+    rows = [c.merge([c]) for c in single]
+    if batch is None:
+        return rows
+    for b, r in zip(batch, rows, strict=True):
+        b.extend(r)
+    return batch
+
+
+def _drop_tail(cache: Cache, tails: list[int]) -> None:
+    """Remove the last ``tails[i]`` positions of row i (they become left padding)."""
+    if max(tails, default=0) <= 0:
+        return
+    for c in cache:
+        c.prepare(right_padding=tails)
+        c.finalize()
+
+
+class SpecBatchEngine:
+    """A continuous batch on (target, draft) that decodes speculatively, k per round."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel, k: int, max_batch: int) -> None:
+        self.target, self.draft, self.k, self.max_batch = target, draft, k, max_batch
+        self.eos = frozenset(int(t) for t in target.tokenizer.eos_token_ids)
+        self.rows: list[_Row] = []
+        self.t_cache: Cache | None = None
+        self.d_cache: Cache | None = None
+        self.rounds = 0
+
+    # -- the BatchEngine interface ------------------------------------------
+    @property
+    def kv_bytes(self) -> int:
+        return sum(int(c.nbytes) for c in (self.t_cache or []) + (self.d_cache or []))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def lengths(self) -> list[tuple[int, int]]:
+        return [
+            (r.prompt_len + len(r.tokens), r.params.max_tokens - len(r.tokens)) for r in self.rows
+        ]
+
+    def first_token_at(self, tag: Hashable) -> float | None:
+        return next((r.first_token_at for r in self.rows if r.tag == tag), None)
+
+    def add(
+        self,
+        tag: Hashable,
+        prompt: list[int],
+        params: GenerationParams,
+        cache: Cache | None = None,
+        cached: int = 0,
+        reused: int = 0,
+    ) -> None:
+        """Prefill ``prompt`` on both models and add it as a row (decoding at the next
+        round). ``cache``: the target's layers then the draft's, holding the first
+        ``cached`` prompt tokens."""
+        n_t = len(self.target.model.layers)
+        if cache is None:
+            t_layers, d_layers, cached = None, None, 0
+        else:
+            t_layers, d_layers = cache[:n_t], cache[n_t:]
+        t_layers = t_layers or make_prompt_cache(self.target.model)
+        d_layers = d_layers or make_prompt_cache(self.draft.model)
+        if not all(type(c) is KVCache for c in t_layers + d_layers):
+            raise ValueError("speculative batches need plain KV caches on both models")
+        _prefill(self.target.model, t_layers, prompt[cached:-1])
+        _prefill(self.draft.model, d_layers, prompt[cached:-1])
+        collector = LogprobCollector(params.logprobs) if params.logprobs is not None else None
+        row = _Row(
+            tag,
+            len(prompt),
+            params,
+            StopScan(params.stop),
+            self.target.tokenizer.detokenizer,
+            reused,
+            collector,
+            processors=make_processors(params),
+            sampler=sampler_for(params),
+            history=list(prompt),
+            pending=[prompt[-1]],
+        )
+        self.t_cache = _merge(self.t_cache, t_layers)
+        self.d_cache = _merge(self.d_cache, d_layers)
+        self.rows.append(row)
+
+    def drop(self, tag: Hashable) -> None:
+        keep = [i for i, r in enumerate(self.rows) if r.tag != tag]
+        if len(keep) < len(self.rows):
+            self._keep(keep)
+
+    def close(self) -> None:
+        self.rows, self.t_cache, self.d_cache = [], None, None
+
+    # -- one round ------------------------------------------------------------
+    def step(self) -> Step:
+        """One speculative round for every row: draft, verify, accept, rewind."""
+        rows = self.rows
+        if not rows:
+            return Step(0, [], False, decoding=0)
+        assert self.t_cache is not None and self.d_cache is not None
+        now = time.perf_counter()
+        ks = [min(self.k, r.params.max_tokens - len(r.tokens)) for r in rows]
+        kr = max(ks)
+        drafts = self._draft(kr)  # [rows][kr]
+        ys = [r.history[-1] for r in rows]
+        verify_in = mx.array([[y, *d] for y, d in zip(ys, drafts, strict=True)])
+        logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
+        chosen, vectors = self._sample_verify(logits, drafts, ks)
+        done: list[tuple[Hashable, GenerationOutput | MlxqError]] = []
+        t_tail, d_tail, keep, emitted = [], [], [], 0
+        for i, row in enumerate(rows):
+            a = 0
+            while a < ks[i] and chosen[i][a] == drafts[i][a]:
+                a += 1
+            row.draft_proposed += ks[i]
+            t_tail.append(kr - a)
+            d_tail.append(kr - 1 - a if a < kr else 0)
+            finish = None
+            for j in range(a + 1):
+                token = chosen[i][j]
+                if row.first_token_at is None:
+                    row.first_token_at = now
+                row.tokens.append(token)
+                row.history.append(token)
+                emitted += 1
+                if j < a:
+                    row.draft_accepted += 1
+                at_limit = len(row.tokens) >= row.params.max_tokens
+                reason = "stop" if token in self.eos else ("length" if at_limit else None)
+                finish = BatchEngine._advance(row, token, reason, vectors(i, j))
+                if finish is not None:
+                    break
+            row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
+            if finish is None:
+                keep.append(i)
+                continue
+            try:
+                check_constraint(row.params, row.tokens, finish)
+            except MlxqError as e:
+                done.append((row.tag, e))
+                continue
+            done.append((row.tag, row.output(finish)))
+        _drop_tail(self.t_cache, t_tail)
+        _drop_tail(self.d_cache, d_tail)
+        if len(keep) < len(rows):
+            self._keep(keep)
+        self.rounds += 1
+        return Step(emitted, done, False, decoding=len(rows))
+
+    def _draft(self, kr: int) -> list[list[int]]:
+        """``kr`` draft tokens for every row (the draft's passes batched)."""
+        rows = self.rows
+        assert self.d_cache is not None
+        lens = [len(r.pending) for r in rows]
+        width = max(lens)
+        if width > min(lens):
+            for c in self.d_cache:  # rows with fewer pending tokens are right-padded
+                c.prepare(right_padding=[width - n for n in lens])
+        first = mx.array([r.pending + [0] * (width - len(r.pending)) for r in rows])
+        logits = self.draft.model(first, cache=self.d_cache)
+        if width > min(lens):
+            for c in self.d_cache:
+                c.finalize()
+        last = logits[mx.arange(len(rows)), mx.array(lens) - 1]
+        drafts: list[list[int]] = [[] for _ in rows]
+        for step in range(kr):
+            tokens = self._sample_rows(
+                last, [r.history + d for r, d in zip(rows, drafts, strict=True)]
+            )
+            for d, t in zip(drafts, tokens, strict=True):
+                d.append(t)
+            if step + 1 < kr:
+                logits = self.draft.model(mx.array(tokens)[:, None], cache=self.d_cache)
+                last = logits[:, -1]
+        return drafts
+
+    def _sample_rows(self, logits: mx.array, contexts: list[list[int]]) -> list[int]:
+        """One token per row from ``logits`` (B, V), each through its row's processors and
+        sampler; greedy rows without processors in one argmax."""
+        out = []
+        plain = all(not r.processors and r.params.temperature == 0 for r in self.rows)
+        if plain:
+            return mx.argmax(logits, axis=-1).tolist()
+        for i, row in enumerate(self.rows):
+            out.append(int(self._sample_one(row, logits[i : i + 1], contexts[i])[0].item()))
+        return out
+
+    @staticmethod
+    def _sample_one(row: _Row, logits: mx.array, context: list[int]) -> tuple[mx.array, mx.array]:
+        if row.processors:
+            ctx = mx.array(context, mx.uint32)
+            for p in row.processors:
+                logits = p(ctx, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return row.sampler(logprobs), logprobs
+
+    def _sample_verify(
+        self, logits: mx.array, drafts: list[list[int]], ks: list[int]
+    ) -> tuple[list[list[int]], Any]:
+        """The target's token at every verified position of every row, and a function
+        giving the log-probability vector of row i, position j (for logprobs)."""
+        rows = self.rows
+        plain = all(not r.processors and r.params.temperature == 0 for r in rows)
+        if plain:
+            chosen = mx.argmax(logits, axis=-1).tolist()
+
+            def vectors(i: int, j: int) -> mx.array:
+                v = logits[i, j]
+                return v - mx.logsumexp(v, keepdims=True)
+
+            return chosen, vectors
+        chosen, kept = [], {}
+        for i, row in enumerate(rows):
+            seq = []
+            for j in range(logits.shape[1]):
+                context = row.history + drafts[i][:j]  # the target's own tokens at accepted
+                token, lp = self._sample_one(row, logits[i : i + 1, j], context)
+                seq.append(int(token.item()))
+                kept[(i, j)] = lp
+                if j >= ks[i] or seq[-1] != drafts[i][j]:
+                    break  # the rest of this row is rejected: no need to sample it
+            chosen.append(seq)
+        return chosen, lambda i, j: kept[(i, j)]
+
+    def _keep(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.t_cache = self.d_cache = None
+            return
+        idx = mx.array(keep)
+        for c in (self.t_cache or []) + (self.d_cache or []):
+            c.filter(idx)
