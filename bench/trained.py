@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from bench.fixtures import cache_dir
-from worker.tinymodels import SPECIAL_TOKENS, TinySpec, model_config, save_tokenizer
+from worker.tinymodels import TinySpec, model_config, save_tokenizer, train_bytelevel_bpe
 
 VOCAB = 1024
 SEQ = 128
@@ -93,19 +93,7 @@ def prompts(n: int = 3, chars: int = 400) -> list[str]:
 
 
 def _tokenizer(path: Path, texts: list[str]) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    save_tokenizer(tok, path, CODE_TEMPLATE)
+    save_tokenizer(train_bytelevel_bpe(texts, VOCAB), path, CODE_TEMPLATE)
 
 
 def _train(path: Path, recipe: Recipe, data: mx.array, eos: int) -> float:

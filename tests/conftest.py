@@ -96,6 +96,28 @@ def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None, ma
     return rt
 
 
+def run_jobs(
+    conn, redis_url: str, jobs: dict, batch_id: str, max_batch=1, policy=None, **rt_fields
+) -> dict:
+    """Submit ``jobs`` as batch ``batch_id``, serve them with a fresh in-process worker
+    (fresh model cache; ``policy`` or auto), and return their records by custom_id."""
+    from producer import Client
+    from schemas.store import read_result
+    from worker import runtime as rt_mod
+    from worker.cache import ModelCache
+    from worker.policy import SpeculationPolicy
+
+    s = Client(connection=conn).submit(jobs, batch_id=batch_id)
+    rt = rt_mod.WorkerRuntime(
+        cache=ModelCache(),
+        worker_id=batch_id,
+        policy=policy or SpeculationPolicy("auto"),
+        **rt_fields,
+    )
+    run_worker(redis_url, runtime=rt, max_batch=max_batch)
+    return {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+
+
 class WorkerProc:
     """A real ``worker`` process (or ``command``, e.g. a wrapper that slows model loads)."""
 

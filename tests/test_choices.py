@@ -7,24 +7,14 @@ import json
 import jsonschema
 import pytest
 
-from producer import Client
 from schemas import ChatRequest
-from schemas.store import read_result
-from tests.conftest import chat, run_worker
+from tests.conftest import chat, run_jobs
 from tests.test_schemas import error_of
 from tests.test_structured import SCHEMA, schema_format
-from worker import runtime
 from worker.cache import ModelCache
 from worker.generator import ChatGenerator
 
 NO_EOS = {"3": -100}  # the tiny models' EOS: banned, so every choice runs to max_tokens
-
-
-def _run(conn, redis_url, jobs, batch_id, max_batch=1, **rt_fields) -> dict:
-    s = Client(connection=conn).submit(jobs, batch_id=batch_id)
-    rt = runtime.WorkerRuntime(cache=ModelCache(), worker_id=batch_id, **rt_fields)
-    run_worker(redis_url, runtime=rt, max_batch=max_batch)
-    return {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
 
 
 def _texts(record) -> list[str]:
@@ -34,8 +24,8 @@ def _texts(record) -> list[str]:
 
 def test_seeded_choices_are_reproducible_and_usage_adds_up(conn, redis_url, tiny):
     job = chat(tiny.target, max_tokens=12, temperature=1.0, seed=7, n=4, logit_bias=NO_EOS)
-    first = _run(conn, redis_url, {"a": job}, "first")["a"]
-    again = _run(conn, redis_url, {"a": job}, "again", max_batch=4)["a"]
+    first = run_jobs(conn, redis_url, {"a": job}, "first")["a"]
+    again = run_jobs(conn, redis_url, {"a": job}, "again", max_batch=4)["a"]
     assert [c.index for c in first.response.choices] == [0, 1, 2, 3]
     assert _texts(first) == _texts(again)  # choice i reproducible
     assert len(set(_texts(first))) > 1  # they are samples, not copies
@@ -43,13 +33,15 @@ def test_seeded_choices_are_reproducible_and_usage_adds_up(conn, redis_url, tiny
     assert usage.completion_tokens == 4 * 12
     assert usage.total_tokens == usage.prompt_tokens + 4 * 12
     assert first.metrics.batch_size == 4
-    other = _run(conn, redis_url, {"a": job | {"seed": 8}}, "other")["a"]
+    other = run_jobs(conn, redis_url, {"a": job | {"seed": 8}}, "other")["a"]
     assert _texts(other) != _texts(first)
 
 
 def test_greedy_choices_equal_the_single_answer(conn, redis_url, tiny):
     one = chat(tiny.target, content="hello there", max_tokens=16, temperature=0)
-    records = _run(conn, redis_url, {"one": one, "three": one | {"n": 3}}, "greedy", max_batch=4)
+    records = run_jobs(
+        conn, redis_url, {"one": one, "three": one | {"n": 3}}, "greedy", max_batch=4
+    )
     (single,) = _texts(records["one"])
     assert _texts(records["three"]) == [single] * 3
 
@@ -65,7 +57,7 @@ def test_choices_with_a_schema_and_logprobs(conn, redis_url, tiny):
         logprobs=True,
         top_logprobs=2,
     )
-    record = _run(conn, redis_url, {"a": job}, "fmt")["a"]
+    record = run_jobs(conn, redis_url, {"a": job}, "fmt")["a"]
     finished = 0
     for choice in record.response.choices:
         assert choice.logprobs is not None and choice.logprobs.content
@@ -102,14 +94,14 @@ def test_the_prompt_is_prefilled_once_for_all_choices(tiny):
 
 def test_a_draft_with_n_decodes_plainly_and_says_why(conn, redis_url, tiny):
     job = chat(tiny.target, max_tokens=6, temperature=0, n=2, draft_model=tiny.draft)
-    r = _run(conn, redis_url, {"a": job}, "draft")["a"]
+    r = run_jobs(conn, redis_url, {"a": job}, "draft")["a"]
     assert len(_texts(r)) == 2
     assert not r.metrics.speculative and "n=2" in r.metrics.speculation_reason
 
 
 def test_n_above_the_workers_cap_fails_with_a_400(conn, redis_url, tiny):
     jobs = {"big": chat(tiny.target, n=5, max_tokens=2), "ok": chat(tiny.target, max_tokens=2)}
-    records = _run(conn, redis_url, jobs, "cap", max_n=4)
+    records = run_jobs(conn, redis_url, jobs, "cap", max_n=4)
     assert records["big"].status_code == 400 and "--max-n 4" in records["big"].error.message
     assert records["ok"].status == "succeeded"
 

@@ -12,7 +12,7 @@ from producer import Client
 from producer.streams import iter_chunks
 from schemas import ChatRequest
 from schemas.store import read_result
-from tests.conftest import chat, run_worker
+from tests.conftest import chat, run_jobs, run_worker
 from tests.test_schemas import error_of
 from worker import runtime
 from worker.cache import ModelCache
@@ -27,15 +27,6 @@ TOL = 1e-4
 def _jobs(model, **fields) -> dict:
     body = {"max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 5} | fields
     return {f"c{i}": chat(model, content=p, **body) for i, p in enumerate(PROMPTS)}
-
-
-def _run(conn, redis_url, jobs, batch_id, max_batch=1, policy=None) -> dict:
-    s = Client(connection=conn).submit(jobs, batch_id=batch_id)
-    rt = runtime.WorkerRuntime(
-        cache=ModelCache(), worker_id=batch_id, policy=policy or SpeculationPolicy("auto")
-    )
-    run_worker(redis_url, runtime=rt, max_batch=max_batch)
-    return {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
 
 
 def _content(record) -> list:
@@ -54,7 +45,7 @@ def _close(a: list, b: list) -> None:
 
 
 def test_greedy_logprobs_are_well_formed(conn, redis_url, tiny):
-    records = _run(conn, redis_url, _jobs(tiny.target), "shape")
+    records = run_jobs(conn, redis_url, _jobs(tiny.target), "shape")
     for r in records.values():
         content = _content(r)
         assert len(content) == r.response.usage.completion_tokens  # "length": every token
@@ -91,11 +82,11 @@ def test_values_equal_a_direct_forward_pass(tiny):
 
 
 def test_equal_alone_batched_speculative_and_streamed(conn, redis_url, tiny):
-    alone = _run(conn, redis_url, _jobs(tiny.target), "alone")
-    batched = _run(conn, redis_url, _jobs(tiny.target), "batched", max_batch=6)
+    alone = run_jobs(conn, redis_url, _jobs(tiny.target), "alone")
+    batched = run_jobs(conn, redis_url, _jobs(tiny.target), "batched", max_batch=6)
     assert max(r.metrics.batch_size for r in batched.values()) > 1
     for draft in (tiny.draft, tiny.twin):  # few accepted; all accepted
-        spec = _run(
+        spec = run_jobs(
             conn,
             redis_url,
             _jobs(tiny.target, draft_model=draft),
@@ -126,10 +117,10 @@ def test_equal_alone_batched_speculative_and_streamed(conn, redis_url, tiny):
 
 
 def test_a_stop_string_keeps_only_the_tokens_of_the_text(conn, redis_url, tiny):
-    free = _run(conn, redis_url, _jobs(tiny.target), "free")
+    free = run_jobs(conn, redis_url, _jobs(tiny.target), "free")
     text = free["c0"].response.choices[0].message.content
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    cut = _run(conn, redis_url, {"c0": _jobs(tiny.target, stop=[stop])["c0"]}, "cut")["c0"]
+    cut = run_jobs(conn, redis_url, {"c0": _jobs(tiny.target, stop=[stop])["c0"]}, "cut")["c0"]
     kept = cut.response.choices[0].message.content
     assert cut.response.choices[0].finish_reason == "stop" and stop not in kept
     content = _content(cut)
@@ -140,7 +131,9 @@ def test_a_stop_string_keeps_only_the_tokens_of_the_text(conn, redis_url, tiny):
 
 def test_with_a_response_format_only_allowed_tokens_appear(conn, redis_url, tiny):
     fmt = {"type": "json_object"}
-    records = _run(conn, redis_url, _jobs(tiny.target, response_format=fmt, top_logprobs=20), "fmt")
+    records = run_jobs(
+        conn, redis_url, _jobs(tiny.target, response_format=fmt, top_logprobs=20), "fmt"
+    )
     for r in records.values():
         first = _content(r)[0]
         # The mask allows only "{" first: one alternative, log-probability 0.

@@ -8,14 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from producer import Client
 from schemas import ChatRequest
-from schemas.store import read_result
-from tests.conftest import chat, run_worker
+from tests.conftest import chat, run_jobs
 from tests.models import noisy_copy, with_eos
 from tests.test_logprobs import _close
 from tests.test_structured import SCHEMA, schema_format
-from worker import runtime
 from worker.cache import ModelCache
 from worker.engine import params_for, prompt_tokens
 from worker.generator import ChatGenerator
@@ -95,22 +92,26 @@ def test_engine_equals_speculating_alone_with_joins_leaves_stops_and_eos(pair):
     assert 0.2 < accepted / proposed < 0.95  # a draft that is right only some of the time
 
 
+def _alone_and_batched(conn, redis_url, jobs: dict, name: str) -> dict[str, dict]:
+    """``jobs`` under ``--speculative always``: one at a time, then batched (up to 4)."""
+    runs = {
+        how: run_jobs(conn, redis_url, jobs, f"{name}-{how}", size, SpeculationPolicy("always"))
+        for how, size in (("alone", 1), ("batched", 4))
+    }
+    assert max(r.metrics.batch_size for r in runs["batched"].values()) > 1
+    assert all(r.status == "succeeded" for run in runs.values() for r in run.values())
+    return runs
+
+
 def test_worker_runs_draft_jobs_in_a_speculative_batch(conn, redis_url, pair):
     target, draft = pair
     jobs = {
         f"j{i}": r.model_dump(exclude_none=True)
         for i, r in enumerate(_requests(target, 8, draft_model=draft))
     }
-    runs = {}
-    for name, max_batch in (("alone", 1), ("batched", 4)):
-        s = Client(connection=conn).submit(jobs, batch_id=name)
-        rt = runtime.WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("always"))
-        run_worker(redis_url, runtime=rt, max_batch=max_batch)
-        runs[name] = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
-    assert max(r.metrics.batch_size for r in runs["batched"].values()) > 1
+    runs = _alone_and_batched(conn, redis_url, jobs, "plain")
     for cid, a in runs["alone"].items():
         b = runs["batched"][cid]
-        assert b.status == "succeeded", b.error
         assert b.metrics.speculative and "speculative batch at k=3" in b.metrics.speculation_reason
         assert b.response.choices[0].message.content == a.response.choices[0].message.content
         assert b.metrics.draft_tokens_accepted == a.metrics.draft_tokens_accepted
@@ -128,21 +129,14 @@ def test_schema_and_logprobs_in_a_speculative_batch(conn, redis_url, tiny, pair)
         "top_logprobs": 2,
     }
     jobs = {f"c{i}": chat(tiny.target, content=f"thing {i} " * (i + 1), **body) for i in range(4)}
-    runs = {}
-    for name, max_batch in (("alone", 1), ("batched", 4)):
-        s = Client(connection=conn).submit(jobs, batch_id=f"fmt-{name}")
-        rt = runtime.WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("always"))
-        run_worker(redis_url, runtime=rt, max_batch=max_batch)
-        runs[name] = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
-    import jsonschema
-
-    assert max(r.metrics.batch_size for r in runs["batched"].values()) > 1
+    runs = _alone_and_batched(conn, redis_url, jobs, "fmt")
     for cid, a in runs["alone"].items():
         b = runs["batched"][cid]
-        assert b.status == "succeeded", b.error
         choice = b.response.choices[0]
         assert choice.message.content == a.response.choices[0].message.content
         if choice.finish_reason == "stop":
+            import jsonschema
+
             jsonschema.validate(json.loads(choice.message.content), SCHEMA)
         _close(choice.logprobs.content, a.response.choices[0].logprobs.content)
 
@@ -158,3 +152,17 @@ def test_a_model_with_caches_that_cannot_be_rewound_per_row_is_refused(tiny):
     with pytest.raises(ValueError, match="plain KV caches"):
         engine.add("x", prompt, params_for(req, len(prompt), 512, 512), rotating, 0)
     assert len(engine) == 0 and Path(tiny.target).exists()
+
+
+def test_a_model_as_its_own_draft(conn, redis_url, tiny):
+    """One loaded model as target and draft (separate caches): every proposal accepted."""
+    jobs = {
+        f"j{i}": chat(tiny.target, content=f"self {i}", max_tokens=20 + i, temperature=0)
+        | {"draft_model": tiny.target, "logit_bias": {"3": -100}}
+        for i in range(3)
+    }
+    runs = _alone_and_batched(conn, redis_url, jobs, "self")
+    for cid, a in runs["alone"].items():
+        b = runs["batched"][cid]
+        assert b.response.choices[0].message.content == a.response.choices[0].message.content
+        assert b.metrics.acceptance_rate == 1.0

@@ -17,7 +17,7 @@ from schemas import ChatRequest, keys
 from schemas.job import job_data
 from schemas.store import read_result
 from schemas.structured import MAX_SCHEMA_BYTES
-from tests.conftest import chat, run_worker
+from tests.conftest import chat, run_jobs, run_worker
 from tests.test_schemas import error_of
 from worker import runtime
 from worker.cache import ModelCache
@@ -61,15 +61,6 @@ def _jobs(model, fmt, *, max_tokens=160, **fields) -> dict:
     }
 
 
-def _run(conn, redis_url, jobs, batch_id, max_batch=1, policy=None) -> dict:
-    s = Client(connection=conn).submit(jobs, batch_id=batch_id)
-    rt = runtime.WorkerRuntime(
-        cache=ModelCache(), worker_id=batch_id, policy=policy or SpeculationPolicy("auto")
-    )
-    run_worker(redis_url, runtime=rt, max_batch=max_batch)
-    return {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
-
-
 def _check_valid(records: dict, schema=SCHEMA) -> int:
     """Every finished output parses and validates; the number that finished."""
     stopped = 0
@@ -91,7 +82,7 @@ def _texts(records: dict) -> dict[str, tuple[str, str]]:
 
 def test_schema_is_enforced_alone_batched_speculative_and_streamed(conn, redis_url, tiny):
     fmt = schema_format()
-    alone = _run(conn, redis_url, _jobs(tiny.target, fmt), "alone")
+    alone = run_jobs(conn, redis_url, _jobs(tiny.target, fmt), "alone")
     assert _check_valid(alone) >= 6  # not a vacuous pass: they do finish
     assert all(r.metrics.batch_size == 1 for r in alone.values())
 
@@ -100,7 +91,7 @@ def test_schema_is_enforced_alone_batched_speculative_and_streamed(conn, redis_u
         f"free{i}": chat(tiny.target, content=p, max_tokens=40, temperature=0)
         for i, p in enumerate(PROMPTS[:4])
     }
-    batched = _run(conn, redis_url, mixed, "batched", max_batch=6)
+    batched = run_jobs(conn, redis_url, mixed, "batched", max_batch=6)
     constrained = {c: r for c, r in batched.items() if not c.startswith("free")}
     assert max(r.metrics.batch_size for r in constrained.values()) > 1
     assert _texts(constrained) == _texts(alone)
@@ -111,7 +102,7 @@ def test_schema_is_enforced_alone_batched_speculative_and_streamed(conn, redis_u
 
     # With a draft: proposals are masked too, and verified; greedy output is unchanged.
     for draft in (tiny.draft, tiny.twin):
-        spec = _run(
+        spec = run_jobs(
             conn,
             redis_url,
             _jobs(tiny.target, fmt, draft_model=draft),
@@ -137,7 +128,7 @@ def test_schema_is_enforced_alone_batched_speculative_and_streamed(conn, redis_u
 
 
 def test_unconstrained_output_of_the_same_prompts_is_not_json(conn, redis_url, tiny):
-    free = _run(conn, redis_url, _jobs(tiny.target, {"type": "text"}), "free")
+    free = run_jobs(conn, redis_url, _jobs(tiny.target, {"type": "text"}), "free")
     for r in free.values():
         with pytest.raises(ValueError):
             json.loads(r.response.choices[0].message.content)
@@ -153,7 +144,7 @@ def test_json_object_gives_a_json_object(conn, redis_url, tiny):
     vocab = _vocab(tiny.target)
     bias = {str(vocab['"']): 4, str(vocab["}"]): 4}
     jobs = _jobs(tiny.target, {"type": "json_object"}, logit_bias=bias)
-    records = _run(conn, redis_url, jobs, "obj")
+    records = run_jobs(conn, redis_url, jobs, "obj")
     stopped = 0
     for r in records.values():
         choice = r.response.choices[0]
@@ -164,7 +155,7 @@ def test_json_object_gives_a_json_object(conn, redis_url, tiny):
 
 
 def test_budget_ending_inside_the_json_is_finish_reason_length(conn, redis_url, tiny):
-    records = _run(conn, redis_url, _jobs(tiny.target, schema_format(), max_tokens=6), "short")
+    records = run_jobs(conn, redis_url, _jobs(tiny.target, schema_format(), max_tokens=6), "short")
     for r in records.values():
         choice = r.response.choices[0]
         assert choice.finish_reason == "length"
@@ -186,8 +177,8 @@ def test_a_real_vocabulary_byte_level_bpe(conn, redis_url, tmp_path):
         )
     )
     jobs = _jobs(model, schema_format(), max_tokens=200)
-    alone = _run(conn, redis_url, jobs, "bpe-alone")
-    batched = _run(conn, redis_url, jobs, "bpe-batched", max_batch=8)
+    alone = run_jobs(conn, redis_url, jobs, "bpe-alone")
+    batched = run_jobs(conn, redis_url, jobs, "bpe-batched", max_batch=8)
     assert _check_valid(alone) >= 3
     assert _texts(batched) == _texts(alone)
 

@@ -1,12 +1,13 @@
 """Continuous batching of jobs: while a batch runs, the worker keeps taking jobs into it.
 
 When the worker takes a job that may share a batch (:func:`batch_key`: not
-streaming, greedy or unseeded, since a seeded sampling job runs alone so that
-its seed means what it says; and no draft model, unless the speculation policy
-measured batching the waiting jobs to be faster than speculating one at a
-time), it runs a :class:`ContinuousBatch`: further jobs of the same queue on
-the same (model, adapter) join, also while the batch runs (a slot freed by a
-finished job is filled at the next step).
+streaming, one choice, greedy or unseeded, since a seeded sampling job runs
+alone so that its seed means what it says; a job with a draft when the
+speculation policy says how to batch it), it runs a :class:`ContinuousBatch`:
+further jobs of the same queue on the same (model, adapter, draft, k) join,
+also while the batch runs (a slot freed by a finished job is filled at the next
+step). A batch with a draft decodes speculatively (``worker.specbatch``), one
+without through ``worker.batching``.
 
 How many join (admission), checked before each job joins:
 

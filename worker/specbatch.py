@@ -17,13 +17,12 @@ Pure MLX and mlx-lm; knows nothing of Redis or jobs.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 
 from schemas import MlxqError
 from worker.batching import BatchEngine, SeqState, Step, sampler_for
@@ -46,15 +45,8 @@ class _Row(SeqState):
     pending: list[int] = field(default_factory=list)  # tokens the draft has not seen yet
 
 
-def _prefill(model: nn.Module, cache: Cache, tokens: Sequence[int]) -> None:
-    for i in range(0, len(tokens), PREFILL_STEP):
-        model(mx.array(tokens[i : i + PREFILL_STEP])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-
-
-def _merge(batch: Cache | None, single: Cache) -> Cache:
-    """``single`` (one sequence's plain caches) appended as a row of ``batch``."""
-    rows = [c.merge([c]) for c in single]
+def _extend(batch: Cache | None, rows: Cache) -> Cache:
+    """``rows`` (batch caches of joining sequences) appended to ``batch``."""
     if batch is None:
         return rows
     for b, r in zip(batch, rows, strict=True):
@@ -62,13 +54,33 @@ def _merge(batch: Cache | None, single: Cache) -> Cache:
     return batch
 
 
+@dataclass
+class _Joiner:
+    """A row waiting to be prefilled: what is left of its prompt, its starting caches."""
+
+    row: _Row
+    rest: list[int]  # prompt tokens still to prefill (all but the cached ones and the last)
+    target: Cache
+    draft: Cache
+
+
 def _drop_tail(cache: Cache, tails: list[int]) -> None:
-    """Remove the last ``tails[i]`` positions of row i (they become left padding)."""
-    if max(tails, default=0) <= 0:
-        return
+    """Remove the last ``tails[i]`` positions of row i: what all rows drop is cut off the
+    end; the rest of each row's tail is rolled round to its left, where it is padding
+    (the mask skips it). Only the filled part of the buffers moves."""
+    cut = min(tails, default=0)
+    extra = [t - cut for t in tails]
     for c in cache:
-        c.prepare(right_padding=tails)
-        c.finalize()
+        if cut:
+            c.trim(cut)
+        if max(extra, default=0) <= 0:
+            continue
+        shift = mx.array(extra)
+        n = c._idx
+        c.keys[..., :n, :] = dynamic_roll(c.keys[..., :n, :], shift[:, None], axis=2)
+        c.values[..., :n, :] = dynamic_roll(c.values[..., :n, :], shift[:, None], axis=2)
+        c.offset = c.offset - shift
+        c.left_padding = c.left_padding + shift
 
 
 class SpecBatchEngine:
@@ -78,6 +90,7 @@ class SpecBatchEngine:
         self.target, self.draft, self.k, self.max_batch = target, draft, k, max_batch
         self.eos = frozenset(int(t) for t in target.tokenizer.eos_token_ids)
         self.rows: list[_Row] = []
+        self.joining: list[_Joiner] = []
         self.t_cache: Cache | None = None
         self.d_cache: Cache | None = None
         self.rounds = 0
@@ -88,15 +101,18 @@ class SpecBatchEngine:
         return sum(int(c.nbytes) for c in (self.t_cache or []) + (self.d_cache or []))
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self.joining)
+
+    def _all(self) -> list[_Row]:
+        return self.rows + [j.row for j in self.joining]
 
     def lengths(self) -> list[tuple[int, int]]:
         return [
-            (r.prompt_len + len(r.tokens), r.params.max_tokens - len(r.tokens)) for r in self.rows
+            (r.prompt_len + len(r.tokens), r.params.max_tokens - len(r.tokens)) for r in self._all()
         ]
 
     def first_token_at(self, tag: Hashable) -> float | None:
-        return next((r.first_token_at for r in self.rows if r.tag == tag), None)
+        return next((r.first_token_at for r in self._all() if r.tag == tag), None)
 
     def add(
         self,
@@ -107,9 +123,10 @@ class SpecBatchEngine:
         cached: int = 0,
         reused: int = 0,
     ) -> None:
-        """Prefill ``prompt`` on both models and add it as a row (decoding at the next
-        round). ``cache``: the target's layers then the draft's, holding the first
-        ``cached`` prompt tokens."""
+        """Add ``prompt`` as a row: it is prefilled on both models at the next
+        :meth:`step`, together with every other row that joined meanwhile, then decodes.
+        ``cache``: the target's layers then the draft's, holding the first ``cached``
+        prompt tokens."""
         n_t = len(self.target.model.layers)
         if cache is None:
             t_layers, d_layers, cached = None, None, 0
@@ -119,8 +136,6 @@ class SpecBatchEngine:
         d_layers = d_layers or make_prompt_cache(self.draft.model)
         if not all(type(c) is KVCache for c in t_layers + d_layers):
             raise ValueError("speculative batches need plain KV caches on both models")
-        _prefill(self.target.model, t_layers, prompt[cached:-1])
-        _prefill(self.draft.model, d_layers, prompt[cached:-1])
         collector = LogprobCollector(params.logprobs) if params.logprobs is not None else None
         row = _Row(
             tag,
@@ -135,24 +150,54 @@ class SpecBatchEngine:
             history=list(prompt),
             pending=[prompt[-1]],
         )
-        self.t_cache = _merge(self.t_cache, t_layers)
-        self.d_cache = _merge(self.d_cache, d_layers)
-        self.rows.append(row)
+        self.joining.append(_Joiner(row, prompt[cached:-1], t_layers, d_layers))
+
+    def _join(self) -> None:
+        """Prefill every joining row (right-padded, one batched pass per chunk on each
+        model) and append them to the batch."""
+        joiners, self.joining = self.joining, []
+        rests = [j.rest for j in joiners]
+        width = max(len(r) for r in rests)
+        tokens = mx.array([r + [0] * (width - len(r)) for r in rests])
+        pad = [width - len(r) for r in rests]
+        caches = []
+        for model, layers in (
+            (self.target.model, [j.target for j in joiners]),
+            (self.draft.model, [j.draft for j in joiners]),  # (the same model may be both)
+        ):
+            batch = [first.merge([row[i] for row in layers]) for i, first in enumerate(layers[0])]
+            if width:
+                for c in batch:
+                    c.prepare(right_padding=pad)
+                for i in range(0, width, PREFILL_STEP):
+                    model(tokens[:, i : i + PREFILL_STEP], cache=batch)
+                    mx.eval([c.state for c in batch])
+                for c in batch:
+                    c.finalize()
+            caches.append(batch)
+        self.t_cache = _extend(self.t_cache, caches[0])
+        self.d_cache = _extend(self.d_cache, caches[1])
+        self.rows.extend(j.row for j in joiners)
 
     def drop(self, tag: Hashable) -> None:
+        self.joining = [j for j in self.joining if j.row.tag != tag]
         keep = [i for i, r in enumerate(self.rows) if r.tag != tag]
         if len(keep) < len(self.rows):
             self._keep(keep)
 
     def close(self) -> None:
-        self.rows, self.t_cache, self.d_cache = [], None, None
+        self.rows, self.joining, self.t_cache, self.d_cache = [], [], None, None
 
     # -- one round ------------------------------------------------------------
     def step(self) -> Step:
-        """One speculative round for every row: draft, verify, accept, rewind."""
+        """One speculative round for every row: draft, verify, accept, rewind (after
+        prefilling the rows that joined since the last round)."""
+        joined = bool(self.joining)
+        if joined:
+            self._join()
         rows = self.rows
         if not rows:
-            return Step(0, [], False, decoding=0)
+            return Step(0, [], joined, decoding=0)
         assert self.t_cache is not None and self.d_cache is not None
         now = time.perf_counter()
         ks = [min(self.k, r.params.max_tokens - len(r.tokens)) for r in rows]
@@ -201,7 +246,7 @@ class SpecBatchEngine:
         if len(keep) < len(rows):
             self._keep(keep)
         self.rounds += 1
-        return Step(emitted, done, False, decoding=len(rows))
+        return Step(emitted, done, joined, decoding=len(rows))
 
     def _draft(self, kr: int) -> list[list[int]]:
         """``kr`` draft tokens for every row (the draft's passes batched)."""

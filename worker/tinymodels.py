@@ -120,10 +120,9 @@ def _stdlib_corpus(limit_bytes: int) -> list[str]:
     return texts
 
 
-def write_bytelevel_tokenizer(
-    path: Path, vocab: int = 32000, corpus_bytes: int = 8_000_000
-) -> None:
-    """Train a byte-level BPE (the GPT-2 / Llama 3 kind) of exactly ``vocab`` entries."""
+def train_bytelevel_bpe(texts: list[str], vocab: int) -> Any:
+    """A byte-level BPE (the GPT-2 / Llama 3 kind) trained on ``texts``: a
+    ``tokenizers.Tokenizer`` of at most ``vocab`` entries (the special tokens first)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -135,7 +134,15 @@ def write_bytelevel_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_stdlib_corpus(corpus_bytes), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def write_bytelevel_tokenizer(
+    path: Path, vocab: int = 32000, corpus_bytes: int = 8_000_000
+) -> None:
+    """A byte-level BPE of exactly ``vocab`` entries trained on the standard library."""
+    tok = train_bytelevel_bpe(_stdlib_corpus(corpus_bytes), vocab)
     if tok.get_vocab_size() != vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {vocab}")
     save_tokenizer(tok, path, CHAT_TEMPLATE)
