@@ -9,10 +9,12 @@ measures, engine-level (no Redis: only decoding is timed):
 - step times: one target pass over (B, n) tokens for n = 1 .. k+1 (n = 1 is a
   plain decode step, n = k+1 a verification), one draft pass over (B, 1), each
   with a cache holding the prompt (alternating, medians);
-- the prediction: B * E / (k * t_draft(B) + t_target(B, k+1) + r(B)) with E the
-  measured tokens per row per round and r(B) the per-round bookkeeping (measured
-  as a plain step's wall time minus its target pass), against a plain batch's
-  B / t_step(B). measured / predicted is printed for every cell.
+- the prediction: B * E / (k * t_draft(B) + t_target(B, k+1) + t_rewind(B, k) +
+  c * B * E), with E the measured tokens per row per round, t_rewind the measured
+  cost of dropping 0..k rejected positions per row from both caches, and c the
+  bookkeeping per emitted token (sampling, detokenizing, stop checks: a plain
+  step's wall time minus its target pass, over its B tokens; so the plain column
+  is 1.00 by construction); measured / predicted is printed for every cell.
 
 It then applies the same model to a memory-bound GPU: a pass costs the larger of
 reading the weights (bytes / bandwidth) and its arithmetic (2 x params x tokens /
@@ -99,6 +101,24 @@ def pass_seconds(net: Any, batch: int, width: int, context: int, repeats: int = 
     return statistics.median(samples)
 
 
+def rewind_seconds(net: Any, batch: int, k: int, context: int, repeats: int = 5) -> float:
+    """Median seconds of rewinding a verified round: rows drop 0..k positions each."""
+    from worker.specbatch import _drop_tail
+
+    samples = []
+    for r in range(repeats):
+        cache = [KVCache() for _ in net.layers]
+        mx.eval(net(mx.full((1, context + k + 1), 9), cache=cache))
+        rows = [c.merge([c] * batch) for c in cache]
+        mx.eval([(c.keys, c.values) for c in rows])
+        tails = [(i + r) % (k + 1) for i in range(batch)]
+        t = time.perf_counter()
+        _drop_tail(rows, tails)
+        mx.eval([(c.keys, c.values) for c in rows])
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
 def param_count(net: Any) -> int:
     return sum(v.size for _, v in tree_flatten(net.parameters()))
 
@@ -136,6 +156,11 @@ def main() -> None:
             for n in range(1, max(ks) + 2)
         }
         row["draft n=1"] = pass_seconds(draft.model, b, 1, prompt_len)
+        context = prompt_len + args.tokens // 2
+        for k in ks:
+            row[f"rewind k={k}"] = rewind_seconds(target.model, b, k, context) + rewind_seconds(
+                draft.model, b, k, context
+            )
         steps[str(b)] = row
     predicted: dict[str, dict[str, float]] = {}
     gpu: dict[str, dict[str, float]] = {}
@@ -147,15 +172,18 @@ def main() -> None:
 
     for b in batches:
         s = steps[str(b)]
-        plain_step = b / measured[str(b)]["0"]  # wall time of a plain step
-        overhead = max(plain_step - s["target n=1"], 0.0)
-        predicted[str(b)] = {"0": b / (s["target n=1"] + overhead)}
-        gpu[str(b)] = {"0": b / (gpu_pass(t_params, b) + overhead)}
+        # Bookkeeping per emitted token (sampling, detokenizing, stop checks), from the
+        # plain batch: its step's wall time minus its target pass, over its B tokens.
+        plain_step = b / measured[str(b)]["0"]
+        per_token = max(plain_step - s["target n=1"], 0.0) / b
+        predicted[str(b)] = {"0": b / (s["target n=1"] + per_token * b)}
+        gpu[str(b)] = {"0": b / (gpu_pass(t_params, b) + per_token * b)}
         for k in ks:
             e = per_round[str(b)][str(k)]
-            round_s = k * s["draft n=1"] + s[f"target n={k + 1}"] + overhead
+            rest = s[f"rewind k={k}"] + per_token * b * e
+            round_s = k * s["draft n=1"] + s[f"target n={k + 1}"] + rest
             predicted[str(b)][str(k)] = b * e / round_s
-            gpu_round = k * gpu_pass(d_params, b) + gpu_pass(t_params, b * (k + 1)) + overhead
+            gpu_round = k * gpu_pass(d_params, b) + gpu_pass(t_params, b * (k + 1)) + rest
             gpu[str(b)][str(k)] = b * e / gpu_round
     print("measured / predicted:")
     for b in batches:

@@ -178,7 +178,8 @@ def test_deep_queue_of_draft_jobs_is_batched_when_batching_measures_faster(conn,
 def test_deep_queue_of_draft_jobs_speculates_when_batching_measures_slower(conn, redis_url, tiny):
     policy = _seeded_policy(tiny)
     policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0)  # batches crawl
-    policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0, draft=tiny.draft, k=3)
+    for k in (3, 6):
+        policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0, draft=tiny.draft, k=k)
     s = Client(connection=conn).submit(_draft_jobs(tiny, 4))
     run_worker(
         redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache(), policy=policy), max_batch=4

@@ -143,6 +143,9 @@ def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
     assert second is not None and second.k == 3
     assert "measuring speculative batching" in second.reason
     policy.record_batch("t", None, 8, tokens=int(20 * alone), seconds=10.0, draft="d", k=3)
+    third = policy.batch_instead("t", "d", None, depth=7)  # and at twice the default k
+    assert third is not None and third.k == 6 and "measuring speculative" in third.reason
+    policy.record_batch("t", None, 8, tokens=int(10 * alone), seconds=10.0, draft="d", k=6)
     won = policy.batch_instead("t", "d", None, depth=7)  # nearest measured size: 8
     assert won is not None and won.k == PLAIN and "beats one at a time" in won.reason
     fixed = policy.batch_instead("t", "d", None, depth=8, fixed_k=2)  # the job's k rules
@@ -160,10 +163,25 @@ def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
     slow = SpeculationPolicy("auto", default_k=3)
     drive(slow, p=0.8, jobs=3)
     slow.record_batch("t", None, 8, tokens=int(5 * alone), seconds=10.0)  # 0.5x alone
-    slow.record_batch("t", None, 8, tokens=int(6 * alone), seconds=10.0, draft="d", k=3)
+    for k in (3, 6):
+        slow.record_batch("t", None, 8, tokens=int(6 * alone), seconds=10.0, draft="d", k=k)
     assert slow.batch_instead("t", "d", None, depth=8) is None  # speculating one at a time wins
 
     always = SpeculationPolicy("always", default_k=4).batch_instead("t", "d", None, depth=8)
     assert always is not None and always.k == 4  # speculative, in a batch
     never = SpeculationPolicy("never").batch_instead("t", "d", None, depth=2)
     assert never is not None and never.k == PLAIN
+
+
+def test_a_speculative_batch_must_beat_a_plain_one_by_a_margin():
+    from worker.policy import SPEC_BATCH_MARGIN
+
+    policy = SpeculationPolicy("auto", default_k=3)
+    drive(policy, p=0.8, jobs=3)
+    alone = max(true_speed(k, 0.8) for k in range(1, 9))
+    policy.record_batch("t", None, 8, tokens=int(40 * alone), seconds=10.0)
+    for k in (3, 6):  # 1.4x the plain batch while full: not enough (uneven ends)
+        rate = 1.4 * 4 * alone
+        policy.record_batch("t", None, 8, tokens=int(10 * rate), seconds=10.0, draft="d", k=k)
+    assert SPEC_BATCH_MARGIN > 1.4
+    assert policy.batch_instead("t", "d", None, depth=8).k == PLAIN
