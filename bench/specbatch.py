@@ -145,7 +145,7 @@ def main() -> None:
         measured[str(b)] = {"0": rate}
         per_round[str(b)] = {"0": 1.0}
         for k in ks:
-            rate, e = throughput(SpecBatchEngine(target, draft, k, b), target, reqs)
+            rate, e = throughput(SpecBatchEngine(target, draft, k), target, reqs)
             measured[str(b)][str(k)] = rate
             per_round[str(b)][str(k)] = e
         print(f"B={b}: " + ", ".join(f"k={k} {v:.1f}" for k, v in measured[str(b)].items()))

@@ -57,7 +57,7 @@ def test_engine_equals_speculating_alone_with_joins_leaves_stops_and_eos(pair):
     gen = ChatGenerator.get_or_create(target, draft, cache=ModelCache())
     reqs = _requests(target, 9)
     alone = [gen.generate(r, num_draft_tokens=K) for r in reqs]
-    engine = SpecBatchEngine(gen.target, gen.draft, K, 8)
+    engine = SpecBatchEngine(gen.target, gen.draft, K)
     outs, rounds, waiting = {}, 0, list(enumerate(reqs))
 
     def join(count: int) -> None:
@@ -145,7 +145,7 @@ def test_a_model_with_caches_that_cannot_be_rewound_per_row_is_refused(tiny):
     from mlx_lm.models.cache import RotatingKVCache
 
     gen = ChatGenerator.get_or_create(tiny.target, tiny.twin, cache=ModelCache())
-    engine = SpecBatchEngine(gen.target, gen.draft, K, 4)
+    engine = SpecBatchEngine(gen.target, gen.draft, K)
     req = _requests(tiny.target, 1)[0]
     prompt = prompt_tokens(gen.target.tokenizer, req)
     rotating = [RotatingKVCache(max_size=64) for _ in gen.target.model.layers]

@@ -308,9 +308,7 @@ class ContinuousBatch:
             model, adapter, draft, k = self.key
             self.generator = ChatGenerator.get_or_create(model, draft, adapter, self.rt.cache)
             if draft is not None and self.generator.draft is not None:
-                self.engine = SpecBatchEngine(
-                    self.generator.target, self.generator.draft, k, self.cap
-                )
+                self.engine = SpecBatchEngine(self.generator.target, self.generator.draft, k)
             else:
                 self.engine = BatchEngine(self.generator.target, self.cap)
         return self.engine

@@ -5,11 +5,13 @@ Each round, for every live sequence at once: the draft proposes up to k tokens
 k + 1 tokens, each sequence accepts its own prefix under mlx-lm's rule (a draft
 token is kept while it equals the token the target samples at its position:
 greedy, exact match), and both models' caches are rewound per sequence. Rewinding
-row by row uses mlx-lm's own ``BatchKVCache`` padding: the rejected tail of a row
-becomes right padding, which ``finalize`` rolls to the left where the attention
-mask ignores it. Sequences join (prefilled on their own, then merged in) and leave
-between rounds, as in :class:`worker.batching.BatchEngine`, whose interface this
-engine shares so a continuous batch can run either.
+row by row uses mlx-lm's own ``BatchKVCache`` left padding: what every row rejects
+is trimmed off the end, and the rest of a row's rejected tail is rolled round to
+the left of its filled part, where the attention mask skips it. Sequences join
+(all that joined since the last round prefilled together, then appended) and
+leave between rounds, as in :class:`worker.batching.BatchEngine`, whose interface
+this engine shares so a continuous batch can run either (how many rows it holds
+is the caller's decision).
 
 Pure MLX and mlx-lm; knows nothing of Redis or jobs.
 """
@@ -86,8 +88,8 @@ def _drop_tail(cache: Cache, tails: list[int]) -> None:
 class SpecBatchEngine:
     """A continuous batch on (target, draft) that decodes speculatively, k per round."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel, k: int, max_batch: int) -> None:
-        self.target, self.draft, self.k, self.max_batch = target, draft, k, max_batch
+    def __init__(self, target: LoadedModel, draft: LoadedModel, k: int) -> None:
+        self.target, self.draft, self.k = target, draft, k
         self.eos = frozenset(int(t) for t in target.tokenizer.eos_token_ids)
         self.rows: list[_Row] = []
         self.joining: list[_Joiner] = []
