@@ -179,7 +179,7 @@ def _prepare(
         body = (
             item.body
             if item.body is not None
-            else item.request.model_dump(mode="json", exclude_unset=True)
+            else item.request.model_dump(mode="json", exclude_unset=True, by_alias=True)
         )
         yield Prepared(
             job_id,

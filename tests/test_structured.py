@@ -321,3 +321,15 @@ def test_mask_covers_logits_wider_than_the_vocabulary():
     bits.view(np.uint32)[1] = np.uint32(1 << 31)  # token 63 only
     out = np.array(mask_logits(mx.zeros((1, 80)), bits)[0])
     assert np.nonzero(np.isfinite(out))[0].tolist() == [63]
+
+
+def test_a_request_object_is_stored_in_openai_shape(conn, tiny):
+    """Client.submit of a ChatRequest stores `response_format.json_schema.schema` (OpenAI's
+    key), which any other reader of the job hash expects."""
+    import zlib
+
+    req = ChatRequest.model_validate(chat(tiny.target, response_format=schema_format()))
+    s = Client(connection=conn).submit({"x": req}, batch_id="shape")
+    raw = conn.hget(keys.rq_job_key(s.job_ids[0]), "data")
+    body = json.loads(zlib.decompress(raw))[2][0]["request"]
+    assert body["response_format"]["json_schema"]["schema"] == SCHEMA
