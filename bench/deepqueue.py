@@ -17,15 +17,22 @@ worker (real Redis, the real lifecycle, real result records) serves them:
 Throughput is completion tokens over wall time from submit to the last
 result. Synthetic models (bench/fixtures.py).
 
-    .venv/bin/python -m bench.deepqueue [--jobs 16] [--max-tokens 32]
+Every arm runs once per round, in an order that rotates from round to round, and
+the figures are medians over rounds (``--rounds``): this VM's speed drifts by 2x
+within minutes, so arms run one after another are not comparable.
+
+    .venv/bin/python -m bench.deepqueue [--jobs 16] [--max-tokens 32] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from redis import Redis
 
@@ -67,6 +74,18 @@ def serve(url: str, jobs: list[dict], rt: runtime.WorkerRuntime, max_batch: int)
     return {"tok_s": tokens / elapsed, "seconds": elapsed, "ran": dict(ran), "texts": texts}
 
 
+def auto_pass(url: str, jobs: list[dict], rt: Any, max_batch: int) -> dict:
+    """auto from a fresh policy (cold), then again with what it measured (warm)."""
+    policy = SpeculationPolicy("auto")
+    cold = serve(url, jobs, rt(policy), max_batch)
+    warm = serve(url, jobs, rt(policy), max_batch)
+    measured = {
+        str(k): {str(n): round(a.value, 1) for n, a in v.by_size.items()}
+        for k, v in (policy.batches | policy.spec_batches).items()
+    }
+    return {"cold": cold, "warm": warm, "measured": measured}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=16)
@@ -74,6 +93,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--ks", default="1,2,3,4,6", help="draft lengths of the speculative batches")
     ap.add_argument("--pairs", default="copy,unrelated")
+    ap.add_argument("--rounds", type=int, default=1, help="every arm per round, order rotating")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",") if k]
     target = model("wide")
@@ -90,43 +110,70 @@ def main() -> None:
             alone_policy = SpeculationPolicy("auto")
             serve(server.url, jobs, rt(alone_policy), 1)  # warm the models and the policy
             serve(server.url, jobs, rt(SpeculationPolicy("never")), args.max_batch)  # and batches
-            alone = serve(server.url, jobs, rt(alone_policy), 1)
-            batched = serve(server.url, jobs, rt(SpeculationPolicy("never")), args.max_batch)
-            spec = {
-                k: serve(
-                    server.url, jobs, rt(SpeculationPolicy("always", default_k=k)), args.max_batch
-                )
-                for k in ks
+            url, size = server.url, args.max_batch
+            arms: dict[str, Any] = {
+                "speculate one at a time": functools.partial(serve, url, jobs, rt(alone_policy), 1),
+                "batch without draft": functools.partial(
+                    serve, url, jobs, rt(SpeculationPolicy("never")), size
+                ),
+                **{
+                    f"spec batch k={k}": functools.partial(
+                        serve, url, jobs, rt(SpeculationPolicy("always", default_k=k)), size
+                    )
+                    for k in ks
+                },
+                "auto": functools.partial(auto_pass, url, jobs, rt, size),
             }
-            auto_policy = SpeculationPolicy("auto")
-            cold = serve(server.url, jobs, rt(auto_policy), args.max_batch)
-            warm = serve(server.url, jobs, rt(auto_policy), args.max_batch)
-            best_k = max(spec, key=lambda k: spec[k]["tok_s"]) if spec else None
-            best_before = max(alone["tok_s"], batched["tok_s"])
-            best = max(best_before, *(v["tok_s"] for v in spec.values()))
+            runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+            names_ = list(arms)
+            for r in range(args.rounds):  # each round runs every arm, in a rotating order
+                for arm in names_[r % len(names_) :] + names_[: r % len(names_)]:
+                    runs[arm].append(arms[arm]())
+            rate = {
+                arm: statistics.median(x["tok_s"] for x in v)
+                for arm, v in runs.items()
+                if arm != "auto"
+            }
+            rate["auto cold"] = statistics.median(x["cold"]["tok_s"] for x in runs["auto"])
+            rate["auto warm"] = statistics.median(x["warm"]["tok_s"] for x in runs["auto"])
+            spec_arms = [f"spec batch k={k}" for k in ks]
+            best_spec = max(spec_arms, key=rate.__getitem__) if spec_arms else None
+            fixed = ["speculate one at a time", "batch without draft", *spec_arms]
+            paired = (
+                [  # per round: the best speculative batch / the better of the other two
+                    max(runs[a][i]["tok_s"] for a in spec_arms)
+                    / max(runs[a][i]["tok_s"] for a in fixed[:2])
+                    for i in range(args.rounds)
+                ]
+                if spec_arms
+                else []
+            )
+            texts = [x["texts"] for arm in fixed for x in runs[arm]]
+            texts += [x[w]["texts"] for x in runs["auto"] for w in ("cold", "warm")]
+            last_auto = runs["auto"][-1]
             row = {
-                "tok_s": {
-                    "speculate one at a time": round(alone["tok_s"], 2),
-                    "batch without draft": round(batched["tok_s"], 2),
-                    **{f"spec batch k={k}": round(v["tok_s"], 2) for k, v in spec.items()},
-                    "auto cold": round(cold["tok_s"], 2),
-                    "auto warm": round(warm["tok_s"], 2),
-                },
-                "spec_batch_best_k": best_k,
+                "tok_s": {arm: round(v, 2) for arm, v in rate.items()},
+                "rounds": args.rounds,
+                "spec_batch_best": best_spec,
                 "spec_batch_over_better_of_batch_and_alone": round(
-                    spec[best_k]["tok_s"] / best_before, 3
+                    rate[best_spec] / max(rate[a] for a in fixed[:2]), 3
                 )
-                if best_k
+                if best_spec
                 else None,
-                "ran": {"alone": alone["ran"], "auto cold": cold["ran"], "auto warm": warm["ran"]},
-                "auto_warm_over_best": round(warm["tok_s"] / best, 3),
-                "auto_cold_over_best": round(cold["tok_s"] / best, 3),
-                "greedy_outputs_equal": alone["texts"] == batched["texts"] == warm["texts"]
-                and all(v["texts"] == alone["texts"] for v in spec.values()),
-                "batch_speeds_measured": {
-                    str(k): {str(n): round(a.value, 1) for n, a in v.by_size.items()}
-                    for k, v in (auto_policy.batches | auto_policy.spec_batches).items()
+                "same_per_round": [round(x, 3) for x in paired],
+                "auto_warm_over_best_fixed": round(
+                    rate["auto warm"] / max(rate[a] for a in fixed), 3
+                ),
+                "auto_cold_over_best_fixed": round(
+                    rate["auto cold"] / max(rate[a] for a in fixed), 3
+                ),
+                "ran": {
+                    "alone": runs["speculate one at a time"][-1]["ran"],
+                    "auto cold": last_auto["cold"]["ran"],
+                    "auto warm": last_auto["warm"]["ran"],
                 },
+                "greedy_outputs_equal": all(t == texts[0] for t in texts),
+                "batch_speeds_measured": last_auto["measured"],
             }
             rows[name] = row
             print(name, json.dumps(row), flush=True)
