@@ -155,7 +155,7 @@ def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
     )
     # A speculative batch measured faster than both (again and again): it runs.
     for _ in range(4):
-        policy.record_batch("t", None, 8, tokens=int(80 * alone), seconds=10.0, draft="d", k=3)
+        policy.record_batch("t", None, 8, tokens=int(100 * alone), seconds=10.0, draft="d", k=3)
     spec = policy.batch_instead("t", "d", None, depth=8)
     assert spec is not None and spec.k == 3 and "speculative batch at k=3" in spec.reason
     assert policy.batch_limit("t", None, "d", 3)[1].startswith("speed: 8 measured fastest")
