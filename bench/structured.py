@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.fixtures import model
@@ -100,10 +101,11 @@ def per_step_batched(gen: ChatGenerator, reqs: list[ChatRequest]) -> tuple[float
 
 
 def compile_times(gen: ChatGenerator) -> dict[str, float]:
-    from worker import constrain
+    from mlx_lm.utils import hf_repo_to_path, load_tokenizer
 
-    tok = gen.target.tokenizer
-    constrain._tokenizers.pop(tok, None)  # as on a fresh worker
+    name = gen.target.key[0]
+    path = Path(name) if Path(name).exists() else hf_repo_to_path(name)  # hub: downloaded
+    tok = load_tokenizer(path)  # a tokenizer llguidance has not seen, as on a fresh worker
     req = request(gen.target.key[0], PROMPTS[0], True, 8)
     t = time.perf_counter()
     constraint_for(req, tok, gen.target.vocab_size)

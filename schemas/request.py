@@ -26,7 +26,7 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 #: Values of unsupported fields that mean "feature off" and are accepted.
-_HARMLESS = (None, False, [], {}, {"type": "text"}, "auto", "default", "none")
+_HARMLESS = (None, False, [], {}, "auto", "default", "none")
 
 _UNSUPPORTED_KEYS = frozenset(UNSUPPORTED)
 

@@ -263,7 +263,7 @@ def test_the_mask_follows_a_history_that_rewinds(loaded, tiny):
     req = ChatRequest.model_validate(chat(tiny.target, response_format=schema_format()))
     c = constraint_for(req, tok, 512)
     doc = tok.encode('{"color": "green", "count": 5')
-    doc = doc[1:] if tok._tokenizer.convert_ids_to_tokens(doc[0]) == "▁" else doc
+    doc = doc[1:] if tok.convert_ids_to_tokens(doc[0]) == "▁" else doc
     prompt = [7, 8, 9]
 
     def fresh(n: int) -> set[int]:
@@ -275,7 +275,7 @@ def test_the_mask_follows_a_history_that_rewinds(loaded, tiny):
     assert _allowed(p, prompt) == fresh(0)
     for n in (1, 2, 5, 3, 9, 4, 4, 12, 0, len(doc)):  # forwards, back, forwards again
         assert _allowed(p, prompt + doc[:n]) == fresh(n), n
-    assert fresh(0) == {tok._tokenizer.convert_tokens_to_ids("{")}
+    assert fresh(0) == {tok.convert_tokens_to_ids("{")}
 
 
 def test_special_tokens_are_never_text_inside_a_string(loaded, tiny):

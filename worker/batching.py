@@ -88,6 +88,24 @@ class SeqState:
     draft_proposed: int = 0  # speculative batches (``worker.specbatch``)
     draft_accepted: int = 0
 
+    def advance(self, token: int, finish_reason: str | None, logprobs: mx.array) -> str | None:
+        """Add ``token`` to the text (and its logprobs); the finish reason if it ends here."""
+        if finish_reason == "stop":  # EOS: not part of the text
+            self.detokenizer.finalize()
+            self.text += self.detokenizer.last_segment
+            return "stop"
+        grown_from = len(self.text)
+        self.detokenizer.add_token(token)
+        if finish_reason == "length":
+            self.detokenizer.finalize()
+        self.text += self.detokenizer.last_segment
+        if self.collector is not None:
+            self.collector.add(token, logprobs, len(self.text))
+        if (at := self.scan.find(self.text, grown_from)) >= 0:
+            self.text, self.cut = self.text[:at], True
+            return "stop"
+        return finish_reason
+
     def output(self, finish: str) -> GenerationOutput:
         end = time.perf_counter()
         first = self.first_token_at or end
@@ -219,7 +237,7 @@ class BatchEngine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
             seq.tokens.append(int(r.token))
-            finish = self._advance(seq, int(r.token), r.finish_reason, r.logprobs)
+            finish = seq.advance(int(r.token), r.finish_reason, r.logprobs)
             if finish is not None:
                 if finish == "stop" and r.finish_reason is None:
                     self.gen.remove([r.uid])  # a stop string: the generator would go on
@@ -231,27 +249,6 @@ class BatchEngine:
                     continue
                 done.append((seq.tag, seq.output(finish)))
         return Step(len(responses), done, bool(prompts))
-
-    @staticmethod
-    def _advance(
-        seq: SeqState, token: int, finish_reason: str | None, logprobs: mx.array
-    ) -> str | None:
-        """Add ``token`` to the sequence's text; its finish reason if it ends here."""
-        if finish_reason == "stop":  # EOS: not part of the text
-            seq.detokenizer.finalize()
-            seq.text += seq.detokenizer.last_segment
-            return "stop"
-        grown_from = len(seq.text)
-        seq.detokenizer.add_token(token)
-        if finish_reason == "length":
-            seq.detokenizer.finalize()
-        seq.text += seq.detokenizer.last_segment
-        if seq.collector is not None:
-            seq.collector.add(token, logprobs, len(seq.text))
-        if (at := seq.scan.find(seq.text, grown_from)) >= 0:
-            seq.text, seq.cut = seq.text[:at], True
-            return "stop"
-        return finish_reason
 
     def close(self) -> None:
         self.gen.close()

@@ -17,6 +17,7 @@ does not follow the grammar fails the job instead of being returned.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections import OrderedDict
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
@@ -105,11 +105,10 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> Callable[[int], bytes]:
     tokens as their text."""
     with _lock:
         ll = _compiled(tokenizer, vocab_size).tokenizer
-    hf = tokenizer._tokenizer
 
     def of(token: int) -> bytes:
         if ll.is_special_token(token):
-            return str(hf.convert_ids_to_tokens(token)).encode()
+            return str(tokenizer.convert_ids_to_tokens(token)).encode()
         return ll.decode_bytes([token])
 
     return of
@@ -189,14 +188,21 @@ def verify(constraint: Constraint, tokens: list[int] | tuple[int, ...], finish: 
 
 
 def _lltokenizer(tokenizer: Any, vocab_size: int) -> llguidance.LLTokenizer:
-    """llguidance's view of an mlx-lm tokenizer: token bytes, EOS ids, vocabulary width."""
-    hf = tokenizer._tokenizer
+    """llguidance's view of an mlx-lm tokenizer: token bytes, EOS ids, vocabulary width.
+
+    ``tokenizer`` is mlx-lm's ``TokenizerWrapper``, which hands the Hugging Face
+    tokenizer's public attributes through; llguidance reads the Rust tokenizer's JSON
+    (what ``llguidance.hf.from_tokenizer`` does with the wrapped object itself).
+    """
     eos = sorted(int(t) for t in tokenizer.eos_token_ids)
-    n_vocab = max(vocab_size, len(hf))
+    n_vocab = max(vocab_size, len(tokenizer))
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
     try:
-        return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos)
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
     except ValueError:  # a decoder llguidance does not classify (e.g. a bare Metaspace)
-        wrapper = llguidance.TokenizerWrapper(_ByteTokens(hf, n_vocab, eos[0]))
+        wrapper = llguidance.TokenizerWrapper(_ByteTokens(tokenizer, n_vocab, eos[0]))
         return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
 
 

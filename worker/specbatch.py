@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 
 from schemas import MlxqError
-from worker.batching import BatchEngine, SeqState, Step, sampler_for
+from worker.batching import SeqState, Step, sampler_for
 from worker.cache import LoadedModel
 from worker.engine import GenerationOutput, GenerationParams, StopScan, check_constraint
 from worker.engine import logits_processors as make_processors
@@ -78,7 +78,7 @@ def _drop_tail(cache: Cache, tails: list[int]) -> None:
         if max(extra, default=0) <= 0:
             continue
         shift = mx.array(extra)
-        n = c._idx
+        n = c.size()
         c.keys[..., :n, :] = dynamic_roll(c.keys[..., :n, :], shift[:, None], axis=2)
         c.values[..., :n, :] = dynamic_roll(c.values[..., :n, :], shift[:, None], axis=2)
         c.offset = c.offset - shift
@@ -230,7 +230,7 @@ class SpecBatchEngine:
                     row.draft_accepted += 1
                 at_limit = len(row.tokens) >= row.params.max_tokens
                 reason = "stop" if token in self.eos else ("length" if at_limit else None)
-                finish = BatchEngine._advance(row, token, reason, vectors(i, j))
+                finish = row.advance(token, reason, vectors(i, j))
                 if finish is not None:
                     break
             row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
@@ -280,13 +280,12 @@ class SpecBatchEngine:
     def _sample_rows(self, logits: mx.array, contexts: list[list[int]]) -> list[int]:
         """One token per row from ``logits`` (B, V), each through its row's processors and
         sampler; greedy rows without processors in one argmax."""
-        out = []
-        plain = all(not r.processors and r.params.temperature == 0 for r in self.rows)
-        if plain:
+        if all(not r.processors and r.params.temperature == 0 for r in self.rows):
             return mx.argmax(logits, axis=-1).tolist()
-        for i, row in enumerate(self.rows):
-            out.append(int(self._sample_one(row, logits[i : i + 1], contexts[i])[0].item()))
-        return out
+        return [
+            int(self._sample_one(row, logits[i : i + 1], contexts[i])[0].item())
+            for i, row in enumerate(self.rows)
+        ]
 
     @staticmethod
     def _sample_one(row: _Row, logits: mx.array, context: list[int]) -> tuple[mx.array, mx.array]:
