@@ -116,17 +116,23 @@ def test_equal_alone_batched_speculative_and_streamed(conn, redis_url, tiny):
         _close(_content(record), _content(alone[cid]))
 
 
-def test_a_stop_string_keeps_only_the_tokens_of_the_text(conn, redis_url, tiny):
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_stop_string_keeps_only_the_tokens_of_the_text(conn, redis_url, tiny, max_batch):
     free = run_jobs(conn, redis_url, _jobs(tiny.target), "free")
     text = free["c0"].response.choices[0].message.content
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    cut = run_jobs(conn, redis_url, {"c0": _jobs(tiny.target, stop=[stop])["c0"]}, "cut")["c0"]
+    jobs = {"c0": _jobs(tiny.target, stop=[stop])["c0"], "c1": _jobs(tiny.target)["c1"]}
+    cut = run_jobs(conn, redis_url, jobs, "cut", max_batch)["c0"]
+    assert cut.metrics.batch_size == min(max_batch, 2)  # alone, or batched with c1
     kept = cut.response.choices[0].message.content
     assert cut.response.choices[0].finish_reason == "stop" and stop not in kept
     content = _content(cut)
     assert "".join(t.token for t in content).strip().startswith(kept.strip())
     assert len(content) < len(_content(free["c0"]))
-    assert content == _content(free["c0"])[: len(content)]
+    if max_batch == 1:
+        assert content == _content(free["c0"])[: len(content)]
+    else:  # batched arithmetic: the same tokens, values within TOL
+        _close(content, _content(free["c0"])[: len(content)])
 
 
 def test_with_a_response_format_only_allowed_tokens_appear(conn, redis_url, tiny):
