@@ -165,3 +165,51 @@ def test_a_model_as_its_own_draft(conn, redis_url, tiny):
         b = runs["batched"][cid]
         assert b.response.choices[0].message.content == a.response.choices[0].message.content
         assert b.metrics.acceptance_rate == 1.0
+
+
+def _run_engine(engine: SpecBatchEngine, gen: ChatGenerator, reqs: list[ChatRequest]) -> dict:
+    """Every request through ``engine``, four at first, two joining every other round."""
+    outs, rounds, waiting = {}, 0, list(enumerate(reqs))
+
+    def join(count: int) -> None:
+        for _ in range(min(count, len(waiting))):
+            i, r = waiting.pop(0)
+            prompt = prompt_tokens(gen.target.tokenizer, r)
+            engine.add(i, prompt, params_for(r, len(prompt), 512, 512, K))
+
+    join(4)
+    while len(engine) or waiting:
+        for tag, out in engine.step().done:
+            outs[tag] = out
+        rounds += 1
+        if rounds % 2 == 0:
+            join(2)
+    return outs
+
+
+@pytest.mark.parametrize("which", ["noisy", "unrelated", "twin"])
+def test_adaptive_k_keeps_every_greedy_output(pair, tiny, which):
+    """Each round's k chosen by measured goodput (0 = a plain step, the draft catches up
+    later): the same greedy text as decoding alone, whatever k each round ran. A draft
+    that never agrees ends up plain. (Which k pays for a good draft is the unit tests'
+    business: here target and drafts are the same size, so drafting rarely pays.)"""
+    target, noisy = pair
+    draft = {"noisy": noisy, "unrelated": tiny.draft, "twin": target}[which]
+    gen = ChatGenerator.get_or_create(target, draft, cache=ModelCache())
+    reqs = _requests(target, 9)
+    alone = [gen.generate(r, use_draft=False) for r in reqs]
+    engine = SpecBatchEngine(gen.target, gen.draft, 4, adaptive=True)
+    outs = _run_engine(engine, gen, reqs)
+    for i, a in enumerate(alone):
+        b = outs[i]
+        assert (b.text, b.finish_reason, b.token_ids) == (a.text, a.finish_reason, a.token_ids), i
+    assert engine.goodput is not None
+    chosen = engine.goodput.chosen
+    assert chosen.get(0) and chosen.get(4)  # both ends measured
+    rounds = sum(chosen.values())
+    accepted = sum(o.draft_tokens_accepted for o in outs.values())
+    proposed = sum(o.draft_tokens_proposed for o in outs.values())
+    if which == "unrelated":
+        assert chosen[0] > 0.7 * rounds and accepted < 0.2 * proposed
+    if which == "twin":
+        assert accepted >= 0.9 * proposed  # all but proposals past an EOS

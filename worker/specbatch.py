@@ -31,6 +31,7 @@ from worker.batching import SeqState, Step, sampler_for
 from worker.cache import LoadedModel
 from worker.engine import GenerationOutput, GenerationParams, StopScan, check_constraint
 from worker.engine import logits_processors as make_processors
+from worker.goodput import Acceptance, Goodput
 from worker.logprobs import LogprobCollector
 from worker.prefix import PREFILL_STEP
 
@@ -45,6 +46,7 @@ class _Row(SeqState):
     sampler: Any = None
     history: list[int] = field(default_factory=list)  # prompt + generated
     pending: list[int] = field(default_factory=list)  # tokens the draft has not seen yet
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 def _extend(batch: Cache | None, rows: Cache) -> Cache:
@@ -86,10 +88,21 @@ def _drop_tail(cache: Cache, tails: list[int]) -> None:
 
 
 class SpecBatchEngine:
-    """A continuous batch on (target, draft) that decodes speculatively, k per round."""
+    """A continuous batch on (target, draft) that decodes speculatively: k draft tokens
+    per round, or, ``adaptive``, each round the k in 0..k with the most expected tokens
+    per second for the rows it holds (:mod:`worker.goodput`; k = 0 is a plain step)."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel, k: int) -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel,
+        k: int,
+        adaptive: bool = False,
+        prior: float | None = None,
+    ) -> None:
+        """``prior``: the pair's acceptance if measured elsewhere (adaptive only)."""
         self.target, self.draft, self.k = target, draft, k
+        self.goodput = Goodput(k, prior) if adaptive else None
         self.eos = frozenset(int(t) for t in target.tokenizer.eos_token_ids)
         self.rows: list[_Row] = []
         self.joining: list[_Joiner] = []
@@ -202,20 +215,27 @@ class SpecBatchEngine:
             return Step(0, [], joined, decoding=0)
         assert self.t_cache is not None and self.d_cache is not None
         now = time.perf_counter()
-        ks = [min(self.k, r.params.max_tokens - len(r.tokens)) for r in rows]
+        left = [r.params.max_tokens - len(r.tokens) for r in rows]
+        k = self.goodput.choose([r.acceptance for r in rows], left) if self.goodput else self.k
+        ks = [min(k, n) for n in left]
         kr = max(ks)
-        drafts = self._draft(kr)  # [rows][kr]
+        drafts = self._draft(kr) if kr else [[] for _ in rows]  # [rows][kr]
+        drafted = time.perf_counter()
         ys = [r.history[-1] for r in rows]
         verify_in = mx.array([[y, *d] for y, d in zip(ys, drafts, strict=True)])
         logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
         chosen, vectors = self._sample_verify(logits, drafts, ks)
+        verified = time.perf_counter()
         done: list[tuple[Hashable, GenerationOutput | MlxqError]] = []
-        t_tail, d_tail, keep, emitted = [], [], [], 0
+        t_tail, d_tail, keep, emitted, accepted, rejections = [], [], [], 0, 0, 0
         for i, row in enumerate(rows):
             a = 0
             while a < ks[i] and chosen[i][a] == drafts[i][a]:
                 a += 1
             row.draft_proposed += ks[i]
+            row.acceptance.update(a, ks[i])
+            accepted += a
+            rejections += a < ks[i]
             t_tail.append(kr - a)
             d_tail.append(kr - 1 - a if a < kr else 0)
             finish = None
@@ -233,7 +253,10 @@ class SpecBatchEngine:
                 finish = row.advance(token, reason, vectors(i, j))
                 if finish is not None:
                     break
-            row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
+            if kr == 0:  # the draft did not run: it has this token to see as well
+                row.pending.append(row.history[-1])
+            else:
+                row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
             if finish is None:
                 keep.append(i)
                 continue
@@ -248,6 +271,11 @@ class SpecBatchEngine:
         if len(keep) < len(rows):
             self._keep(keep)
         self.rounds += 1
+        if self.goodput:
+            total = time.perf_counter() - now
+            if kr:
+                self.goodput.round_acceptance(accepted, rejections)
+            self.goodput.measured(len(rows), kr, drafted - now, verified - drafted, total, emitted)
         return Step(emitted, done, joined, decoding=len(rows))
 
     def _draft(self, kr: int) -> list[list[int]]:
