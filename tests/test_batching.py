@@ -8,7 +8,7 @@ from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from worker import runtime
 from worker.cache import ModelCache
-from worker.policy import SpeculationPolicy
+from worker.policy import ADAPTIVE, PLAIN, Decision, SpeculationPolicy
 
 
 def _jobs(tiny):
@@ -154,7 +154,7 @@ def test_deep_queue_of_draft_jobs_is_batched_when_batching_measures_faster(conn,
     rt = runtime.WorkerRuntime(cache=ModelCache(), policy=policy)
     rounds = (
         ("measure", "measuring batching", False),
-        ("measure-spec", "measuring speculative batching at k=3", True),
+        ("measure-spec", "measuring speculative batching (k per round, up to 6)", True),
     )
     for round_, reason, speculative in rounds:
         s = Client(connection=conn).submit(jobs, batch_id=round_)
@@ -167,19 +167,18 @@ def test_deep_queue_of_draft_jobs_is_batched_when_batching_measures_faster(conn,
             assert r.metrics.draft_model == tiny.draft
             text = r.response.choices[0].message.content
             assert text == alone[cid].response.choices[0].message.content
-            if speculative:  # the same rounds as alone at the same k: the same counts
-                assert r.metrics.draft_tokens_proposed == alone[cid].metrics.draft_tokens_proposed
-                assert r.metrics.draft_tokens_accepted == alone[cid].metrics.draft_tokens_accepted
+            if speculative:  # each round's k chosen by the batch, up to 6
+                assert r.metrics.num_draft_tokens == 6
+                assert r.metrics.draft_tokens_accepted <= r.metrics.draft_tokens_proposed
     # Both batch kinds' aggregate speeds were measured and fed back to the policy.
     assert policy.batches[(tiny.target, None)].by_size
-    assert policy.spec_batches[(tiny.target, None, tiny.draft, 3)].by_size
+    assert policy.spec_batches[(tiny.target, None, tiny.draft, ADAPTIVE)].by_size
 
 
 def test_deep_queue_of_draft_jobs_speculates_when_batching_measures_slower(conn, redis_url, tiny):
     policy = _seeded_policy(tiny)
     policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0)  # batches crawl
-    for k in (3, 6):
-        policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0, draft=tiny.draft, k=k)
+    policy.record_batch(tiny.target, None, 4, 1, 10.0, draft=tiny.draft, k=6, adaptive=True)
     s = Client(connection=conn).submit(_draft_jobs(tiny, 4))
     run_worker(
         redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache(), policy=policy), max_batch=4
@@ -198,3 +197,41 @@ def test_max_jobs_counts_jobs_not_batches(conn, redis_url, tiny):
     ran = [read_result(conn, j) is not None for j in s.job_ids]
     assert ran == [True, True, True, False, False, False]
     assert conn.llen(keys.rq_queue_key("mlxq")) == 3 and conn.hlen(keys.RUNNING) == 0
+
+
+class _FickleAuto(SpeculationPolicy):
+    """auto that batches the first draft job speculatively, then changes its mind."""
+
+    def __init__(self) -> None:
+        super().__init__("auto")
+        self.asked = 0
+
+    def batch_instead(self, target, draft, adapter, depth, fixed_k=None):
+        self.asked += 1
+        if fixed_k is not None:
+            return super().batch_instead(target, draft, adapter, depth, fixed_k)
+        if self.asked == 1:
+            return Decision(4, "first: speculative batch", adaptive=True)
+        return Decision(PLAIN, "later: plain batch")
+
+
+def test_a_batch_keeps_its_terms_when_the_policy_changes_its_mind(conn, redis_url, tiny):
+    """Draft jobs that leave k to the policy join a running batch on its terms until
+    the queue is dry; a job that fixes its k, or names another draft, does not."""
+    jobs = _draft_jobs(tiny, 6)
+    jobs["fixed"] = jobs["j5"] | {"num_draft_tokens": 2}
+    jobs["other"] = jobs["j4"] | {"draft_model": tiny.twin}
+    s = Client(connection=conn).submit(jobs, batch_id="fickle")
+    policy = _FickleAuto()
+    run_worker(
+        redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache(), policy=policy), max_batch=8
+    )
+    got = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    assert all(r.status == "succeeded" for r in got.values())
+    for cid in (f"j{i}" for i in range(6)):
+        m = got[cid].metrics
+        assert m.speculative and m.speculation_reason == "first: speculative batch", cid
+        assert m.batch_size > 1
+    assert got["fixed"].metrics.num_draft_tokens == 2
+    assert "first" not in got["fixed"].metrics.speculation_reason
+    assert "first" not in got["other"].metrics.speculation_reason

@@ -37,9 +37,9 @@ import logging
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from schemas import GenerationError, JobEnvelope, MlxqError, ResultRecord
+from schemas import ChatRequest, GenerationError, JobEnvelope, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from worker import records
 from worker.batching import BatchEngine
@@ -55,8 +55,17 @@ from worker.specbatch import SpecBatchEngine
 
 log = logging.getLogger(__name__)
 
+
 #: (model, adapter, draft, k): a plain batch has no draft and k 0.
-BatchKey = tuple[str, str | None, str | None, int]
+class BatchKey(NamedTuple):
+    """Jobs share a batch when these are equal."""
+
+    model: str
+    adapter: str | None
+    draft: str | None  # None: no draft (a plain batch)
+    k: int  # draft tokens per round (0: plain); with ``adaptive``, the most per round
+    adaptive: bool = False  # k chosen each round (``worker.goodput``)
+
 
 #: Seconds a batch stops taking jobs after one could not join (FIFO: it waits first).
 PAUSE_AFTER_HAND_BACK_S = 1.0
@@ -70,6 +79,12 @@ QUEUE_EMPTY = "queue: no more jobs waiting"
 AUTO_CAP = 256
 
 
+def batchable(req: ChatRequest) -> bool:
+    """Whether a request may share a batch at all (n > 1: its choices are a batch of
+    their own; a seeded sampling job runs alone so that its seed means what it says)."""
+    return not (req.stream or req.n > 1 or (req.seed is not None and req.temperature > 0))
+
+
 def batch_key(
     envelope: JobEnvelope, rt: WorkerRuntime, depth: int
 ) -> tuple[BatchKey, Decision | None] | None:
@@ -80,17 +95,17 @@ def batch_key(
     (and why) comes along for its metrics.
     """
     req = envelope.request
-    if req.stream or req.n > 1 or (req.seed is not None and req.temperature > 0):
-        return None  # n > 1: its choices are a batch of their own
+    if not batchable(req):
+        return None
     if not req.draft_model:
-        return (req.model, req.adapter, None, 0), None
+        return BatchKey(req.model, req.adapter, None, 0), None
     decision = rt.policy.batch_instead(
         req.model, req.draft_model, req.adapter, depth, req.num_draft_tokens
     )
     if decision is None:
         return None
     draft = req.draft_model if decision.speculative else None
-    return (req.model, req.adapter, draft, decision.k), decision
+    return BatchKey(req.model, req.adapter, draft, decision.k, decision.adaptive), decision
 
 
 class Host(Protocol):
@@ -125,6 +140,8 @@ class ContinuousBatch:
         self.slots: dict[str, _Slot] = {}
         self.generator: ChatGenerator | None = None
         self.engine: BatchEngine | SpecBatchEngine | None = None
+        self.decision: Decision | None = None  # the first job's: how the policy batched it
+        self.draft_named: str | None = None  # the draft the first job named
         self._pause_until = 0.0
         self._held: tuple[int, int] | None = None  # (prompt, max_tokens) waiting for memory
         self._reason = QUEUE_EMPTY
@@ -135,6 +152,7 @@ class ContinuousBatch:
         self.peak_projected_bytes = 0
         self.peak_size = 0
         self._published_at = -PUBLISH_EVERY_S
+        self._work = [0, 0.0]  # tokens and seconds of every step
 
     def run(self, first: Job, decision: Decision | None = None) -> None:
         """Decode ``first`` and every job that joins until the batch is empty.
@@ -142,6 +160,7 @@ class ContinuousBatch:
         A BaseException (a cold shutdown) gives every job still in the batch back
         to its queue; an unexpected error fails them.
         """
+        self.decision, self.draft_named = decision, first.envelope.request.draft_model
         try:
             self._admit(first, decision)
             self._fill()  # the queued companions join before the first step
@@ -155,6 +174,8 @@ class ContinuousBatch:
                 with self.host.computing():
                     step = self.engine.step()
                 seconds = time.perf_counter() - t
+                self._work[0] += step.tokens
+                self._work[1] += seconds
                 kv_bytes = self.engine.kv_bytes
                 self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
                 self._finish_outputs(step.done)
@@ -166,6 +187,12 @@ class ContinuousBatch:
                 self._publish(kv_bytes)
             for size in list(self._speeds):
                 self._report(size)
+            if self.peak_size > 1:
+                model, adapter, draft, k, adaptive = self.key
+                tokens, seconds = self._work
+                self.rt.policy.record_whole_batch(
+                    model, adapter, int(tokens), seconds, draft, k, adaptive
+                )
         except Exception as e:
             log.exception("batch on %s failed; failing its %d job(s)", self.key[0], len(self.slots))
             error = GenerationError(f"{type(e).__name__}: {e}")
@@ -198,7 +225,7 @@ class ContinuousBatch:
         """How many jobs the batch may hold now, and why (before memory)."""
         if self.host.max_batch is not None:
             return self.cap, f"cap: --max-batch {self.cap}"
-        limit, reason = self.rt.policy.batch_limit(*self.key)  # per (model, adapter, draft, k)
+        limit, reason = self.rt.policy.batch_limit(*self.key)
         return (limit, reason) if limit < self.cap else (self.cap, f"cap: {self.cap} (auto)")
 
     def _fill(self) -> None:
@@ -217,12 +244,29 @@ class ContinuousBatch:
                 return
             depth = max(self.depth, len(self.slots) + 1)
             taken = batch_key(job.envelope, self.rt, depth)
+            if (taken is None or taken[0] != self.key) and self._same_kind(job):
+                taken = self.key, self.decision  # the policy's new mind is for the next batch
             if taken is None or taken[0] != self.key:
                 self.host.lifecycle.requeue(job)
                 self._pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
                 return
             if not self._admit(job, taken[1]):
                 return
+
+    def _same_kind(self, job: Job) -> bool:
+        """Whether ``job`` is like the draft jobs this batch was started for, which the
+        policy decided how to batch (not the job: it leaves k to the policy): it joins
+        on the batch's terms until the queue runs dry, so a batch (and what the policy
+        measures of it) is not starved when the policy changes its mind mid-batch."""
+        req = job.envelope.request
+        return (
+            self.decision is not None
+            and req.draft_model is not None
+            and req.draft_model == self.draft_named
+            and req.num_draft_tokens is None
+            and (req.model, req.adapter) == (self.key.model, self.key.adapter)
+            and batchable(req)
+        )
 
     def _admit(self, job: Job, decision: Decision | None) -> bool:
         """Put ``job`` into the batch (True); hand it back to wait for memory, or end it
@@ -305,10 +349,12 @@ class ContinuousBatch:
 
     def _engine(self, job: Job) -> BatchEngine | SpecBatchEngine:
         if self.engine is None:
-            model, adapter, draft, k = self.key
+            model, adapter, draft, k, adaptive = self.key
             self.generator = ChatGenerator.get_or_create(model, draft, adapter, self.rt.cache)
             if draft is not None and self.generator.draft is not None:
-                self.engine = SpecBatchEngine(self.generator.target, self.generator.draft, k)
+                target, draft_model = self.generator.target, self.generator.draft
+                prior = self.rt.policy.acceptance(model, draft) if adaptive else None
+                self.engine = SpecBatchEngine(target, draft_model, k, adaptive, prior)
             else:
                 self.engine = BatchEngine(self.generator.target, self.cap)
         return self.engine
@@ -383,5 +429,5 @@ class ContinuousBatch:
 
     def _report(self, size: int) -> None:
         seconds, _, tokens = self._speeds.pop(size)
-        model, adapter, draft, k = self.key
-        self.rt.policy.record_batch(model, adapter, size, int(tokens), seconds, draft, k)
+        model, adapter, draft, k, adaptive = self.key
+        self.rt.policy.record_batch(model, adapter, size, int(tokens), seconds, draft, k, adaptive)

@@ -28,9 +28,11 @@ Batching or speculating. Speculation speeds up one sequence; continuous
 batching (``worker.batching``) multiplies throughput when many jobs wait.
 When a job with a draft is dequeued and more jobs wait in its queue, auto
 compares the pair's best single-stream speed (plain or predicted best k, once
-measured) with the target's measured aggregate speed in batches of about that
-many jobs, and batches the jobs without the draft when that is faster. The
-first time a deep queue meets a measured pair, it batches once to measure.
+measured) with the measured aggregate speeds, at about that many jobs, of a
+plain batch and of a speculative batch that picks each round's k from what it
+measures (``worker.goodput``), and runs the fastest; a speculative batch must
+beat the plain one by :data:`SPEC_BATCH_MARGIN`. The first time a deep queue
+meets a measured pair, it batches once each way to measure.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Decision:
     k: int
     reason: str
     probe: bool = False  # a re-measurement of an arm that is not winning
+    adaptive: bool = False  # a speculative batch choosing each round's k, up to k
 
     @property
     def speculative(self) -> bool:
@@ -118,13 +121,13 @@ class PairStats:
         return {k: (1 - p ** (k + 1)) / (1 - p) / self.round_seconds(k) for k in ks}
 
 
-#: How much faster (tokens/s, all rows decoding) a speculative batch must measure than a
-#: plain batch for auto to choose it. Its rows finish unevenly (each at its own
-#: acceptance), so a finite queue ends in a tail of few, slow rows that its full-batch
-#: rate does not show: bench/deepqueue.py, 16 jobs, 3 alternating rounds, measured
-#: 1.59x full but 0.91x over the whole queue. A plain batch's rows of equal length end
-#: together. (A stopgap until auto estimates the tail.)
-SPEC_BATCH_MARGIN = 2.0
+#: How much faster (tokens/s of whole batches, else at about the queue's depth) a
+#: speculative batch must measure than a plain batch for auto to choose it: what a
+#: draft costs besides its passes (its weights and KV cache in memory) must buy something.
+SPEC_BATCH_MARGIN = 1.05
+#: The k of a speculative batch that chooses its k each round (``worker.goodput``) in
+#: the policy's measurements.
+ADAPTIVE = -1
 #: The batch size a target starts at before anything is measured (``--max-batch auto``).
 START_BATCH = 32
 #: A larger batch must measure this much faster (tokens/s) than a smaller one to be used.
@@ -205,6 +208,9 @@ class SpeculationPolicy:
         self.batches: dict[tuple[str, str | None], BatchRates] = {}
         # speculative batches: (target, adapter, draft, k) -> their measured speeds
         self.spec_batches: dict[tuple[str, str | None, str, int], BatchRates] = {}
+        # whole batches, first step to last (joins and the tail included):
+        # (target, adapter, draft or None, k) -> tokens/s
+        self.whole: dict[tuple[str, str | None, str | None, int], Arm] = {}
         self._lock = threading.Lock()
 
     def batch_instead(
@@ -218,10 +224,11 @@ class SpeculationPolicy:
         """How a draft job with ``depth`` jobs waiting runs in a batch, or None.
 
         A decision with k == 0 batches it without the draft, k > 0 in a speculative
-        batch at that k; None means: run it alone, as :meth:`choose` decides.
-        ``always`` (or a job that fixes its k) batches speculatively; ``never``
-        batches plainly; ``auto`` measures one at a time, a plain batch and
-        speculative batches at the default k and twice that, and runs the fastest.
+        batch at that k (``adaptive``: each round's k chosen by the batch, up to k);
+        None means: run it alone, as :meth:`choose` decides. ``always`` (or a job that
+        fixes its k) batches speculatively at that k; ``never`` batches plainly;
+        ``auto`` measures one at a time, a plain batch and an adaptive speculative
+        batch (up to twice the default k), and runs the fastest.
         """
         if depth < 2:
             return None
@@ -241,29 +248,36 @@ class SpeculationPolicy:
             batched = rates.rate(depth) if rates else None
             if batched is None:
                 return Decision(PLAIN, f"auto: measuring batching ({depth} jobs waiting)")
-            spec: dict[int, float] = {}
-            for k in self._explore()[1:]:  # the draft lengths measured alone: k and 2k
-                rates_k = self.spec_batches.get((target, adapter, draft, k))
-                rate_k = rates_k.rate(depth) if rates_k else None
-                if rate_k is None:
-                    return Decision(k, f"auto: measuring speculative batching at k={k}")
-                spec[k] = rate_k
-            k = max(spec, key=spec.__getitem__)
-            spec_rate = spec[k]
-            over_batched = spec_rate >= SPEC_BATCH_MARGIN * batched or batched < alone
+            cap = self._explore()[-1]
+            rates_k = self.spec_batches.get((target, adapter, draft, ADAPTIVE))
+            spec_rate = rates_k.rate(depth) if rates_k else None
+            if spec_rate is None:
+                reason = f"auto: measuring speculative batching (k per round, up to {cap})"
+                return Decision(cap, reason, adaptive=True)
+            # Which kind of batch: by what whole batches of each kind delivered, once
+            # known (a speculative batch's rows end unevenly, each at its own acceptance,
+            # so a finite queue ends in a tail its per-size rates do not show).
+            plain_whole = self.whole.get((target, adapter, None, PLAIN))
+            spec_whole = self.whole.get((target, adapter, draft, ADAPTIVE))
+            if plain_whole is not None and spec_whole is not None:
+                spec_vs, plain_vs = spec_whole.value, plain_whole.value
+            else:
+                spec_vs, plain_vs = spec_rate, batched
+            over_batched = spec_vs >= SPEC_BATCH_MARGIN * plain_vs or batched < alone
             if spec_rate >= alone and over_batched:
                 return Decision(
-                    k,
-                    f"auto: a speculative batch at k={k} ({spec_rate:.1f} tok/s) beats "
-                    f"batching without the draft ({batched:.1f}) and one at a time "
+                    cap,
+                    f"auto: a speculative batch (k per round, up to {cap}; {spec_vs:.1f} tok/s) "
+                    f"beats batching without the draft ({plain_vs:.1f}) and one at a time "
                     f"({alone:.1f})",
+                    adaptive=True,
                 )
             if batched >= alone:
                 return Decision(
                     PLAIN,
                     f"auto: batching about {depth} jobs ({batched:.1f} tok/s) beats "
-                    f"one at a time ({alone:.1f} tok/s) and a speculative batch "
-                    f"({spec_rate:.1f})",
+                    f"one at a time ({alone:.1f} tok/s), and without the draft "
+                    f"({plain_vs:.1f}) a speculative batch ({spec_vs:.1f})",
                 )
             return None
 
@@ -276,25 +290,57 @@ class SpeculationPolicy:
         seconds: float,
         draft: str | None = None,
         k: int = PLAIN,
+        adaptive: bool = False,
     ) -> None:
         """Feed back ``tokens`` decoded in ``seconds`` by a batch of ``size`` jobs (a
         speculative one when ``draft`` and ``k`` are given)."""
         if size < 1 or tokens < 1 or seconds <= 0:
             return
         with self._lock:
-            self._rates(target, adapter, draft, k).record(size, tokens / seconds)
+            self._rates(target, adapter, draft, k, adaptive).record(size, tokens / seconds)
+
+    def record_whole_batch(
+        self,
+        target: str,
+        adapter: str | None,
+        tokens: int,
+        seconds: float,
+        draft: str | None = None,
+        k: int = PLAIN,
+        adaptive: bool = False,
+    ) -> None:
+        """Feed back what a whole batch decoded (every step, prefills included)."""
+        if tokens < 1 or seconds <= 0:
+            return
+        plain = draft is None or k == PLAIN
+        key = (
+            target,
+            adapter,
+            None if plain else draft,
+            PLAIN if plain else ADAPTIVE if adaptive else k,
+        )
+        with self._lock:
+            self.whole.setdefault(key, Arm()).update(tokens / seconds, 0, weight=0.5)
 
     def batch_limit(
-        self, target: str, adapter: str | None, draft: str | None = None, k: int = PLAIN
+        self,
+        target: str,
+        adapter: str | None,
+        draft: str | None = None,
+        k: int = PLAIN,
+        adaptive: bool = False,
     ) -> tuple[int, str]:
         """The batch size measured speed favours for (target, adapter), and why."""
         with self._lock:
-            return self._rates(target, adapter, draft, k).limit()
+            return self._rates(target, adapter, draft, k, adaptive).limit()
 
-    def _rates(self, target: str, adapter: str | None, draft: str | None, k: int) -> BatchRates:
+    def _rates(
+        self, target: str, adapter: str | None, draft: str | None, k: int, adaptive: bool
+    ) -> BatchRates:
         if draft is None or k == PLAIN:
             return self.batches.setdefault((target, adapter), BatchRates())
-        return self.spec_batches.setdefault((target, adapter, draft, k), BatchRates())
+        key = (target, adapter, draft, ADAPTIVE if adaptive else k)
+        return self.spec_batches.setdefault(key, BatchRates())
 
     def _explore(self) -> tuple[int, ...]:
         second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))
@@ -364,6 +410,14 @@ class SpeculationPolicy:
                 other.rounds *= fade
             arm.accepted += out.draft_tokens_accepted
             arm.rounds += rounds
+
+    def acceptance(self, target: str, draft: str) -> float | None:
+        """The pair's measured acceptance (speculating one job at a time), if any."""
+        with self._lock:
+            pair = self.pairs.get((target, draft))
+            if pair is None or not any(a.rounds for k, a in pair.arms.items() if k != PLAIN):
+                return None
+            return pair.acceptance
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per pair: plain tok/s, acceptance, and predicted tok/s per k (registry, logs)."""
