@@ -9,10 +9,12 @@ worker (real Redis, the real lifecycle, real result records) serves them:
 - batch without the draft: ``--max-batch 8``, ``--speculative never``;
 - speculative batches: ``--max-batch 8``, ``--speculative always`` at each k of
   ``--ks`` (the draft proposes k tokens for every sequence of the batch, the
-  target verifies them all in one pass: ``worker.specbatch``);
+  target verifies them all in one pass: ``worker.specbatch``), and one that
+  chooses each round's k up to ``--adaptive-cap`` (``worker.goodput``: what
+  auto runs when it picks a speculative batch);
 - auto: ``--max-batch 8``, ``--speculative auto``, from a fresh policy (cold:
-  it first measures the pair one job at a time, then a batch) and again with
-  what it measured (warm).
+  it first measures the pair one job at a time, then a plain batch), a second
+  pass (it measures a speculative batch), and again with all it measured (warm).
 
 Throughput is completion tokens over wall time from submit to the last
 result. Synthetic models (bench/fixtures.py).
@@ -21,7 +23,8 @@ Every arm runs once per round, in an order that rotates from round to round, and
 the figures are medians over rounds (``--rounds``): this VM's speed drifts by 2x
 within minutes, so arms run one after another are not comparable.
 
-    .venv/bin/python -m bench.deepqueue [--jobs 16] [--max-tokens 32] [--rounds 3]
+    .venv/bin/python -m bench.deepqueue [--jobs 16] [--max-tokens 32] [--max-batch 8]
+        [--ks 1,2,3,4,6] [--pairs copy,unrelated] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -42,7 +45,22 @@ from bench.serve import burst
 from producer.localredis import LocalRedis
 from worker import runtime
 from worker.cache import ModelCache
-from worker.policy import SpeculationPolicy
+from worker.policy import Decision, SpeculationPolicy
+
+
+class AdaptivePolicy(SpeculationPolicy):
+    """Batches every draft job speculatively, each round's k chosen by the batch (up to
+    ``cap``): what auto runs when it picks a speculative batch, as a fixed arm."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__("always", default_k=cap)
+
+    def batch_instead(self, *args: Any, **kwargs: Any) -> Decision | None:
+        decision = super().batch_instead(*args, **kwargs)
+        if decision is None or not decision.speculative:
+            return decision
+        return Decision(self.default_k, f"bench: adaptive up to {self.default_k}", adaptive=True)
+
 
 OUT = Path(__file__).parent / "out"
 
@@ -71,19 +89,30 @@ def serve(url: str, jobs: list[dict], rt: runtime.WorkerRuntime, max_batch: int)
         for r in records
     )
     texts = [r.response.choices[0].message.content for r in records if r.response]
-    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ran": dict(ran), "texts": texts}
+    reason = Counter(r.metrics.speculation_reason for r in records).most_common(1)[0][0]
+    return {
+        "tok_s": tokens / elapsed,
+        "seconds": elapsed,
+        "ran": dict(ran),
+        "texts": texts,
+        "reason": reason,
+    }
 
 
 def auto_pass(url: str, jobs: list[dict], rt: Any, max_batch: int) -> dict:
-    """auto from a fresh policy (cold), then again with what it measured (warm)."""
+    """auto from a fresh policy (cold: it measures the pair one job at a time, then a
+    plain batch), a second pass (it measures a speculative batch), then again with all
+    it measured (warm)."""
     policy = SpeculationPolicy("auto")
     cold = serve(url, jobs, rt(policy), max_batch)
+    serve(url, jobs, rt(policy), max_batch)
     warm = serve(url, jobs, rt(policy), max_batch)
     measured = {
         str(k): {str(n): round(a.value, 1) for n, a in v.by_size.items()}
         for k, v in (policy.batches | policy.spec_batches).items()
     }
-    return {"cold": cold, "warm": warm, "measured": measured}
+    measured |= {f"whole {k}": round(a.value, 1) for k, a in policy.whole.items()}
+    return {"cold": cold, "warm": warm, "measured": measured, "reason": warm["reason"]}
 
 
 def main() -> None:
@@ -92,6 +121,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--ks", default="1,2,3,4,6", help="draft lengths of the speculative batches")
+    ap.add_argument("--adaptive-cap", type=int, default=6, help="the adaptive arm's largest k")
     ap.add_argument("--pairs", default="copy,unrelated")
     ap.add_argument("--rounds", type=int, default=1, help="every arm per round, order rotating")
     args = ap.parse_args()
@@ -122,6 +152,9 @@ def main() -> None:
                     )
                     for k in ks
                 },
+                f"spec batch adaptive k<={args.adaptive_cap}": functools.partial(
+                    serve, url, jobs, rt(AdaptivePolicy(args.adaptive_cap)), size
+                ),
                 "auto": functools.partial(auto_pass, url, jobs, rt, size),
             }
             runs: dict[str, list[dict]] = {arm: [] for arm in arms}
@@ -137,6 +170,7 @@ def main() -> None:
             rate["auto cold"] = statistics.median(x["cold"]["tok_s"] for x in runs["auto"])
             rate["auto warm"] = statistics.median(x["warm"]["tok_s"] for x in runs["auto"])
             spec_arms = [f"spec batch k={k}" for k in ks]
+            spec_arms.append(f"spec batch adaptive k<={args.adaptive_cap}")
             best_spec = max(spec_arms, key=rate.__getitem__) if spec_arms else None
             fixed = ["speculate one at a time", "batch without draft", *spec_arms]
             paired = (
@@ -173,6 +207,7 @@ def main() -> None:
                     "auto warm": last_auto["warm"]["ran"],
                 },
                 "greedy_outputs_equal": all(t == texts[0] for t in texts),
+                "auto_warm_reason": last_auto["reason"],
                 "batch_speeds_measured": last_auto["measured"],
             }
             rows[name] = row
