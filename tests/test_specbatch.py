@@ -57,23 +57,7 @@ def test_engine_equals_speculating_alone_with_joins_leaves_stops_and_eos(pair):
     reqs = _requests(target, 9)
     alone = [gen.generate(r, num_draft_tokens=K) for r in reqs]
     engine = SpecBatchEngine(gen.target, gen.draft, K)
-    outs, rounds, waiting = {}, 0, list(enumerate(reqs))
-
-    def join(count: int) -> None:
-        for _ in range(min(count, len(waiting))):
-            i, r = waiting.pop(0)
-            prompt = prompt_tokens(gen.target.tokenizer, r)
-            engine.add(i, prompt, params_for(r, len(prompt), 512, 512, K))
-
-    join(4)
-    sizes = []
-    while len(engine) or waiting:
-        sizes.append(len(engine))
-        for tag, out in engine.step().done:
-            outs[tag] = out
-        rounds += 1
-        if rounds % 2 == 0:
-            join(2)  # new sequences join between rounds, others have left
+    outs, sizes = _run_engine(engine, gen, reqs)
     assert max(sizes) >= 4 and len(set(sizes)) > 2
     assert {o.finish_reason for o in outs.values()} == {"stop", "length"}
     eos = gen.target.tokenizer.eos_token_ids
@@ -167,9 +151,12 @@ def test_a_model_as_its_own_draft(conn, redis_url, tiny):
         assert b.metrics.acceptance_rate == 1.0
 
 
-def _run_engine(engine: SpecBatchEngine, gen: ChatGenerator, reqs: list[ChatRequest]) -> dict:
-    """Every request through ``engine``, four at first, two joining every other round."""
-    outs, rounds, waiting = {}, 0, list(enumerate(reqs))
+def _run_engine(
+    engine: SpecBatchEngine, gen: ChatGenerator, reqs: list[ChatRequest]
+) -> tuple[dict, list[int]]:
+    """Every request through ``engine``, four at first, two joining every other round
+    (others have left meanwhile); the outputs and the batch's size at each round."""
+    outs, sizes, waiting = {}, [], list(enumerate(reqs))
 
     def join(count: int) -> None:
         for _ in range(min(count, len(waiting))):
@@ -179,12 +166,12 @@ def _run_engine(engine: SpecBatchEngine, gen: ChatGenerator, reqs: list[ChatRequ
 
     join(4)
     while len(engine) or waiting:
+        sizes.append(len(engine))
         for tag, out in engine.step().done:
             outs[tag] = out
-        rounds += 1
-        if rounds % 2 == 0:
+        if len(sizes) % 2 == 0:
             join(2)
-    return outs
+    return outs, sizes
 
 
 @pytest.mark.parametrize("which", ["noisy", "unrelated", "twin"])
@@ -199,7 +186,7 @@ def test_adaptive_k_keeps_every_greedy_output(pair, tiny, which):
     reqs = _requests(target, 9)
     alone = [gen.generate(r, use_draft=False) for r in reqs]
     engine = SpecBatchEngine(gen.target, gen.draft, 4, adaptive=True)
-    outs = _run_engine(engine, gen, reqs)
+    outs, _ = _run_engine(engine, gen, reqs)
     for i, a in enumerate(alone):
         b = outs[i]
         assert (b.text, b.finish_reason, b.token_ids) == (a.text, a.finish_reason, a.token_ids), i

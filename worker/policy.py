@@ -312,13 +312,7 @@ class SpeculationPolicy:
         """Feed back what a whole batch decoded (every step, prefills included)."""
         if tokens < 1 or seconds <= 0:
             return
-        plain = draft is None or k == PLAIN
-        key = (
-            target,
-            adapter,
-            None if plain else draft,
-            PLAIN if plain else ADAPTIVE if adaptive else k,
-        )
+        key = (target, adapter, *_kind(draft, k, adaptive))
         with self._lock:
             self.whole.setdefault(key, Arm()).update(tokens / seconds, 0, weight=0.5)
 
@@ -337,10 +331,10 @@ class SpeculationPolicy:
     def _rates(
         self, target: str, adapter: str | None, draft: str | None, k: int, adaptive: bool
     ) -> BatchRates:
-        if draft is None or k == PLAIN:
+        draft, k = _kind(draft, k, adaptive)
+        if draft is None:
             return self.batches.setdefault((target, adapter), BatchRates())
-        key = (target, adapter, draft, ADAPTIVE if adaptive else k)
-        return self.spec_batches.setdefault(key, BatchRates())
+        return self.spec_batches.setdefault((target, adapter, draft, k), BatchRates())
 
     def _explore(self) -> tuple[int, ...]:
         second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))
@@ -431,6 +425,14 @@ class SpeculationPolicy:
                 row |= {f"k={k}": round(v, 2) for k, v in p.predicted(self.ks).items()}
             out[f"{t} + {d}"] = row
         return out
+
+
+def _kind(draft: str | None, k: int, adaptive: bool) -> tuple[str | None, int]:
+    """A batch's kind in the policy's measurements: (None, PLAIN) without a draft, else
+    (draft, k), k being :data:`ADAPTIVE` for a batch that chooses k each round."""
+    if draft is None or k == PLAIN:
+        return None, PLAIN
+    return draft, ADAPTIVE if adaptive else k
 
 
 def _mean_accepted(p: float, k: int) -> float:
