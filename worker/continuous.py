@@ -56,7 +56,6 @@ from worker.specbatch import SpecBatchEngine
 log = logging.getLogger(__name__)
 
 
-#: (model, adapter, draft, k): a plain batch has no draft and k 0.
 class BatchKey(NamedTuple):
     """Jobs share a batch when these are equal."""
 
@@ -141,7 +140,7 @@ class ContinuousBatch:
         self.generator: ChatGenerator | None = None
         self.engine: BatchEngine | SpecBatchEngine | None = None
         self.decision: Decision | None = None  # the first job's: how the policy batched it
-        self.draft_named: str | None = None  # the draft the first job named
+        self.draft_named: str | None = None  # the draft the first job named (k left to policy)
         self._pause_until = 0.0
         self._held: tuple[int, int] | None = None  # (prompt, max_tokens) waiting for memory
         self._reason = QUEUE_EMPTY
@@ -160,7 +159,10 @@ class ContinuousBatch:
         A BaseException (a cold shutdown) gives every job still in the batch back
         to its queue; an unexpected error fails them.
         """
-        self.decision, self.draft_named = decision, first.envelope.request.draft_model
+        req = first.envelope.request
+        self.decision = decision
+        # jobs like the first join on its terms when the policy (not the job) chose them
+        self.draft_named = req.draft_model if req.num_draft_tokens is None else None
         try:
             self._admit(first, decision)
             self._fill()  # the queued companions join before the first step
