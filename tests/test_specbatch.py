@@ -200,3 +200,18 @@ def test_adaptive_k_keeps_every_greedy_output(pair, tiny, which):
         assert chosen[0] > 0.7 * rounds and accepted < 0.2 * proposed
     if which == "twin":
         assert accepted >= 0.9 * proposed  # all but proposals past an EOS
+
+
+def test_a_streamed_draft_job_speculates_alone_and_says_why(conn, redis_url, pair):
+    target, draft = pair
+    jobs = {
+        f"j{i}": r.model_dump(exclude_none=True)
+        for i, r in enumerate(_requests(target, 4, draft_model=draft))
+    }
+    jobs["j0"]["stream"] = True
+    got = run_jobs(conn, redis_url, jobs, "streamed", 4, SpeculationPolicy("always"))
+    streamed = got["j0"].metrics
+    assert streamed.speculative and streamed.batch_size == 1
+    assert "streamed, so alone" in streamed.speculation_reason
+    assert all(got[c].metrics.batch_size > 1 for c in ("j1", "j2", "j3"))
+    assert all("streamed" not in got[c].metrics.speculation_reason for c in ("j1", "j2", "j3"))

@@ -7,6 +7,7 @@ ends it with. Jobs run by a continuous batch go through ``worker.continuous``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -76,6 +77,9 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
             )
         if req.draft_model:
             decision = rt.policy.choose(req.model, req.draft_model, req.num_draft_tokens)
+            if req.stream:  # say why a streamed job never shares a speculative batch
+                reason = f"{decision.reason}; streamed, so alone (streams are not batched)"
+                decision = dataclasses.replace(decision, reason=reason)
         out = generator.generate(
             req,
             rt.default_num_draft_tokens,
