@@ -111,5 +111,5 @@ def test_the_pairs_measured_acceptance_is_the_starting_prior():
     assert Goodput(4).pooled.rate(0.1, weight=0) == pytest.approx(0.5)
     g = Goodput(4, prior=0.9)
     for _ in range(30):  # the batch's own rounds take over: 1 accepted, then rejected
-        g.round_acceptance(8, 8)
+        g.pooled.add(8, 8)
     assert g.pooled.rate(0.9, weight=0) == pytest.approx(0.5, abs=0.03)

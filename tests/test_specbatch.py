@@ -15,7 +15,7 @@ from tests.test_structured import SCHEMA, schema_format
 from worker.cache import ModelCache
 from worker.engine import params_for, prompt_tokens
 from worker.generator import ChatGenerator
-from worker.policy import SpeculationPolicy
+from worker.policy import Decision, SpeculationPolicy
 from worker.specbatch import SpecBatchEngine
 
 K = 3
@@ -75,11 +75,31 @@ def test_engine_equals_speculating_alone_with_joins_leaves_stops_and_eos(pair):
     assert 0.2 < accepted / proposed < 0.95  # a draft that is right only some of the time
 
 
-def _alone_and_batched(conn, redis_url, jobs: dict, name: str) -> dict[str, dict]:
-    """``jobs`` under ``--speculative always``: one at a time, then batched (up to 4)."""
+class _Adaptive(SpeculationPolicy):
+    """``always``, with its speculative batches choosing each round's k (what auto runs
+    when it picks a speculative batch)."""
+
+    def __init__(self) -> None:
+        super().__init__("always")
+
+    def batch_instead(self, *args, **kwargs) -> Decision | None:
+        decision = super().batch_instead(*args, **kwargs)
+        if decision is None or not decision.speculative:
+            return decision
+        return Decision(4, "test: k per round, up to 4", adaptive=True)
+
+
+def _alone_and_batched(
+    conn, redis_url, jobs: dict, name: str, batched: type[SpeculationPolicy] | None = None
+) -> dict[str, dict]:
+    """``jobs`` under ``--speculative always``: one at a time, then batched (up to 4;
+    under ``batched``'s policy if given)."""
     runs = {
-        how: run_jobs(conn, redis_url, jobs, f"{name}-{how}", size, SpeculationPolicy("always"))
-        for how, size in (("alone", 1), ("batched", 4))
+        how: run_jobs(conn, redis_url, jobs, f"{name}-{how}", size, policy())
+        for how, size, policy in (
+            ("alone", 1, lambda: SpeculationPolicy("always")),
+            ("batched", 4, batched or (lambda: SpeculationPolicy("always"))),
+        )
     }
     assert max(r.metrics.batch_size for r in runs["batched"].values()) > 1
     assert all(r.status == "succeeded" for run in runs.values() for r in run.values())
@@ -101,8 +121,12 @@ def test_worker_runs_draft_jobs_in_a_speculative_batch(conn, redis_url, pair):
         assert b.metrics.draft_tokens_proposed == a.metrics.draft_tokens_proposed
 
 
-def test_schema_and_logprobs_in_a_speculative_batch(conn, redis_url, tiny, pair):
-    _, draft = pair
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_schema_and_logprobs_in_a_speculative_batch(conn, redis_url, tiny, pair, adaptive):
+    """Fixed k, and k per round with an unrelated draft (mostly plain rounds, a probe
+    every few, the draft catching up through the JSON mask): the same constrained text
+    and logprobs as alone."""
+    draft = tiny.draft if adaptive else pair[1]
     body = {
         "max_tokens": 120,
         "temperature": 0,
@@ -112,9 +136,12 @@ def test_schema_and_logprobs_in_a_speculative_batch(conn, redis_url, tiny, pair)
         "top_logprobs": 2,
     }
     jobs = {f"c{i}": chat(tiny.target, content=f"thing {i} " * (i + 1), **body) for i in range(4)}
-    runs = _alone_and_batched(conn, redis_url, jobs, "fmt")
+    runs = _alone_and_batched(
+        conn, redis_url, jobs, f"fmt-{adaptive}", _Adaptive if adaptive else None
+    )
     for cid, a in runs["alone"].items():
         b = runs["batched"][cid]
+        assert ("k per round" in b.metrics.speculation_reason) is adaptive
         choice = b.response.choices[0]
         assert choice.message.content == a.response.choices[0].message.content
         if choice.finish_reason == "stop":

@@ -151,7 +151,7 @@ class ContinuousBatch:
         self.peak_projected_bytes = 0
         self.peak_size = 0
         self._published_at = -PUBLISH_EVERY_S
-        self._work = [0, 0.0]  # tokens and seconds of every step
+        self._tokens, self._seconds = 0, 0.0  # of every step (whole-batch speed)
 
     def run(self, first: Job, decision: Decision | None = None) -> None:
         """Decode ``first`` and every job that joins until the batch is empty.
@@ -176,8 +176,8 @@ class ContinuousBatch:
                 with self.host.computing():
                     step = self.engine.step()
                 seconds = time.perf_counter() - t
-                self._work[0] += step.tokens
-                self._work[1] += seconds
+                self._tokens += step.tokens
+                self._seconds += seconds
                 kv_bytes = self.engine.kv_bytes
                 self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
                 self._finish_outputs(step.done)
@@ -191,9 +191,8 @@ class ContinuousBatch:
                 self._report(size)
             if self.peak_size > 1:
                 model, adapter, draft, k, adaptive = self.key
-                tokens, seconds = self._work
                 self.rt.policy.record_whole_batch(
-                    model, adapter, int(tokens), seconds, draft, k, adaptive
+                    model, adapter, self._tokens, self._seconds, draft, k, adaptive
                 )
         except Exception as e:
             log.exception("batch on %s failed; failing its %d job(s)", self.key[0], len(self.slots))

@@ -69,13 +69,16 @@ class Acceptance:
     accepted: float = 0.0
     rejected: float = 0.0
 
-    def update(self, accepted: int, proposed: int) -> None:
-        """Feed one round: ``accepted`` of ``proposed`` draft tokens (a rejection is a
-        round that stopped before its last proposal)."""
-        if proposed <= 0:
-            return
+    def add(self, accepted: float, rejections: float) -> None:
+        """Feed one round: draft tokens accepted, and rejections (rounds of a row that
+        stopped before its last proposal), what came before fading."""
         self.accepted = FADE * self.accepted + accepted
-        self.rejected = FADE * self.rejected + (1.0 if accepted < proposed else 0.0)
+        self.rejected = FADE * self.rejected + rejections
+
+    def update(self, accepted: int, proposed: int) -> None:
+        """Feed one row's round: ``accepted`` of ``proposed`` draft tokens."""
+        if proposed > 0:
+            self.add(accepted, 1.0 if accepted < proposed else 0.0)
 
     def rate(self, prior: float, weight: float = PRIOR) -> float:
         """p, the chance the next draft token is accepted (the geometric model's
@@ -138,11 +141,6 @@ class Goodput:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
-
-    def round_acceptance(self, accepted: int, rejections: int) -> None:
-        """Feed the pooled estimate one round's totals over all rows."""
-        self.pooled.accepted = FADE * self.pooled.accepted + accepted
-        self.pooled.rejected = FADE * self.pooled.rejected + rejections
 
     def measured(
         self, rows: int, k: int, draft_s: float, verify_s: float, total_s: float, emitted: int

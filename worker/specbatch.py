@@ -274,7 +274,7 @@ class SpecBatchEngine:
         if self.goodput:
             total = time.perf_counter() - now
             if kr:
-                self.goodput.round_acceptance(accepted, rejections)
+                self.goodput.pooled.add(accepted, rejections)  # the round's totals
             self.goodput.measured(len(rows), kr, drafted - now, verified - drafted, total, emitted)
         return Step(emitted, done, joined, decoding=len(rows))
 
