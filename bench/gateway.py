@@ -6,7 +6,9 @@
    overhead per request is the client's latency minus the job's own time from
    its record (``finished_at`` minus the envelope's ``submitted_at``, stamped by
    the gateway just before it enqueues): HTTP, validation, enqueueing, noticing
-   the record and answering. p50 and p99.
+   the record and answering. p50 and p99. Then the same requests from a light
+   client (raw keep-alive HTTP, request bytes made ahead), which leaves out the
+   SDK's own CPU (~1.3 ms a request on a fast core) and its event loop's queue.
 2. Requests/s the gateway sustains when jobs take no time: a stand-in worker
    (the real job lifecycle, ending each job at once with a fixed answer) serves
    the interactive queue, with 1 and with 4 gateway processes (``producer serve
@@ -45,9 +47,9 @@ OUT = Path(__file__).parent / "out"
 BIN = Path(sys.executable).parent
 KEY = "sk-bench"
 #: job id -> (wall clock when its bytes left the client, when the client had parsed the
-#: answer, the gateway's own account of its overhead: x-mlxq-gateway-overhead-ms, when
-#: the answer's headers arrived)
-STAMPS: dict[str, tuple[float, float, float, float]] = {}
+#: answer, the gateway's Server-Timing (its own overhead; the worker's finished_at to the
+#: record in its hands), when the answer's headers arrived)
+STAMPS: dict[str, tuple[float, float, dict[str, float], float]] = {}
 
 
 def start_gateway(url: str, processes: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -84,9 +86,15 @@ async def one(
     )
     raw.parse()
     elapsed = time.perf_counter() - start
-    gateway_ms = float(raw.headers["x-mlxq-gateway-overhead-ms"])
-    STAMPS[raw.headers["x-mlxq-job-id"]] = (sent[0], time.time(), gateway_ms, sent[1])
+    timing = server_timing(raw.headers["server-timing"])
+    STAMPS[raw.headers["x-mlxq-job-id"]] = (sent[0], time.time(), timing, sent[1])
     return raw.headers["x-mlxq-job-id"], elapsed
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """``gateway;dur=1.2, notice;dur=0.8`` -> {"gateway": 1.2, "notice": 0.8}."""
+    parts = (p.strip().split(";dur=") for p in header.split(","))
+    return {name: float(dur) for name, dur in parts}
 
 
 #: Set per request; the HTTP client's request hook notes when the bytes go out (the SDK
@@ -139,33 +147,81 @@ async def sustained(base: str, target: str, clients: int, seconds: float) -> int
     return count
 
 
+def _http_request(base: str, body: dict[str, object]) -> tuple[str, int, bytes]:
+    """(host, port, the bytes of a keep-alive chat completion request)."""
+    host, port = base.split("//")[1].split("/")[0].split(":")
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}"
+        f"\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    return host, int(port), head.encode() + data
+
+
+async def _exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> bytes:
+    """Send one request, read its whole answer: the answer's headers."""
+    writer.write(request)
+    headers = await reader.readuntil(b"\r\n\r\n")
+    assert headers.startswith(b"HTTP/1.1 200"), headers[:200]
+    length = int(headers.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    return headers
+
+
 async def raw_load(base: str, target: str, conns: int, seconds: float) -> int:
     """Chat completions over plain keep-alive HTTP/1.1 connections, the request bytes made
     once: a load generator light enough that the gateway, not the client, is measured."""
-    host, port = base.split("//")[1].split("/")[0].split(":")
-    body = json.dumps(
-        {"model": target, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    ).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}"
-        f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    request, deadline, count = head.encode() + body, time.monotonic() + seconds, 0
+    body = {"model": target, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    host, port, request = _http_request(base, body)
+    deadline, count = time.monotonic() + seconds, 0
 
     async def conn() -> None:
         nonlocal count
-        reader, writer = await asyncio.open_connection(host, int(port))
+        reader, writer = await asyncio.open_connection(host, port)
         while time.monotonic() < deadline:
-            writer.write(request)
-            headers = await reader.readuntil(b"\r\n\r\n")
-            assert headers.startswith(b"HTTP/1.1 200"), headers[:200]
-            length = int(headers.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
+            await _exchange(reader, writer, request)
             count += 1
         writer.close()
 
     await asyncio.gather(*(conn() for _ in range(conns)))
     return count
+
+
+async def light(
+    base: str, target: str, clients: int, requests: int, vary: bool
+) -> list[tuple[str, float]]:
+    """Part 1 again with a light client in place of the SDK: ``clients`` keep-alive
+    connections, request bytes made ahead. (job id, seconds from its bytes out to its
+    whole answer in)."""
+    made = [
+        _http_request(
+            base,
+            {
+                "model": target,
+                "messages": [{"role": "user", "content": f"request {i}"}],
+                "max_tokens": 4 + 4 * (i % 16) if vary else 8,
+                "temperature": 0,
+            },
+        )
+        for i in range(requests)
+    ]
+    todo, out = list(reversed(made)), []
+
+    async def conn() -> None:
+        reader, writer = await asyncio.open_connection(made[0][0], made[0][1])
+        while todo:
+            request = todo.pop()[2]
+            start = time.perf_counter()
+            headers = await _exchange(reader, writer, request)
+            elapsed = time.perf_counter() - start
+            job_id = headers.lower().split(b"x-mlxq-job-id:")[1].split(b"\r\n")[0]
+            out.append((job_id.strip().decode(), elapsed))
+        writer.close()
+
+    await asyncio.gather(*(conn() for _ in range(clients)))
+    return out
 
 
 def _raw_load_process(base: str, target: str, conns: int, seconds: float) -> int:
@@ -188,21 +244,27 @@ def overhead_stats(conn: Redis, results: list[tuple[str, float]]) -> dict[str, f
     """Overhead percentiles (ms) of ``results``: as the SDK saw it (its own request
     building and answer parsing included), from when the request bytes left, from then
     to the answer's arrival (the HTTP round trip, no SDK CPU), inside the gateway; and
-    the inbound and outbound parts."""
+    the inbound and outbound parts, the outbound part split in the notice (the worker's
+    finished_at to the record in the gateway's hands) and the answer (from there to the
+    answer's headers at the client)."""
     seen, wire, http, gateway, inbound, outbound, own = [], [], [], [], [], [], []
+    notice, answer, enqueue = [], [], []
     for job_id, latency in results:
         record = json.loads(conn.get(keys.result_key(job_id)))
         assert record["status"] == "succeeded", record
         # From the gateway's submitted_at stamp (just before enqueueing) to the end.
         job = record["metrics"]["queue_wait_s"] + record["metrics"]["total_time_s"]
-        sent, got, gateway_ms, answered = STAMPS[job_id]
+        sent, got, timing, answered = STAMPS[job_id]
         own.append(job)
         seen.append((latency - job) * 1000)
         wire.append((got - sent - job) * 1000)
         http.append((answered - sent - job) * 1000)
-        gateway.append(gateway_ms)
+        gateway.append(timing["gateway"])
         inbound.append((record["finished_at"] - job - sent) * 1000)
         outbound.append((got - record["finished_at"]) * 1000)
+        notice.append(timing["notice"])
+        enqueue.append(timing["enqueue"])
+        answer.append((answered - record["finished_at"]) * 1000 - timing["notice"])
     out = {"requests": len(results), "job_time_p50_s": round(statistics.median(own), 3)}
     for name, values in (
         ("sdk", seen),
@@ -210,11 +272,29 @@ def overhead_stats(conn: Redis, results: list[tuple[str, float]]) -> dict[str, f
         ("http_round_trip", http),
         ("gateway_side", gateway),
         ("in", inbound),
+        ("in_gateway", enqueue),
         ("out", outbound),
+        ("out_notice", notice),
+        ("out_answer", answer),
     ):
         out[f"{name}_p50_ms"] = round(percentile(values, 0.5), 2)
         out[f"{name}_p99_ms"] = round(percentile(values, 0.99), 2)
     return out
+
+
+def light_stats(conn: Redis, results: list[tuple[str, float]]) -> dict[str, float]:
+    """Overhead percentiles (ms) as the light client saw it (bytes out to answer in)."""
+    values = []
+    for job_id, latency in results:
+        record = json.loads(conn.get(keys.result_key(job_id)))
+        assert record["status"] == "succeeded", record
+        job = record["metrics"]["queue_wait_s"] + record["metrics"]["total_time_s"]
+        values.append((latency - job) * 1000)
+    return {
+        "requests": len(results),
+        "p50_ms": round(percentile(values, 0.5), 2),
+        "p99_ms": round(percentile(values, 0.99), 2),
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -230,6 +310,13 @@ def main() -> None:
     ap.add_argument("--gateways", type=int, default=1, help="gateway processes for part 1")
     ap.add_argument("--worker-threads", type=int, default=1, help="the worker's BLAS threads")
     ap.add_argument(
+        "--worker-nice",
+        type=int,
+        default=0,
+        help="run the worker at this niceness (19: the gateway and clients first, as when "
+        "the model's work is on a GPU and the CPU is theirs)",
+    )
+    ap.add_argument(
         "--vary",
         action="store_true",
         help="max_tokens 4-64 by request (default: 8 for all, so a batch ends all at once)",
@@ -242,6 +329,7 @@ def main() -> None:
         "requests": args.requests,
         "gateway_processes": args.gateways,
         "worker_blas_threads": args.worker_threads,
+        "worker_nice": args.worker_nice,
         "max_tokens": "4-64 by request" if args.vary else 8,
     }
     with LocalRedis() as server:
@@ -253,20 +341,27 @@ def main() -> None:
             [str(BIN / "worker"), "--redis-url", server.url, "--name", "bench", "--model", target],
             stderr=subprocess.DEVNULL,
             env=os.environ | {"OPENBLAS_NUM_THREADS": str(args.worker_threads)},
+            preexec_fn=(lambda: os.nice(args.worker_nice)) if args.worker_nice else None,
         )
         try:
             asyncio.run(overhead(base, target, 4, 8))  # the worker loads the model
             results = asyncio.run(overhead(base, target, args.clients, args.requests, args.vary))
+            plain = asyncio.run(light(base, target, args.clients, args.requests, args.vary))
         finally:
             worker.terminate()
             worker.wait(60)
-        ids = [job_id for job_id, _ in results]
-        assert len(set(ids)) == len(ids) == args.requests, "a request lost or duplicated"
-        report["answered"] = len(ids)
+        for arm in (results, plain):
+            ids = [job_id for job_id, _ in arm]
+            assert len(set(ids)) == len(ids) == args.requests, "a request lost or duplicated"
+        report["answered"] = len(results) + len(plain)
         # All requests, then the steady state: without the first wave of `clients`
         # requests, which all start in the same instant.
-        for label, part in (("all", results), ("steady", results[args.clients :])):
+        waves = (("all", results), ("first_wave", results[: args.clients]))
+        for label, part in (*waves, ("steady", results[args.clients :])):
             report[label] = overhead_stats(conn, part)
+        # The light client: latency minus the job's own time, no SDK CPU on either side.
+        for label, part in (("light_all", plain), ("light_steady", plain[args.clients :])):
+            report[label] = light_stats(conn, part)
         gateway.terminate()
         gateway.wait(30)
         for processes in (1, 4):

@@ -28,18 +28,21 @@ PAGE = 10_000
 
 # KEYS: batch jobs list, batch hash, batch queues set, rq:queues.
 # ARGV: job key prefix, queue key prefix, TTL, enqueued_at, timeout, number of
-#       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id) per job.
-# Returns the batch's new total, or -1 (nothing written) when ``most`` (the last
-# argument of enqueue_call, 0: no limit) jobs already wait on the first queue.
+#       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id) per job,
+#       then ``most`` and ``notify``.
+# Returns the batch's new total, or -1 (nothing written) when ``most`` (0: no limit)
+# jobs already wait on the first queue. A non-empty ``notify`` (a gateway process's
+# list, ``schemas.keys.notify_key``) is set on the batch hash: record writers push
+# each ended job's id there.
 ENQUEUE_LUA = """
 local jp, qp, ttl, at, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local nq = tonumber(ARGV[6])
 local names, per = {}, {}
 for i = 1, nq do names[i] = ARGV[6 + i]; per[i] = {} end
-local most = tonumber(ARGV[#ARGV])
+local most, notify = tonumber(ARGV[#ARGV - 1]), ARGV[#ARGV]
 if most > 0 and redis.call('LLEN', qp .. names[1]) >= most then return -1 end
 local ids = {}
-for i = 7 + nq, #ARGV - 1, 4 do
+for i = 7 + nq, #ARGV - 2, 4 do
   local id, q = ARGV[i], tonumber(ARGV[i + 1])
   redis.call('HSET', jp .. id, 'data', ARGV[i + 2], 'status', 'queued', 'origin', names[q],
     'enqueued_at', at, 'timeout', timeout, 'description', ARGV[i + 3])
@@ -59,6 +62,7 @@ for i = 1, nq do
   end
 end
 push(KEYS[1], ids)
+if notify ~= '' then redis.call('HSET', KEYS[2], 'notify', notify) end
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', KEYS[3], ttl)
@@ -108,10 +112,16 @@ class Prepared:
 
 
 def enqueue_call(
-    batch_id: str, jobs: list[Prepared], result_ttl: int, job_timeout: int, most: int = 0
+    batch_id: str,
+    jobs: list[Prepared],
+    result_ttl: int,
+    job_timeout: int,
+    most: int = 0,
+    notify: str = "",
 ) -> tuple[list[str], list[object]]:
     """The keys and arguments of :data:`ENQUEUE_LUA` for ``jobs`` of ``batch_id``; with
-    ``most`` > 0 the script writes nothing (-1) while that many jobs wait on the queue."""
+    ``most`` > 0 the script writes nothing (-1) while that many jobs wait on the queue;
+    ``notify``: the list record writers announce the batch's ended jobs on."""
     queues: dict[str, int] = {}
     per_job: list[object] = []
     for j in jobs:
@@ -123,7 +133,7 @@ def enqueue_call(
         keys.RQ_QUEUES,
     ]
     args = [keys.rq_job_key(""), keys.rq_queue_key(""), result_ttl, keys.rq_time(), job_timeout]
-    return script_keys, [*args, len(queues), *queues, *per_job, most]
+    return script_keys, [*args, len(queues), *queues, *per_job, most, notify]
 
 
 class Enqueuer:

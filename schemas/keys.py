@@ -85,6 +85,19 @@ def batch_done_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}:done"
 
 
+#: Lists a gateway process waits on: a job's record writer pushes a copy of the record onto
+#: the list its batch names (batch hash field ``notify``), so one reader per process gets
+#: every record its requests wait for (``producer.serve.notify``).
+NOTIFY_PREFIX = f"{PREFIX}:notify:"
+#: Seconds a notify list outlives its last push: a gone gateway's list is not kept long.
+NOTIFY_TTL = 300
+
+
+def notify_key(listener: str) -> str:
+    """List: records of ended jobs whose batch names this listener (a gateway process)."""
+    return f"{NOTIFY_PREFIX}{listener}"
+
+
 def crashes_key(job_id: str) -> str:
     """String (counter): how many times the job's worker died while running it."""
     return f"{PREFIX}:crashes:{job_id}"

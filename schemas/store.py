@@ -15,7 +15,10 @@ if TYPE_CHECKING:
 #: counter and announce the job on the batch's done list. Sets ``wrote``. KEYS[1..3]
 #: are the result key, the batch hash and its done list; ARGV[1..5] the record JSON,
 #: the TTL, the counter field, the job id and finished_at (an empty record JSON writes
-#: nothing). The worker's end-of-job script (``worker.scripts.END``) starts with it.
+#: nothing). If the batch names a listener (hash field ``notify``, a gateway process's
+#: list), the record is pushed there too; ``pcall``: a hash field naming a key of
+#: another type cannot stop the record. The worker's end-of-job script
+#: (``worker.scripts.END``) starts with it.
 WRITE_ONCE_LUA = """
 local wrote = 0
 if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -25,9 +28,14 @@ if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) th
   redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('RPUSH', KEYS[3], ARGV[4])
   redis.call('EXPIRE', KEYS[3], ARGV[2])
+  local notify = redis.call('HGET', KEYS[2], 'notify')
+  if notify and string.sub(notify, 1, #NOTIFY_PREFIX) == NOTIFY_PREFIX then
+    redis.pcall('RPUSH', notify, ARGV[1])
+    redis.pcall('EXPIRE', notify, NOTIFY_TTL)
+  end
   wrote = 1
 end
-"""
+""".replace("NOTIFY_PREFIX", f"'{keys.NOTIFY_PREFIX}'").replace("NOTIFY_TTL", str(keys.NOTIFY_TTL))
 
 _WRITE_ONCE = WRITE_ONCE_LUA + "return wrote\n"
 

@@ -119,6 +119,7 @@ def test_chat_completions_plain_streamed_and_with_a_draft(gateway, workers, tiny
     assert (
         final.usage is not None and final.usage.completion_tokens == plain.usage.completion_tokens
     )
+    sent = time.perf_counter()
     raw = client.chat.completions.with_raw_response.create(
         model=tiny.target,
         messages=messages(),
@@ -126,10 +127,22 @@ def test_chat_completions_plain_streamed_and_with_a_draft(gateway, workers, tiny
         temperature=0,
         extra_body={"draft_model": tiny.draft, "num_draft_tokens": 3},
     )
+    wall_ms = (time.perf_counter() - sent) * 1000
     drafted = raw.parse()
     assert drafted.choices[0].message.content == plain.choices[0].message.content
     record = json.loads(conn.get(keys.result_key(raw.headers["x-mlxq-job-id"])))
     assert record["metrics"]["draft_model"] == tiny.draft
+    # Server-Timing: the gateway's own share leaves out the job's queue wait and run.
+    timing = {
+        name.strip(): float(dur.split("=")[1])
+        for name, dur in (part.split(";") for part in raw.headers["server-timing"].split(","))
+    }
+    assert set(timing) == {"gateway", "enqueue", "notice"}
+    m = record["metrics"]
+    job_ms = (m["queue_wait_s"] + m["total_time_s"]) * 1000
+    assert 0 <= timing["enqueue"] <= wall_ms
+    assert 0 <= timing["gateway"] <= wall_ms - job_ms
+    assert 0 <= timing["notice"] <= wall_ms
     # The worker publishes what it keeps warm every couple of seconds.
     wait_for(lambda: tiny.target in [m.id for m in client.models.list().data], timeout=15)
     # Chat jobs went through the interactive queue.

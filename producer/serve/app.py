@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.serve import batchapi, chat, files
+from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from schemas import ChatRequest, describe_validation_error
 
@@ -91,7 +92,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.aredis = AsyncRedis.from_url(settings.redis_url)
         app.state.redis = Redis.from_url(settings.redis_url)
         app.state.enqueue = app.state.aredis.register_script(ENQUEUE_LUA)
+        app.state.notifier = Notifier(app.state.aredis)
+        app.state.notifier.start()
         yield
+        await app.state.notifier.stop()
         await app.state.aredis.aclose()
         app.state.redis.close()
 
@@ -142,22 +146,29 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
         if not s.model_allowed(name):
             return error(404, f"the model {name!r} does not exist", code="model_not_found")
     aredis: AsyncRedis = request.app.state.aredis
-    job_id = await chat.enqueue(request.app.state.enqueue, req, body, s)
-    if job_id is None:
+    notifier: Notifier = request.app.state.notifier
+    job_id = chat.new_job_id()
+    # Streams are read from the job's stream; a plain answer's record comes by notice.
+    future = None if req.stream else notifier.expect(job_id, s.chat_timeout_s, request)
+    notify = "" if req.stream else notifier.key
+    queued = False
+    try:
+        queued = await chat.enqueue(request.app.state.enqueue, job_id, body, s, notify)
+        request.state.enqueued = time.perf_counter()
+    finally:
+        if not queued:  # refused (the queue is full) or Redis failed: nothing to wait for
+            notifier.forget(job_id)
+    if not queued:
         reply = error(
             429, "too many chat completions queued; retry shortly", code="rate_limit_exceeded"
         )
         reply.headers["Retry-After"] = "1"
         return reply
     headers = {"x-mlxq-job-id": job_id}
-    if not req.stream:
-        record = await chat.wait_record(aredis, job_id, request, s.chat_timeout_s, s.chat_ttl)
+    if future is not None:
+        record = await chat.wait_record(aredis, notifier, future, job_id, s.chat_ttl)
         if record and record.get("metrics"):
-            # What this request spent in the gateway beyond its job's own time (from the
-            # enqueue stamp to the record): parsing, checks, enqueueing, noticing the end.
-            m, spent = record["metrics"], time.perf_counter() - request.state.arrived
-            job_s = (m.get("queue_wait_s") or 0.0) + (m.get("total_time_s") or 0.0)
-            headers["x-mlxq-gateway-overhead-ms"] = f"{(spent - job_s) * 1000:.2f}"
+            headers["server-timing"] = _timing(record, request.state)
         return _record_reply(record, headers)
     first, last_id, record = await chat.first_chunks(
         aredis, job_id, request, s.chat_timeout_s, s.chat_ttl
@@ -176,6 +187,23 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
         chat.relay(aredis, job_id, first, last_id),
         media_type="text/event-stream",
         headers=headers,
+    )
+
+
+def _timing(record: dict[str, Any], state: Any) -> str:
+    """A ``Server-Timing`` header: ``gateway``, what the request spent here beyond its
+    job's own time (queue wait + run, from the enqueue stamp to ``finished_at``):
+    parsing, checks, enqueueing, being told of the record, answering; ``enqueue``, from
+    the request's arrival to its job in Redis; ``notice``, from the worker's
+    ``finished_at`` to the record in hand here (the worker's end-of-job write and the
+    notice; by the two machines' wall clocks)."""
+    m, now = record["metrics"], time.perf_counter()
+    job_s = (m.get("queue_wait_s") or 0.0) + (m.get("total_time_s") or 0.0)
+    notice = time.time() - float(record.get("finished_at") or 0.0)
+    return (
+        f"gateway;dur={(now - state.arrived - job_s) * 1000:.2f}, "
+        f"enqueue;dur={(state.enqueued - state.arrived) * 1000:.2f}, "
+        f"notice;dur={notice * 1000:.2f}"
     )
 
 

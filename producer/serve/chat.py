@@ -1,9 +1,11 @@
 """Chat completions through the queue: enqueue one job, wait for its record or relay its stream.
 
 A chat completion is an mlxq batch of one job (``chat_<hex>``) on the interactive
-queue. The gateway waits on the batch's done list (``BLPOP``, one second at a
-time, so a client that went away is noticed): a client that disconnects before
-its job started cancels it (the batch flag: the worker drops it). With
+queue. The batch names its gateway process's notify list, and the process's one
+reader (:mod:`producer.serve.notify`) brings the record to the waiting request,
+which checks once a second whether its client went away: a client that
+disconnects before its job started cancels it (the batch flag: the worker drops
+it). With
 ``"stream": true`` the job writes ``chat.completion.chunk`` objects to its Redis
 stream and the gateway relays them as server-sent events, ending with
 ``data: [DONE]``; until the first chunk arrives nothing is sent, so a job that
@@ -12,45 +14,60 @@ fails before generating (unknown model, say) still gets its HTTP status.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
-from redis.commands.core import AsyncScript
 from starlette.requests import Request
 
 from producer.enqueue import Prepared, enqueue_call
+from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings
-from schemas import ChatRequest, job_data, keys
+from schemas import job_data, keys
 from schemas.cancel import CANCELLED_AT
 
 #: Longest single blocking read (seconds): how often a gone client is noticed.
 WAIT_S = 1
 
 
+def new_job_id() -> str:
+    """A chat completion's job id: the one job of a new batch ``chat_<20 hex>``."""
+    return keys.job_id_for(f"chat_{secrets.token_hex(10)}", "chat")
+
+
 async def enqueue(
-    script: AsyncScript, request: ChatRequest, body: dict[str, Any], s: GatewaySettings
-) -> str | None:
-    """Enqueue the request as a batch of one on the interactive queue, in one call of
-    ``script`` (:data:`producer.enqueue.ENQUEUE_LUA`) on the event loop; its job id, or
-    None if ``max_interactive`` jobs already wait.
+    script: Callable[..., Awaitable[Any]],
+    job_id: str,
+    body: dict[str, Any],
+    s: GatewaySettings,
+    notify: str = "",
+) -> bool:
+    """Enqueue the request as batch of one on the interactive queue, in one call of
+    ``script`` (:data:`producer.enqueue.ENQUEUE_LUA`: this process's
+    :class:`~producer.serve.coalesce.Coalesced` calls, or an ``AsyncScript``). False if
+    ``max_interactive`` jobs already wait. ``notify``: the list its record is announced
+    on (this process's :class:`~producer.serve.notify.Notifier`).
     Chat batches stay out of ``mlxq:batches``: they are not Batch API batches."""
-    batch_id = f"chat_{secrets.token_hex(10)}"
     job = Prepared(
-        keys.job_id_for(batch_id, "chat"),
+        job_id,
         s.interactive_queue,
         job_data("chat", time.time(), body, s.chat_ttl),
         "chat",
     )
     script_keys, args = enqueue_call(
-        batch_id, [job], s.chat_ttl, s.job_timeout, most=s.max_interactive
+        keys.batch_of(job_id),
+        [job],
+        s.chat_ttl,
+        s.job_timeout,
+        most=s.max_interactive,
+        notify=notify,
     )
-    if await script(keys=script_keys, args=args) == -1:
-        return None  # the interactive queue is full: checked and refused in the same script
-    return job.job_id
+    # -1: the interactive queue is full (checked and refused in the same script)
+    return await script(keys=script_keys, args=args) != -1
 
 
 async def cancel_if_unstarted(conn: AsyncRedis, job_id: str, ttl: int) -> bool:
@@ -65,23 +82,23 @@ async def cancel_if_unstarted(conn: AsyncRedis, job_id: str, ttl: int) -> bool:
 
 
 async def wait_record(
-    conn: AsyncRedis, job_id: str, request: Request, timeout_s: float, ttl: int
+    conn: AsyncRedis,
+    notifier: Notifier,
+    future: asyncio.Future[dict[str, Any] | None],
+    job_id: str,
+    ttl: int,
 ) -> dict[str, Any] | None:
     """The job's record (its JSON, not re-validated: a worker wrote it through the
-    ResultRecord model), or None if the client went away or ``timeout_s`` passed (the
-    job is then cancelled if it has not started)."""
-    done = keys.batch_done_key(keys.batch_of(job_id))
-    waited = 0.0
-    while True:
-        # The done list gets the job's id once its record is written (first loop: the job
-        # was enqueued a moment ago, so there is nothing to GET yet).
-        if await conn.blpop([done], timeout=WAIT_S):
-            raw = await conn.get(keys.result_key(job_id))
-            return json.loads(raw) if raw is not None else None
-        waited += WAIT_S
-        if waited >= timeout_s or await request.is_disconnected():
-            await cancel_if_unstarted(conn, job_id, ttl)
-            return None
+    ResultRecord model), or None if the client went away or its time ran out (the job
+    is then cancelled if it has not started). ``future``: ``notifier.expect(job_id,
+    ...)``, called before the job was enqueued."""
+    try:
+        record = await future
+    finally:
+        notifier.forget(job_id)
+    if record is None:
+        await cancel_if_unstarted(conn, job_id, ttl)
+    return record
 
 
 async def first_chunks(
