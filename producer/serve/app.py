@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.serve import batchapi, chat, files
+from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from schemas import ChatRequest, describe_validation_error
@@ -91,11 +92,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aredis = AsyncRedis.from_url(settings.redis_url)
         app.state.redis = Redis.from_url(settings.redis_url)
-        app.state.enqueue = app.state.aredis.register_script(ENQUEUE_LUA)
+        app.state.enqueue = Coalesced(app.state.aredis, ENQUEUE_LUA)
         app.state.notifier = Notifier(app.state.aredis)
+        app.state.enqueue.start()
         app.state.notifier.start()
         yield
         await app.state.notifier.stop()
+        await app.state.enqueue.stop()
         await app.state.aredis.aclose()
         app.state.redis.close()
 

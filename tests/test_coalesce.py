@@ -1,0 +1,64 @@
+"""The gateway's coalesced script calls: concurrent enqueues share round trips (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+
+from producer.enqueue import ENQUEUE_LUA
+from producer.serve import chat
+from producer.serve.coalesce import Coalesced
+from schemas import keys
+from tests.test_notify import SETTINGS, calls
+from tests.test_notify import chat_body as body
+
+#: A script that fails for a key of the wrong type and echoes otherwise.
+ECHO_LUA = "redis.call('INCR', KEYS[1]); return ARGV[1]"
+
+
+def test_a_burst_of_64_enqueues_takes_a_few_round_trips_and_one_connection(redis_url, conn):
+    async def scenario() -> tuple[list[bool], int, int, int]:
+        aredis = AsyncRedis.from_url(redis_url)
+        script = Coalesced(aredis, ENQUEUE_LUA)
+        script.start()
+        ids = [chat.new_job_id() for _ in range(64)]
+        before = calls(conn, "evalsha")
+        answers = await asyncio.gather(
+            *(chat.enqueue(script, i, body("tiny", max_tokens=2), SETTINGS) for i in ids)
+        )
+        sent = calls(conn, "evalsha") - before
+        clients = len(conn.client_list())  # this test's own connection and the gateway's
+        await script.stop()
+        await aredis.aclose()
+        return answers, script.round_trips, sent, clients
+
+    answers, round_trips, sent, clients = asyncio.run(scenario())
+    assert answers == [True] * 64
+    assert sent >= 64 and round_trips <= 4, round_trips  # 1 alone, then the rest together
+    assert clients <= 3, clients
+    assert conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 64
+
+
+def test_one_failing_call_fails_alone_and_a_flushed_script_is_loaded_again(redis_url, conn):
+    conn.hset("not-a-counter", "a", "b")
+
+    async def scenario() -> list[object]:
+        aredis = AsyncRedis.from_url(redis_url)
+        script = Coalesced(aredis, ECHO_LUA)
+        script.start()
+        first = await script(keys=["n"], args=["warm"])
+        conn.script_flush()  # Redis restarted: the script must be loaded again
+        got = await asyncio.gather(
+            *(script(keys=[k], args=[k]) for k in ("n", "not-a-counter", "m")),
+            return_exceptions=True,
+        )
+        await script.stop()
+        await aredis.aclose()
+        return [first, *got]
+
+    first, ok, bad, other = asyncio.run(scenario())
+    assert first == b"warm" and ok == b"n" and other == b"m"
+    assert isinstance(bad, Exception) and "WRONGTYPE" in str(bad)
+    assert Redis.from_url(redis_url).get("n") == b"2"
