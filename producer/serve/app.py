@@ -156,6 +156,7 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
     notify = "" if req.stream else notifier.key
     queued = False
     try:
+        request.state.submitted = time.perf_counter()  # the envelope's submitted_at
         queued = await chat.enqueue(request.app.state.enqueue, job_id, body, s, notify)
         request.state.enqueued = time.perf_counter()
     finally:
@@ -194,17 +195,20 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
 
 
 def _timing(record: dict[str, Any], state: Any) -> str:
-    """A ``Server-Timing`` header: ``gateway``, what the request spent here beyond its
-    job's own time (queue wait + run, from the enqueue stamp to ``finished_at``):
-    parsing, checks, enqueueing, being told of the record, answering; ``enqueue``, from
-    the request's arrival to its job in Redis; ``notice``, from the worker's
-    ``finished_at`` to the record in hand here (the worker's end-of-job write and the
-    notice; by the two machines' wall clocks)."""
+    """A ``Server-Timing`` header. ``job``: the job's own time, from when it was in Redis
+    to its worker's ``finished_at`` (its record's queue wait and run, less the enqueue
+    round trip that its ``submitted_at`` stamp includes); ``gateway``: the rest of the
+    request's time here (parsing, checks, enqueueing, being told of the record,
+    answering); ``enqueue``: from the request's arrival to its job in Redis; ``notice``:
+    from ``finished_at`` to the record in hand here (the worker's end-of-job write and
+    the notice; by the two machines' wall clocks)."""
     m, now = record["metrics"], time.perf_counter()
     job_s = (m.get("queue_wait_s") or 0.0) + (m.get("total_time_s") or 0.0)
+    job_s = max(0.0, job_s - (state.enqueued - state.submitted))
     notice = time.time() - float(record.get("finished_at") or 0.0)
     return (
         f"gateway;dur={(now - state.arrived - job_s) * 1000:.2f}, "
+        f"job;dur={job_s * 1000:.2f}, "
         f"enqueue;dur={(state.enqueued - state.arrived) * 1000:.2f}, "
         f"notice;dur={notice * 1000:.2f}"
     )
