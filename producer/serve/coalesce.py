@@ -6,7 +6,9 @@ and pay the client's per-command cost 64 times, one after the other, while every
 request waits. Here calls that come while one round trip is out are sent as one
 pipeline when it returns: one connection, one write and one read per round trip
 (OpenAI-style gateways see such bursts whenever a batch step ends many jobs at once
-and their clients send the next requests in the same instant).
+and their clients send the next requests in the same instant). A call that comes
+while nothing is out is sent at once by its own request, with no hop through the
+sending task: a lone request pays one round trip, as without coalescing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Coalesced:
         self._pending: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._out = 0  # round trips in flight
         self.round_trips = 0
 
     def start(self) -> None:
@@ -44,10 +47,25 @@ class Coalesced:
                 await self._task
 
     async def __call__(self, keys: list[str], args: list[Any]) -> Any:
+        if not self._out and not self._pending:  # nothing out: no reason to wait
+            self._out += 1
+            try:
+                return await self._direct(keys, args)
+            finally:
+                self._out -= 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((keys, args, future))
         self._wake.set()
         return await future
+
+    async def _direct(self, keys: list[str], args: list[Any]) -> Any:
+        self.round_trips += 1
+        try:
+            return await self.conn.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:  # Redis restarted or flushed
+            await self.conn.script_load(self.lua)
+            self.round_trips += 1
+            return await self.conn.evalsha(self.sha, len(keys), *keys, *args)
 
     async def _run(self) -> None:
         while True:
@@ -55,10 +73,13 @@ class Coalesced:
             self._wake.clear()
             while self._pending:
                 calls, self._pending = self._pending[:MOST], self._pending[MOST:]
+                self._out += 1
                 try:
                     replies = await self._send(calls)
                 except Exception as e:  # anything: this task must outlive it
                     replies = [e] * len(calls)
+                finally:
+                    self._out -= 1
                 for (_, _, future), reply in zip(calls, replies, strict=True):
                     if future.done():  # its request was cancelled meanwhile
                         continue
