@@ -9,6 +9,7 @@ Redis), so several can run behind one load balancer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -96,6 +97,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.notifier = Notifier(app.state.aredis)
         app.state.enqueue.start()
         app.state.notifier.start()
+        # The startup heap (FastAPI, pydantic, redis: ~65k objects) leaves the collector:
+        # a full collection over it held every request in this process for ~15 ms.
+        gc.collect()
+        gc.freeze()
         yield
         await app.state.notifier.stop()
         await app.state.enqueue.stop()
