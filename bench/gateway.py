@@ -12,6 +12,12 @@
    on new connections) and the rest. Then the same requests from a light
    client (raw keep-alive HTTP, request bytes made ahead), which leaves out the
    SDK's own CPU (~1.3 ms a request on a fast core) and its event loop's queue.
+   Last, the floor of the first wave: the same SDK wave to bench/instant_http (the
+   same HTTP stack answering at once: no gateway, no Redis, no worker), and how far
+   the gateway's first wave is above it (a difference of percentiles). The
+   client process freezes its startup heap first: it imported mlx-lm to make the
+   model, and a full collection over that heap stopped all 64 clients ~70 ms in
+   the middle of the first wave.
 2. Requests/s the gateway sustains when jobs take no time: a stand-in worker
    (the real job lifecycle, ending each job at once with a fixed answer) serves
    the interactive queue, with 1 and with 4 gateway processes (``producer serve
@@ -26,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -230,6 +238,56 @@ async def light(
     return [out[i] for i in sorted(out)]  # in sending order: the first wave first
 
 
+async def floor_wave(base: str, clients: int) -> list[tuple[float, float]]:
+    """One wave of ``clients`` SDK chat completions at once, on new connections, to
+    bench/instant_http: (seconds from the SDK call to its parsed answer, from its bytes
+    out to the answer's headers in) each, what the SDK and HTTP cost with no gateway."""
+    client = sdk(base, 60)
+
+    async def call(i: int) -> tuple[float, float]:
+        sent: list[float] = []
+        SENT.set(sent)
+        start = time.perf_counter()
+        raw = await client.chat.completions.with_raw_response.create(
+            model="instant",
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=8,
+            temperature=0,
+        )
+        raw.parse()
+        return time.perf_counter() - start, sent[1] - sent[0]
+
+    return await asyncio.gather(*(call(i) for i in range(clients)))
+
+
+def floor(clients: int) -> dict[str, float]:
+    """The first wave's floor on this machine: the SDK wave against bench/instant_http."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.instant_http", "--port", str(port)],
+        cwd=Path(__file__).parent.parent,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        base = f"http://127.0.0.1:{port}/v1"
+        asyncio.run(floor_wave(base, 4))  # warm, as the gateway is before its first wave
+        rows = asyncio.run(floor_wave(base, clients))
+    finally:
+        server.terminate()
+        server.wait(30)
+    out: dict[str, float] = {"requests": len(rows)}
+    for name, values in (("sdk", [r[0] for r in rows]), ("http_round_trip", [r[1] for r in rows])):
+        out[f"{name}_p50_ms"] = round(percentile(values, 0.5) * 1000, 2)
+        out[f"{name}_p99_ms"] = round(percentile(values, 0.99) * 1000, 2)
+    return out
+
+
 def _raw_load_process(base: str, target: str, conns: int, seconds: float) -> int:
     return asyncio.run(raw_load(base, target, conns, seconds))
 
@@ -359,6 +417,11 @@ def main() -> None:
             env=os.environ | {"OPENBLAS_NUM_THREADS": str(args.worker_threads)},
             preexec_fn=(lambda: os.nice(args.worker_nice)) if args.worker_nice else None,
         )
+        # This process imported mlx-lm to make the model: a full collection over that heap
+        # (~140k objects) stopped the clients for ~50-70 ms, mid-wave. Not the gateway's
+        # cost, and a long-lived client would freeze its startup heap as the gateway does.
+        gc.collect()
+        gc.freeze()
         try:
             asyncio.run(overhead(base, target, 4, 8))  # the worker loads the model
             results = asyncio.run(overhead(base, target, args.clients, args.requests, args.vary))
@@ -384,6 +447,13 @@ def main() -> None:
             report[label] = light_stats(conn, part)
         gateway.terminate()
         gateway.wait(30)
+        # The floor: the same first wave to an instant answer on the same HTTP stack.
+        report["floor_first_wave"] = low = floor(args.clients)
+        first = report["first_wave"]
+        assert isinstance(first, dict)
+        report["first_wave_sdk_beyond_floor_ms"] = {
+            q: round(first[f"sdk_{q}_ms"] - low[f"sdk_{q}_ms"], 2) for q in ("p50", "p99")
+        }
         for processes in (1, 4):
             stop = threading.Event()
             thread = threading.Thread(target=stand_in, args=(server.url, stop))
