@@ -62,3 +62,27 @@ def test_one_failing_call_fails_alone_and_a_flushed_script_is_loaded_again(redis
     assert first == b"warm" and ok == b"n" and other == b"m"
     assert isinstance(bad, Exception) and "WRONGTYPE" in str(bad)
     assert Redis.from_url(redis_url).get("n") == b"2"
+
+
+def test_a_lone_call_goes_at_once_without_the_sending_task(redis_url):
+    """Nothing out: the request sends its own call (no hop through the task, which is
+    not even started here); a call that comes while it is out waits for the task."""
+
+    async def scenario() -> tuple[object, bool]:
+        aredis = AsyncRedis.from_url(redis_url)
+        script = Coalesced(aredis, ECHO_LUA)
+        lone = await asyncio.wait_for(script(keys=["n"], args=["alone"]), 5)
+        first = asyncio.ensure_future(script(keys=["n"], args=["a"]))
+        await asyncio.sleep(0)  # the first is out
+        second = asyncio.ensure_future(script(keys=["n"], args=["b"]))
+        await asyncio.wait([first, second], timeout=0.5)
+        waited = not second.done() and first.done()
+        script.start()  # now the task sends what waits
+        await asyncio.wait_for(second, 5)
+        await script.stop()
+        await aredis.aclose()
+        return lone, waited
+
+    lone, waited = asyncio.run(scenario())
+    assert lone == b"alone"
+    assert waited
