@@ -46,7 +46,7 @@ async def enqueue(
     s: GatewaySettings,
     notify: str = "",
 ) -> bool:
-    """Enqueue the request as batch of one on the interactive queue, in one call of
+    """Enqueue the request as a batch of one on the interactive queue, in one call of
     ``script`` (:data:`producer.enqueue.ENQUEUE_LUA`: this process's
     :class:`~producer.serve.coalesce.Coalesced` calls, or an ``AsyncScript``). False if
     ``max_interactive`` jobs already wait. ``notify``: the list its record is announced
