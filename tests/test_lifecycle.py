@@ -111,6 +111,28 @@ def test_a_failed_job_shows_in_rqs_failed_registry_with_its_error(conn):
     assert read_result(conn, job_id).error.code == "generation_error"
 
 
+def test_ending_jobs_takes_one_round_trip_and_survives_a_flushed_script(conn):
+    """No ``SCRIPT EXISTS`` before each end (a second round trip on every job's end);
+    a script Redis lost (restarted, flushed) is loaded again and the end goes through."""
+    ids = submit(conn, 3)
+    lc = lifecycle(conn)
+    jobs = [lc.take() for _ in ids]
+    lc.end(jobs[0], succeeded(jobs[0]))  # the first end may load the script
+    stats = conn.info("commandstats")
+    before = {
+        c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("script|exists", "evalsha")
+    }
+    assert lc.end(jobs[1], succeeded(jobs[1])) is True
+    stats = conn.info("commandstats")
+    after = {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("script|exists", "evalsha")}
+    assert after == {"script|exists": before["script|exists"], "evalsha": before["evalsha"] + 1}
+    conn.script_flush()
+    assert lc.end(jobs[2], succeeded(jobs[2])) is True
+    assert [read_result(conn, i).status for i in ids] == ["succeeded"] * 3
+    assert conn.hlen(keys.RUNNING) == 0
+    assert FinishedJobRegistry(queue=rq_queue(conn)).get_job_ids() == ids
+
+
 def test_rqs_cleanups_never_fail_a_held_job(conn):
     (job_id,) = submit(conn)
     lc = lifecycle(conn, lease_s=2)

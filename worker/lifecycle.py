@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import NoScriptError
 
 from schemas import (
     ENDED_JOB_DATA,
@@ -299,44 +300,62 @@ class Lifecycle:
         return wrote
 
     def _send(self, endings: list[_Ending]) -> list[bool]:
-        """``scripts.END`` for each ending, pipelined; whether each wrote its record."""
-        with self.conn.pipeline(transaction=False) as pipe:
-            for e in endings:
-                record = e.record
-                ok = record is not None and record.status == "succeeded"
-                registry = keys.rq_finished_key(e.queue) if ok else keys.rq_failed_key(e.queue)
-                exc = e.error or (record.error.message if record and record.error else "")
-                if record is not None:
-                    once_keys, once_args = write_once_call(record, e.ttl)
-                else:  # the same script, writing no record
-                    batch = keys.batch_of(e.job_id)
-                    once_keys = [
-                        keys.result_key(e.job_id),
-                        keys.batch_key(batch),
-                        keys.batch_done_key(batch),
-                    ]
-                    once_args = ["", int(e.ttl), "failed", e.job_id, repr(time.time())]
-                self._end(
-                    keys=[
-                        *once_keys,
-                        *(keys.RUNNING, keys.rq_job_key(e.job_id)),
-                        *(keys.rq_started_key(e.queue), registry, self.worker_key),
-                        keys.rq_results_key(e.job_id),
-                    ],
-                    args=[
-                        *once_args,
-                        self.token,
-                        "finished" if ok else "failed",
-                        rq_time(),
-                        "successful_job_count" if ok else "failed_job_count",
-                        round(e.worked, 6),
-                        base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
-                        self.name,
-                        ENDED_JOB_DATA if ok else "",
-                    ],
-                    client=pipe,
-                )
-            return [bool(w) for w in pipe.execute()]
+        """``scripts.END`` for each ending, pipelined by SHA; whether each wrote its record.
+
+        Not through the ``Script`` object: a pipeline holding one asks ``SCRIPT EXISTS``
+        first, a second round trip on every job's end. If Redis lost the script
+        (restarted, flushed), every call fails alike with NOSCRIPT, having done nothing:
+        load it and send them again."""
+        calls = [self._end_call(e) for e in endings]
+        for attempt in range(2):
+            with self.conn.pipeline(transaction=False) as pipe:
+                for script_keys, args in calls:
+                    pipe.evalsha(self._end.sha, len(script_keys), *script_keys, *args)
+                replies = pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                self.conn.script_load(scripts.END)
+                continue
+            for r in replies:
+                if isinstance(r, Exception):
+                    raise r
+            break
+        return [bool(w) for w in replies]
+
+    def _end_call(self, e: _Ending) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of ``scripts.END`` for one ending."""
+        record = e.record
+        ok = record is not None and record.status == "succeeded"
+        registry = keys.rq_finished_key(e.queue) if ok else keys.rq_failed_key(e.queue)
+        exc = e.error or (record.error.message if record and record.error else "")
+        if record is not None:
+            once_keys, once_args = write_once_call(record, e.ttl)
+        else:  # the same script, writing no record
+            batch = keys.batch_of(e.job_id)
+            once_keys = [
+                keys.result_key(e.job_id),
+                keys.batch_key(batch),
+                keys.batch_done_key(batch),
+            ]
+            once_args = ["", int(e.ttl), "failed", e.job_id, repr(time.time())]
+        return (
+            [
+                *once_keys,
+                *(keys.RUNNING, keys.rq_job_key(e.job_id)),
+                *(keys.rq_started_key(e.queue), registry, self.worker_key),
+                keys.rq_results_key(e.job_id),
+            ],
+            [
+                *once_args,
+                self.token,
+                "finished" if ok else "failed",
+                rq_time(),
+                "successful_job_count" if ok else "failed_job_count",
+                round(e.worked, 6),
+                base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
+                self.name,
+                ENDED_JOB_DATA if ok else "",
+            ],
+        )
 
     def requeue(self, job: Job) -> bool:
         """Give a held job back to the front of its queue, unstarted."""
