@@ -307,19 +307,20 @@ class Lifecycle:
         (restarted, flushed), every call fails alike with NOSCRIPT, having done nothing:
         load it and send them again."""
         calls = [self._end_call(e) for e in endings]
-        for attempt in range(2):
-            with self.conn.pipeline(transaction=False) as pipe:
-                for script_keys, args in calls:
-                    pipe.evalsha(self._end.sha, len(script_keys), *script_keys, *args)
-                replies = pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                self.conn.script_load(scripts.END)
-                continue
-            for r in replies:
-                if isinstance(r, Exception):
-                    raise r
-            break
+        replies = self._pipelined(calls)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            self.conn.script_load(scripts.END)
+            replies = self._pipelined(calls)
+        for r in replies:
+            if isinstance(r, Exception):
+                raise r
         return [bool(w) for w in replies]
+
+    def _pipelined(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        with self.conn.pipeline(transaction=False) as pipe:
+            for script_keys, args in calls:
+                pipe.evalsha(self._end.sha, len(script_keys), *script_keys, *args)
+            return list(pipe.execute(raise_on_error=False))
 
     def _end_call(self, e: _Ending) -> tuple[list[str], list[Any]]:
         """The keys and arguments of ``scripts.END`` for one ending."""

@@ -3,8 +3,9 @@
 redis-py's asyncio client gives each command in flight a connection of its own: 64
 chat completions arriving at once open up to 64 Redis connections (a handshake each)
 and pay the client's per-command cost 64 times, one after the other, while every
-request waits. Here calls that come while one round trip is out are sent as one
-pipeline when it returns: one connection, one write and one read per round trip
+request waits. Here calls that come while a round trip is out wait for one sending
+task, which sends all that wait as one pipeline per round trip: one connection, one
+write and one read per round trip
 (OpenAI-style gateways see such bursts whenever a batch step ends many jobs at once
 and their clients send the next requests in the same instant). A call that comes
 while nothing is out is sent at once by its own request, with no hop through the
@@ -59,13 +60,10 @@ class Coalesced:
         return await future
 
     async def _direct(self, keys: list[str], args: list[Any]) -> Any:
-        self.round_trips += 1
-        try:
-            return await self.conn.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:  # Redis restarted or flushed
-            await self.conn.script_load(self.lua)
-            self.round_trips += 1
-            return await self.conn.evalsha(self.sha, len(keys), *keys, *args)
+        (reply,) = await self._send([(keys, args, None)])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     async def _run(self) -> None:
         while True:
