@@ -21,9 +21,9 @@ from bench.plots import grouped_bars
 from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
-from worker import runtime
-from worker.cache import ModelCache
 from worker.engine import prompt_tokens
+from worker.engine.models import ModelCache
+from worker.runner import runtime
 
 OUT = Path(__file__).parent / "out"
 

@@ -48,12 +48,12 @@ from bench.plots import grouped_bars
 from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
-from worker import runtime
-from worker.batching import PREFILL_STEP, BatchEngine
-from worker.cache import ModelCache
-from worker.engine import params_for, prompt_tokens
-from worker.memory import batch_peak_bytes
-from worker.policy import SpeculationPolicy
+from worker.engine import Prepared, params_for, prompt_tokens
+from worker.engine.batch import PREFILL_STEP, BatchEngine
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.admission import batch_peak_bytes
+from worker.schedule.policy import SpeculationPolicy
 
 OUT = Path(__file__).parent / "out"
 PARTS = ["throughput", "join", "memory"]
@@ -226,11 +226,13 @@ def join_stall(target: str, running: int = 8, joiner_tokens: int = 2000) -> dict
         engine = BatchEngine(entry, running + 1, prefill_step=chunk)
         for i, req in enumerate(short):
             prompt = prompt_tokens(entry.tokenizer, req)
-            engine.add(i, prompt, params_for(req, len(prompt), entry.context_length, 512))
+            engine.add(i, Prepared(prompt, params_for(req, len(prompt), entry.context_length, 512)))
         for _ in range(4):
             engine.step()
         prompt = prompt_tokens(entry.tokenizer, long_req)
-        engine.add("long", prompt, params_for(long_req, len(prompt), entry.context_length, 512))
+        engine.add(
+            "long", Prepared(prompt, params_for(long_req, len(prompt), entry.context_length, 512))
+        )
         joined, steps, first = time.perf_counter(), [], None
         while first is None:
             t = time.perf_counter()

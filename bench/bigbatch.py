@@ -36,7 +36,7 @@ from rq.serializers import JSONSerializer
 from producer.localredis import LocalRedis
 from schemas import ChatCompletion, Choice, Metrics, ResultRecord, Usage, keys
 from schemas.result import AssistantMessage
-from worker.lifecycle import Lifecycle
+from worker.lifecycle.held import Lifecycle
 
 OUT = Path(__file__).parent / "out"
 PRODUCER = str(Path(sys.executable).with_name("producer"))

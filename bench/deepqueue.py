@@ -9,8 +9,8 @@ worker (real Redis, the real lifecycle, real result records) serves them:
 - batch without the draft: ``--max-batch 8``, ``--speculative never``;
 - speculative batches: ``--max-batch 8``, ``--speculative always`` at each k of
   ``--ks`` (the draft proposes k tokens for every sequence of the batch, the
-  target verifies them all in one pass: ``worker.specbatch``), and one that
-  chooses each round's k up to ``--adaptive-cap`` (``worker.goodput``: what
+  target verifies them all in one pass: ``worker.engine.specbatch``), and one that
+  chooses each round's k up to ``--adaptive-cap`` (``worker.schedule.goodput``: what
   auto runs when it picks a speculative batch);
 - auto: ``--max-batch 8``, ``--speculative auto``, from a fresh policy (cold:
   it first measures the pair one job at a time, then a plain batch), a second
@@ -43,9 +43,9 @@ from bench.fixtures import model
 from bench.plots import grouped_bars
 from bench.serve import burst
 from producer.localredis import LocalRedis
-from worker import runtime
-from worker.cache import ModelCache
-from worker.policy import Decision, SpeculationPolicy
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.policy import Decision, SpeculationPolicy
 
 
 class AdaptivePolicy(SpeculationPolicy):

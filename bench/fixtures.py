@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from worker.tinymodels import TinySpec, ensure_model
+from worker.dev.tinymodels import TinySpec, ensure_model
 
 SPECS: dict[str, TinySpec] = {
     "wide": TinySpec(

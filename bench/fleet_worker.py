@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
-from worker import jobs
 from worker.engine import GenerationOutput
+from worker.runner import alone as jobs
 
 
 class SleepGenerator:

@@ -52,7 +52,7 @@ from bench.bigbatch import answer
 from bench.fixtures import model
 from producer.localredis import LocalRedis, free_port
 from schemas import keys
-from worker.lifecycle import Lifecycle
+from worker.lifecycle.held import Lifecycle
 
 OUT = Path(__file__).parent / "out"
 BIN = Path(sys.executable).parent

@@ -84,7 +84,7 @@ BATCH = 8
 def tokenizer_path() -> Path:
     """The 32k byte-level BPE, trained once into the bench cache (mlx-free import)."""
     from bench.fixtures import cache_dir
-    from worker.tinymodels import write_bytelevel_tokenizer
+    from worker.dev.tinymodels import write_bytelevel_tokenizer
 
     path = cache_dir() / "bpe32k-tokenizer"
     if not (path / "tokenizer.json").exists():

@@ -18,13 +18,15 @@ from bench.fixtures import model
 from bench.plots import grouped_bars
 from bench.serve import burst
 from producer.localredis import LocalRedis
-from worker import runtime
-from worker.cache import ModelCache, resolve_path, weight_bytes
+from worker.engine.models import ModelCache, resolve_path, weight_bytes
+from worker.runner import runtime
 
 OUT = Path(__file__).parent / "out"
 
 
-def run_job(conn: Redis, target: str, draft: str | None, max_tokens: int) -> dict:
+def run_job(
+    conn: Redis, rt: runtime.WorkerRuntime, target: str, draft: str | None, max_tokens: int
+) -> dict:
     body = {
         "model": target,
         "temperature": 0,
@@ -33,7 +35,7 @@ def run_job(conn: Redis, target: str, draft: str | None, max_tokens: int) -> dic
     }
     if draft:
         body["draft_model"] = draft
-    (record,), _ = burst(conn, [body])
+    (record,), _ = burst(conn, [body], rt)
     m = record.metrics
     weights = weight_bytes(resolve_path(target)) + (
         weight_bytes(resolve_path(draft)) if draft else 0
@@ -63,8 +65,8 @@ def main() -> None:
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
         for target, draft in cases:
-            runtime.install(runtime.WorkerRuntime(cache=ModelCache(), worker_id="mem"))
-            rows.append(run_job(conn, target, draft, args.max_tokens))
+            rt = runtime.WorkerRuntime(cache=ModelCache(), worker_id="mem")
+            rows.append(run_job(conn, rt, target, draft, args.max_tokens))
             print(rows[-1], flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / "memory.json").write_text(json.dumps(rows, indent=1))

@@ -19,9 +19,9 @@ from pathlib import Path
 from bench.fixtures import model
 from bench.plots import grouped_bars
 from schemas import ChatRequest
-from worker.cache import ModelCache
-from worker.generator import ChatGenerator
-from worker.policy import DEFAULT_KS, PLAIN, Decision, SpeculationPolicy
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
+from worker.schedule.policy import DEFAULT_KS, PLAIN, Decision, SpeculationPolicy
 
 OUT = Path(__file__).parent / "out"
 

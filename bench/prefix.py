@@ -31,8 +31,8 @@ from bench.peer import mlx_lm_server, send_all
 from bench.plots import grouped_bars
 from bench.serve import burst
 from producer.localredis import LocalRedis
-from worker import runtime
-from worker.cache import ModelCache
+from worker.engine.models import ModelCache
+from worker.runner import runtime
 
 OUT = Path(__file__).parent / "out"
 LABELS = {

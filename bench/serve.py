@@ -8,8 +8,8 @@ from redis import Redis
 
 from producer import Client
 from schemas import ResultRecord
-from worker import runtime
-from worker.loop import Worker
+from worker.runner import runtime
+from worker.runner.loop import Worker
 
 
 def burst(
@@ -18,13 +18,13 @@ def burst(
     rt: runtime.WorkerRuntime | None = None,
     max_batch: int | None = 1,
 ) -> tuple[list[ResultRecord], float]:
-    """Submit ``bodies`` and serve them with a burst worker (``rt`` installed first).
+    """Submit ``bodies`` and serve them with a burst worker (a fresh runtime without ``rt``).
 
     Returns every job's result record, in order, and the seconds from submit to
     the last result. Exits if a job did not succeed: a benchmark of failures
     measures nothing.
     """
-    rt = runtime.install(rt or runtime.current())
+    rt = rt or runtime.WorkerRuntime()
     client = Client(connection=conn)
     start = time.perf_counter()
     s = client.submit(bodies)

@@ -25,7 +25,7 @@ from redis import Redis
 from producer import Client
 from producer.localredis import LocalRedis
 from schemas import keys
-from worker.tinymodels import TinySpec, ensure_model
+from worker.dev.tinymodels import TinySpec, ensure_model
 
 OUT = Path(__file__).parent / "out"
 

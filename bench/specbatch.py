@@ -5,7 +5,7 @@ measures, engine-level (no Redis: only decoding is timed):
 
 - throughput: B greedy sequences decoded together, plainly (``BatchEngine``, k=0),
   speculatively at each k and adaptively (``SpecBatchEngine``, each round's k
-  chosen by ``worker.goodput`` up to the largest k), tokens/s over the rounds
+  chosen by ``worker.schedule.goodput`` up to the largest k), tokens/s over the rounds
   after the first, while all B decode;
 - step times, measured right after each cell's throughput (this VM's speed
   drifts 2x within minutes, so a prediction is only as good as the times it is
@@ -49,10 +49,11 @@ from mlx_lm.models.cache import KVCache
 from bench.fixtures import model
 from bench.plots import pyplot
 from schemas import ChatRequest
-from worker.batching import BatchEngine
-from worker.cache import ModelCache
-from worker.engine import params_for, prompt_tokens
-from worker.specbatch import SpecBatchEngine
+from worker.engine import Prepared, params_for, prompt_tokens
+from worker.engine.batch import BatchEngine
+from worker.engine.models import ModelCache
+from worker.engine.specbatch import SpecBatchEngine
+from worker.schedule.goodput import Goodput
 
 OUT = Path(__file__).parent / "out"
 
@@ -75,7 +76,7 @@ def throughput(engine: Any, target: Any, reqs: list[ChatRequest]) -> tuple[float
     """(tokens/s while every row decodes, after the first round; tokens per row per round)."""
     for i, r in enumerate(reqs):
         prompt = prompt_tokens(target.tokenizer, r)
-        engine.add(i, prompt, params_for(r, len(prompt), target.context_length, 512))
+        engine.add(i, Prepared(prompt, params_for(r, len(prompt), target.context_length, 512)))
     tokens, seconds, rounds, first = 0, 0.0, 0, True
     while len(engine) == len(reqs):
         t = time.perf_counter()
@@ -112,7 +113,7 @@ def pass_seconds(net: Any, batch: int, width: int, context: int, repeats: int = 
 
 def rewind_seconds(net: Any, batch: int, k: int, context: int, repeats: int = 5) -> float:
     """Median seconds of rewinding a verified round: rows drop 0..k positions each."""
-    from worker.specbatch import _drop_tail
+    from worker.engine.specbatch import _drop_tail
 
     samples = []
     for r in range(repeats):
@@ -147,7 +148,7 @@ def cell(target: Any, draft: Any, b: int, k: int, reqs: list[ChatRequest], conte
     if k == 0:
         engine: Any = BatchEngine(target, b)
     else:
-        engine = SpecBatchEngine(target, draft, abs(k), adaptive=k < 0)
+        engine = SpecBatchEngine(target, draft, abs(k), Goodput(abs(k)) if k < 0 else None)
     rate, e = throughput(engine, target, reqs)
     out = {"rate": rate, "e": e, "t1": pass_seconds(target.model, b, 1, context)}
     if k > 0:

@@ -15,7 +15,7 @@ every step put in one of three phases:
   speculative batch are the ones its draft predicts worst).
 
 Arms: plain (``BatchEngine``), speculative at each k of ``--ks``, adaptive up to
-the largest (``worker.goodput``); every arm once per round, order rotating,
+the largest (``worker.schedule.goodput``); every arm once per round, order rotating,
 medians of ``--rounds``.
 
     bench/run bench.specqueue [--slots 8,16] [--ks 4,6] [--rounds 2]
@@ -32,10 +32,11 @@ from typing import Any
 
 from bench.fixtures import model
 from bench.specbatch import requests
-from worker.batching import BatchEngine
-from worker.cache import ModelCache
-from worker.engine import params_for, prompt_tokens
-from worker.specbatch import SpecBatchEngine
+from worker.engine import Prepared, params_for, prompt_tokens
+from worker.engine.batch import BatchEngine
+from worker.engine.models import ModelCache
+from worker.engine.specbatch import SpecBatchEngine
+from worker.schedule.goodput import Goodput
 
 OUT = Path(__file__).parent / "out"
 PHASES = ("join", "full", "tail")
@@ -50,7 +51,7 @@ def run(engine: Any, target: Any, reqs: list, slots: int) -> dict[str, Any]:
         while waiting and len(engine) < slots:
             i, r = waiting.pop(0)
             prompt = prompt_tokens(target.tokenizer, r)
-            engine.add(i, prompt, params_for(r, len(prompt), target.context_length, 512))
+            engine.add(i, Prepared(prompt, params_for(r, len(prompt), target.context_length, 512)))
         t = time.perf_counter()
         step = engine.step()
         seconds = time.perf_counter() - t
@@ -80,7 +81,7 @@ def main() -> None:
     def engine(k: int, slots: int) -> Any:
         if k == 0:
             return BatchEngine(target, slots)
-        return SpecBatchEngine(target, draft, abs(k), adaptive=k < 0)
+        return SpecBatchEngine(target, draft, abs(k), Goodput(abs(k)) if k < 0 else None)
 
     def name(k: int) -> str:
         return "plain" if k == 0 else f"k={k}" if k > 0 else f"adaptive<={-k}"

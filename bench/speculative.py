@@ -38,8 +38,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from bench.fixtures import model
 from bench.plots import pyplot
 from schemas import ChatRequest
-from worker.cache import ModelCache
-from worker.generator import ChatGenerator
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
 
 OUT = Path(__file__).parent / "out"
 PROMPTS = [

@@ -32,11 +32,11 @@ from typing import Any
 from bench.fixtures import model
 from bench.grammar import SCHEMA
 from schemas import ChatRequest
-from worker.batching import BatchEngine
-from worker.cache import ModelCache
-from worker.constrain import constraint_for
-from worker.engine import params_for, prompt_tokens
-from worker.generator import ChatGenerator
+from worker.engine import Prepared, params_for, prompt_tokens
+from worker.engine.batch import BatchEngine
+from worker.engine.constrain import constraint_for
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
 
 PROMPTS = [
     f"Extract the customer record from message {i}: {text}"
@@ -87,7 +87,7 @@ def per_step_batched(gen: ChatGenerator, reqs: list[ChatRequest]) -> tuple[float
             prompt = prompt_tokens(target.tokenizer, req)
             c = constraint_for(req, target.tokenizer, target.vocab_size)
             p = params_for(req, len(prompt), target.context_length, target.vocab_size, constraint=c)
-            engine.add(i, prompt, p)
+            engine.add(i, Prepared(prompt, p))
         times = []
         while len(engine) == len(reqs):
             t = time.perf_counter()
@@ -154,7 +154,7 @@ def choices(target: str, rounds: int, tokens: int, shots: int) -> dict[str, Any]
 
     from bench.serve import burst
     from producer.localredis import LocalRedis
-    from worker import runtime
+    from worker.runner import runtime
 
     def body(n: int, seed: int | None) -> dict[str, Any]:
         return {

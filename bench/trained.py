@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from bench.fixtures import cache_dir
-from worker.tinymodels import TinySpec, model_config, save_tokenizer, train_bytelevel_bpe
+from worker.dev.tinymodels import TinySpec, model_config, save_tokenizer, train_bytelevel_bpe
 
 VOCAB = 1024
 SEQ = 128

@@ -25,10 +25,10 @@ from bench.plots import grouped_bars
 from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
-from worker import runtime
-from worker.cache import ModelCache
 from worker.engine import prompt_tokens
-from worker.policy import SpeculationPolicy
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.policy import SpeculationPolicy
 
 OUT = Path(__file__).parent / "out"
 TOPICS = ["queues", "caches", "drafts", "fleets", "tokens", "batches", "metrics", "restarts"]
@@ -85,10 +85,10 @@ def queued(conn: Redis, cache: ModelCache, reqs: list[dict]) -> tuple[int, float
 
 def cold_warm(conn: Redis, target: str, draft: str | None) -> dict:
     cache = ModelCache()
-    runtime.install(runtime.WorkerRuntime(cache=cache, worker_id="bench"))
+    rt = runtime.WorkerRuntime(cache=cache, worker_id="bench")
     out = {}
     for label in ("cold", "warm"):
-        (record,), _ = burst(conn, requests(target, draft, 16)[:1])
+        (record,), _ = burst(conn, requests(target, draft, 16)[:1], rt)
         m = record.metrics
         out[label] = {
             "total_s": round(m.total_time_s, 4),

@@ -70,7 +70,7 @@ def pick_models() -> tuple[str, str, str]:
     apple = sys.platform == "darwin" and platform.machine() == "arm64"
     if apple and os.environ.get("HF_HUB_OFFLINE") != "1" and hub_reachable():
         return HUB_TARGET, HUB_DRAFT, "hub models"
-    from worker.tinymodels import ensure_demo_models
+    from worker.dev.tinymodels import ensure_demo_models
 
     say("no Apple Silicon + hub here: building tiny random local models (.mlxq/models)")
     t, d = ensure_demo_models(ROOT / ".mlxq" / "models")

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from redis import Redis
 
 from schemas import BatchOutputLine, CancelledError, InvalidRequestError, ResultRecord, keys
-from schemas.cancel import CANCELLED_AT, DROP_LUA
+from schemas.cancel import CANCELLED_AT
+from schemas.scripts import source
 
 PAGE = 1000
 
@@ -218,27 +219,9 @@ def iter_output_lines(conn: Redis, batch_id: str) -> Iterator[BatchOutputLine | 
                 yield outcome
 
 
-#: Drop the cancelled batch's ids at the head of a queue, at most ARGV[3] per call.
-#: KEYS: queue list, batch hash. ARGV: job key prefix, "<batch id>-", limit.
-#: Returns how many were dropped.
-_SWEEP = (
-    DROP_LUA
-    + """
-local prefix, pattern = ARGV[2], '^' .. string.rep('%x', 20) .. '$'
-local head = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
-local n = 0
-for _, id in ipairs(head) do
-  if string.sub(id, 1, #prefix) ~= prefix or not string.match(string.sub(id, #prefix + 1), pattern)
-  then break end
-  n = n + 1
-end
-if n == 0 then return 0 end
-redis.call('LTRIM', KEYS[1], n, -1)
-local ttl = batch_ttl(KEYS[2])
-for i = 1, n do drop(ARGV[1] .. head[i], ttl) end
-return n
-"""
-)
+#: Lua (``schemas/lua/cancel_sweep.lua``): drop the cancelled batch's ids at the head
+#: of a queue, a bounded number per call.
+_SWEEP = source("cancel_sweep")
 
 #: Ids the cancel sweep drops per script call (a few ms of Redis time).
 SWEEP_STEP = 2000

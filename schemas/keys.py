@@ -119,7 +119,7 @@ def stream_key(job_id: str) -> str:
 
 
 #: Hash: job id -> "<lease token> <queue>" for every job a worker holds (taken, not yet
-#: ended). The job lifecycle (``worker.lifecycle``) is the only writer.
+#: ended). The job lifecycle (``worker.lifecycle.held``) is the only writer.
 RUNNING = f"{PREFIX}:running"
 
 #: Sorted set: lease token (one per worker process) -> when its lease ends, in Redis

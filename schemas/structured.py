@@ -3,7 +3,7 @@
 Turning a JSON schema into a grammar needs no tokenizer and no model, so producers
 and the gateway refuse a schema that cannot be enforced before anything is queued,
 and a worker refuses it again (a job hash may come from anywhere) with the same
-message. Workers build the token mask from the grammar (``worker.constrain``).
+message. Workers build the token mask from the grammar (``worker.engine.constrain``).
 
 Why llguidance (``bench/grammar.py`` measures llguidance, xgrammar and outlines-core
 on a 32,000-entry byte-level BPE; figures in the README): no dependencies (xgrammar

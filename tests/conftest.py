@@ -50,7 +50,7 @@ class TinyModels:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> TinyModels:
-    from worker.tinymodels import TinySpec, ensure_model
+    from worker.dev.tinymodels import TinySpec, ensure_model
 
     root = tmp_path_factory.mktemp("models")
     spec = TinySpec(layers=2, hidden=64, intermediate=128, seed=1)
@@ -83,10 +83,10 @@ def write_jsonl(path: Path, lines: list) -> Path:
 
 def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None, max_batch=1):
     """Run an in-process worker in burst mode until the queues are empty."""
-    from worker import runtime as rt_mod
-    from worker.loop import Worker
+    from worker.runner import runtime as rt_mod
+    from worker.runner.loop import Worker
 
-    rt = rt_mod.install(runtime or rt_mod.WorkerRuntime(worker_id="test-worker"))
+    rt = runtime or rt_mod.WorkerRuntime(worker_id="test-worker")
     conn = Redis.from_url(redis_url)
     name = f"w{time.monotonic_ns()}"
     worker = Worker(
@@ -103,9 +103,9 @@ def run_jobs(
     (fresh model cache; ``policy`` or auto), and return their records by custom_id."""
     from producer import Client
     from schemas.store import read_result
-    from worker import runtime as rt_mod
-    from worker.cache import ModelCache
-    from worker.policy import SpeculationPolicy
+    from worker.engine.models import ModelCache
+    from worker.runner import runtime as rt_mod
+    from worker.schedule.policy import SpeculationPolicy
 
     s = Client(connection=conn).submit(jobs, batch_id=batch_id)
     rt = rt_mod.WorkerRuntime(

@@ -16,13 +16,15 @@ from producer.fleet import fleet_table, live_workers
 from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
-from worker import runtime
-from worker.batching import BatchEngine
-from worker.cache import ModelCache
-from worker.engine import params_for, prompt_tokens
-from worker.loop import Worker
-from worker.memory import batch_peak_bytes, kv_profile
-from worker.policy import REPROBE_EVERY, START_BATCH, BatchRates, SpeculationPolicy
+from worker.engine import Prepared, params_for, prompt_tokens
+from worker.engine.batch import BatchEngine
+from worker.engine.memory import kv_profile
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.runner.loop import Worker
+from worker.schedule.admission import batch_peak_bytes
+from worker.schedule.batchsize import REPROBE_EVERY, START_BATCH, BatchRates
+from worker.schedule.policy import SpeculationPolicy
 
 EOS_OFF = {"3": -100}  # the tiny tokenizer's EOS: jobs run to max_tokens
 
@@ -75,7 +77,7 @@ def test_a_batch_never_holds_more_kv_than_projected(tiny):
         body = _body(tiny.target, words, max_tokens, logit_bias=EOS_OFF)
         req = ChatRequest.model_validate(body)
         prompt = prompt_tokens(entry.tokenizer, req)
-        engine.add(i, prompt, params_for(req, len(prompt), entry.context_length, 512))
+        engine.add(i, Prepared(prompt, params_for(req, len(prompt), entry.context_length, 512)))
     projected = batch_peak_bytes(entry.kv, engine.lengths())
     peak = 0
     while len(engine):
@@ -205,7 +207,7 @@ def test_fleet_shows_the_batch_size_and_what_limits_it(conn, redis_url, tiny):
     _, _, one = _need(probe, tiny.slow, body)
     cache = _budgeted(tiny.slow, 2 * one + one // 2)
     Client(connection=conn).submit({f"j{i}": body for i in range(4)})
-    rt = runtime.install(runtime.WorkerRuntime(cache=cache))
+    rt = runtime.WorkerRuntime(cache=cache)
     worker = Worker(conn, ["mlxq"], rt, name="fleet-batch", max_batch=None, burst=True)
     thread = threading.Thread(target=worker.work)
     thread.start()

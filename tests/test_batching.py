@@ -6,9 +6,9 @@ from producer import Client
 from schemas import keys
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
-from worker import runtime
-from worker.cache import ModelCache
-from worker.policy import ADAPTIVE, PLAIN, Decision, SpeculationPolicy
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.policy import ADAPTIVE, PLAIN, Decision, SpeculationPolicy
 
 
 def _jobs(tiny):
@@ -93,16 +93,16 @@ def test_job_timeout_inside_a_batch(conn, redis_url, tiny):
 def test_a_surprise_in_the_batch_fails_that_job_and_the_worker_goes_on(
     conn, redis_url, tiny, monkeypatch
 ):
-    from worker import continuous
+    from worker.engine.generator import ChatGenerator
 
-    real = continuous.prompt_tokens
+    real = ChatGenerator.prepare
 
-    def flaky(tokenizer, request):
+    def flaky(self, request, default_num_draft_tokens=3):
         if request.messages[0].text == "boom":
             raise RuntimeError("tokenizer exploded")
-        return real(tokenizer, request)
+        return real(self, request, default_num_draft_tokens)
 
-    monkeypatch.setattr(continuous, "prompt_tokens", flaky)
+    monkeypatch.setattr(ChatGenerator, "prepare", flaky)
     client = Client(connection=conn)
     s = client.submit(
         {

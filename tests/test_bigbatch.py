@@ -1,7 +1,7 @@
 """Large batches: submit in bounded memory, resumable submits, O(1) cancel under concurrent takers.
 
 Real redis-server; the "workers" of the cancel race are the real job lifecycle
-(``worker.lifecycle``, the code every worker takes and ends jobs with) in threads,
+(``worker.lifecycle.held``, the code every worker takes and ends jobs with) in threads,
 and one test runs a real worker process on a tiny model.
 """
 
@@ -29,7 +29,7 @@ from schemas import InvalidRequestError, Metrics, ResultRecord, keys
 from schemas.store import read_result
 from tests.conftest import chat
 from tests.test_faults import slow_job, wait_for
-from worker.lifecycle import Lifecycle
+from worker.lifecycle.held import Lifecycle
 
 
 def batch_line(i: int, content: str = "") -> dict:

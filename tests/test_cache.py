@@ -8,8 +8,8 @@ from schemas import (
 )
 from tests.conftest import chat
 from tests.models import write_lora_adapter
-from worker.cache import ModelCache, weight_bytes
-from worker.generator import ChatGenerator
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache, weight_bytes
 
 
 def test_second_use_is_warm(tiny):

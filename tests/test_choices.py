@@ -11,8 +11,8 @@ from schemas import ChatRequest
 from tests.conftest import chat, run_jobs
 from tests.test_schemas import error_of
 from tests.test_structured import SCHEMA, schema_format
-from worker.cache import ModelCache
-from worker.generator import ChatGenerator
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
 
 NO_EOS = {"3": -100}  # the tiny models' EOS: banned, so every choice runs to max_tokens
 

@@ -3,8 +3,8 @@ import pytest
 from schemas import ChatRequest, ContextLengthError, InvalidRequestError
 from tests.conftest import chat
 from tests.models import with_eos
-from worker.cache import ModelCache
-from worker.generator import ChatGenerator
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
 
 
 @pytest.fixture(scope="module")

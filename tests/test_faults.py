@@ -191,8 +191,8 @@ def test_job_timeout_fails_clearly_and_the_worker_goes_on(conn, redis_url, tiny)
     client = Client(connection=conn)
     slow = client.submit([slow_job(tiny)], job_timeout=1)
     quick = client.submit([chat(tiny.slow, max_tokens=2)])
-    from worker import runtime
-    from worker.cache import ModelCache
+    from worker.engine.models import ModelCache
+    from worker.runner import runtime
 
     run_worker(redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache()))
     record = read_result(conn, slow.job_ids[0])
@@ -203,7 +203,7 @@ def test_job_timeout_fails_clearly_and_the_worker_goes_on(conn, redis_url, tiny)
 
 
 def test_job_left_in_a_dead_workers_inbox_is_put_back(conn, redis_url, tiny):
-    from worker.lifecycle import Lifecycle
+    from worker.lifecycle.held import Lifecycle
 
     s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
     job_id = s.job_ids[0]
@@ -363,11 +363,11 @@ def test_second_sigterm_mid_batch_requeues_every_job(conn, redis_url, tiny, work
 def test_stop_while_taking_the_next_job_hands_it_back(conn, redis_url, tiny, max_batch):
     # A stop landing as the worker takes its next job means "stop after the last
     # job": the job just taken is handed back unstarted, neither run nor stranded.
-    from worker import runtime as rt_mod
-    from worker.lifecycle import Lifecycle
-    from worker.loop import Worker
+    from worker.lifecycle.held import Lifecycle
+    from worker.runner import runtime as rt_mod
+    from worker.runner.loop import Worker
 
-    rt = rt_mod.install(rt_mod.WorkerRuntime(worker_id="sig"))
+    rt = rt_mod.WorkerRuntime(worker_id="sig")
     worker = Worker(conn, ["mlxq"], rt, name="sig", burst=True, max_batch=max_batch)
     real_take = Lifecycle.take
     takes = []
@@ -441,6 +441,7 @@ def test_a_load_slower_than_several_leases_keeps_the_job(conn, tiny, workers, ma
     assert "requeued" not in slow.output + other.output
 
 
+@pytest.mark.slow
 def test_long_lease_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny, workers):
     # --lease-seconds 90. One job is held by a worker that is then killed; another
     # is stranded between dequeue and start (in a dead worker's inbox). For more
@@ -453,7 +454,7 @@ def test_long_lease_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny, worker
     from rq.registry import StartedJobRegistry
     from rq.serializers import JSONSerializer
 
-    from worker.lifecycle import Lifecycle
+    from worker.lifecycle.held import Lifecycle
 
     client = Client(connection=conn)
     held = client.submit([slow_job(tiny)]).job_ids[0]

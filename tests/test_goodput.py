@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.goodput import (
+from worker.schedule.goodput import (
     PROBE_AFTER,
     START_ROUNDS,
     Acceptance,

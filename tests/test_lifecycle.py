@@ -20,13 +20,13 @@ from producer import Client
 from schemas import GenerationError, ResultRecord, keys
 from schemas.store import read_result, write_result
 from tests.conftest import chat
-from worker import registry
-from worker.lifecycle import Job as HeldJob
-from worker.lifecycle import Lifecycle, Refused
+from worker.lifecycle import registry
+from worker.lifecycle.held import Job as HeldJob
+from worker.lifecycle.held import Lifecycle, Refused
 
 
 def lifecycle(conn, name="w", queues=("mlxq",), **kw) -> Lifecycle:
-    """A registered lifecycle, with RQ's worker record, as ``worker.loop.Worker`` starts it."""
+    """A registered lifecycle, with RQ's worker record, as the worker loop starts it."""
     lc = Lifecycle(conn, name, list(queues), **kw)
     lc.register()
     registry.rq_birth(conn, name, list(queues), lc.worker_ttl)

@@ -14,11 +14,11 @@ from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat, run_jobs, run_worker
 from tests.test_schemas import error_of
-from worker import runtime
-from worker.cache import ModelCache
 from worker.engine import prompt_tokens
-from worker.generator import ChatGenerator
-from worker.policy import SpeculationPolicy
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.policy import SpeculationPolicy
 
 PROMPTS = [f"job {i}: the queue {'worker ' * i}" for i in range(6)]
 TOL = 1e-4

@@ -22,7 +22,7 @@ from schemas import ResultRecord, keys
 from schemas.store import write_result
 from tests.conftest import chat as chat_body
 from tests.test_lifecycle import succeeded
-from worker.lifecycle import Lifecycle
+from worker.lifecycle.held import Lifecycle
 
 SETTINGS = GatewaySettings(chat_ttl=600)
 

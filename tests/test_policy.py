@@ -9,10 +9,9 @@ import pytest
 from producer import Client
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
-from worker import runtime
-from worker.cache import ModelCache
-from worker.engine import GenerationOutput
-from worker.policy import PLAIN, SpeculationPolicy
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.policy import PLAIN, JobSpeed, SpeculationPolicy
 
 STEP = 0.065  # seconds per plain decode step (a 12x1024 model on this CPU)
 
@@ -22,29 +21,15 @@ def round_s(k: int) -> float:
     return STEP * 1.05 + 0.004 * k
 
 
-def synthetic(k: int, p: float, tokens: int = 101) -> GenerationOutput:
-    """A job's output as it would be for draft length k at per-token acceptance p."""
+def synthetic(k: int, p: float, tokens: int = 101) -> JobSpeed:
+    """What a job tells the policy as it would be for draft length k at per-token
+    acceptance p (a round rejects unless all k proposals are accepted: 1 - p^k)."""
     if k == PLAIN:
-        rounds, accepted, decode = 0, 0, (tokens - 1) * STEP
-    else:
-        per_round = (1 - p ** (k + 1)) / (1 - p)
-        rounds = max(1, round(tokens / per_round))
-        accepted = tokens - rounds
-        decode = rounds * round_s(k)
-    return GenerationOutput(
-        text="",
-        finish_reason="length",
-        prompt_tokens=5,
-        completion_tokens=tokens,
-        time_to_first_token_s=0.5,
-        prompt_tokens_per_s=10.0,
-        generation_tokens_per_s=0.0,
-        total_time_s=0.5 + decode,
-        draft_tokens_proposed=k * rounds,
-        draft_tokens_accepted=accepted,
-        peak_memory_gb=0.0,
-        token_ids=(),
-    )
+        return JobSpeed(tokens, (tokens - 1) * STEP)
+    per_round = (1 - p ** (k + 1)) / (1 - p)
+    rounds = max(1, round(tokens / per_round))
+    rejections = round(rounds * (1 - p**k))
+    return JobSpeed(tokens, rounds * round_s(k), tokens - rounds, rejections)
 
 
 def true_speed(k: int, p: float) -> float:
@@ -176,7 +161,7 @@ def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
 
 
 def test_a_speculative_batch_must_beat_a_plain_one_by_a_margin():
-    from worker.policy import SPEC_BATCH_MARGIN
+    from worker.schedule.policy import SPEC_BATCH_MARGIN
 
     assert 1.0 < SPEC_BATCH_MARGIN < 1.3
     for over, wins in ((1.0, False), (SPEC_BATCH_MARGIN + 0.05, True)):

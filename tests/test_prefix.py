@@ -18,13 +18,13 @@ from producer.cli import main as producer_main
 from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
-from worker import runtime
-from worker.cache import ModelCache
 from worker.engine import prompt_tokens
-from worker.generator import ChatGenerator
-from worker.memory import batch_peak_bytes
-from worker.policy import SpeculationPolicy
-from worker.prefix import MIN_TOKENS, PrefixCache, cache_nbytes, prefill, restore, snapshot
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
+from worker.engine.prefix import MIN_TOKENS, PrefixCache, cache_nbytes, prefill, restore, snapshot
+from worker.runner import runtime
+from worker.schedule.admission import batch_peak_bytes
+from worker.schedule.policy import SpeculationPolicy
 
 SYSTEM = "You grade queue worker logs for a fleet of small machines. Be terse. " * 6
 

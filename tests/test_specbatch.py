@@ -12,11 +12,12 @@ from tests.conftest import chat, run_jobs
 from tests.models import noisy_copy, with_eos
 from tests.test_logprobs import _close
 from tests.test_structured import SCHEMA, schema_format
-from worker.cache import ModelCache
-from worker.engine import params_for, prompt_tokens
-from worker.generator import ChatGenerator
-from worker.policy import Decision, SpeculationPolicy
-from worker.specbatch import SpecBatchEngine
+from worker.engine import Prepared, Start, params_for, prompt_tokens
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
+from worker.engine.specbatch import SpecBatchEngine
+from worker.schedule.goodput import Goodput
+from worker.schedule.policy import Decision, SpeculationPolicy
 
 K = 3
 
@@ -160,7 +161,7 @@ def test_a_model_with_caches_that_cannot_be_rewound_per_row_is_refused(tiny):
     prompt = prompt_tokens(gen.target.tokenizer, req)
     rotating = [RotatingKVCache(max_size=64) for _ in gen.target.model.layers]
     with pytest.raises(ValueError, match="plain KV caches"):
-        engine.add("x", prompt, params_for(req, len(prompt), 512, 512), rotating, 0)
+        engine.add("x", Prepared(prompt, params_for(req, len(prompt), 512, 512)), Start(rotating))
     assert len(engine) == 0
 
 
@@ -189,7 +190,7 @@ def _run_engine(
         for _ in range(min(count, len(waiting))):
             i, r = waiting.pop(0)
             prompt = prompt_tokens(gen.target.tokenizer, r)
-            engine.add(i, prompt, params_for(r, len(prompt), 512, 512, K))
+            engine.add(i, Prepared(prompt, params_for(r, len(prompt), 512, 512, K)))
 
     join(4)
     while len(engine) or waiting:
@@ -212,13 +213,13 @@ def test_adaptive_k_keeps_every_greedy_output(pair, tiny, which):
     gen = ChatGenerator.get_or_create(target, draft, cache=ModelCache())
     reqs = _requests(target, 9)
     alone = [gen.generate(r, use_draft=False) for r in reqs]
-    engine = SpecBatchEngine(gen.target, gen.draft, 4, adaptive=True)
+    engine = SpecBatchEngine(gen.target, gen.draft, 4, planner=Goodput(4))
     outs, _ = _run_engine(engine, gen, reqs)
     for i, a in enumerate(alone):
         b = outs[i]
         assert (b.text, b.finish_reason, b.token_ids) == (a.text, a.finish_reason, a.token_ids), i
-    assert engine.goodput is not None
-    chosen = engine.goodput.chosen
+    assert isinstance(engine.planner, Goodput)
+    chosen = engine.planner.chosen
     assert chosen.get(0) and chosen.get(4)  # both ends measured
     rounds = sum(chosen.values())
     accepted = sum(o.draft_tokens_accepted for o in outs.values())

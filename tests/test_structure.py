@@ -1,9 +1,13 @@
-"""The shape of the code: who imports what.
+"""The shape of the code: which package imports what.
 
-- the lifecycle never imports MLX (``producer`` neither: ``test_producer_cli``);
+- ``worker.lifecycle`` (Redis) and ``worker.engine`` (MLX) never import each other;
+- ``worker.schedule`` imports neither Redis nor MLX (nor the engines or the lifecycle);
+- only ``worker.runner`` (and the CLI) import across packages;
+- no runtime module imports the dev fixtures (``worker.dev``);
 - ``worker`` uses no RQ code at all (it keeps RQ's data model, read and written by
   its own lifecycle scripts), so RQ upgrades cannot change its behaviour;
-- imports inside ``worker`` run one way (no cycles).
+- imports inside ``worker`` run one way (no cycles), and no module keeps mutable
+  state at module level behind a ``global``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("lifecycle", "schedule", "engine", "runner", "dev")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -28,22 +35,80 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
-def package_modules(package: str) -> dict[str, Path]:
-    return {f"{package}.{p.stem}": p for p in sorted((ROOT / package).glob("*.py"))}
+def worker_modules() -> dict[str, Path]:
+    """Every module of ``worker``, by dotted name (packages by their ``__init__``)."""
+    out = {}
+    for p in sorted((ROOT / "worker").rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "worker" and parts[1] in PACKAGES else None
+
+
+def worker_imports(path: Path) -> set[str]:
+    return {m for m in imports_of(path) if m == "worker" or m.startswith("worker.")}
 
 
 def test_worker_uses_no_rq_code():
     users = {
         name: sorted(m for m in imports_of(path) if m == "rq" or m.startswith("rq."))
-        for name, path in package_modules("worker").items()
+        for name, path in worker_modules().items()
     }
     assert {name: used for name, used in users.items() if used} == {}
 
 
+#: What each package may import of the others (the runner and the CLI: anything).
+ALLOWED = {
+    "lifecycle": set(),
+    "schedule": set(),
+    "engine": set(),
+    "dev": set(),
+}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_packages_import_only_what_their_room_allows(package):
+    crossing = {}
+    for name, path in worker_modules().items():
+        if package_of(name) != package:
+            continue
+        others = {package_of(m) for m in worker_imports(path)} - {package, None}
+        if others - ALLOWED[package]:
+            crossing[name] = sorted(others)
+    assert crossing == {}
+
+
+def test_no_runtime_module_imports_the_dev_fixtures():
+    users = [
+        name
+        for name, path in worker_modules().items()
+        if package_of(name) != "dev" and any(package_of(m) == "dev" for m in worker_imports(path))
+    ]
+    assert users == []
+
+
+@pytest.mark.parametrize(
+    ("package", "banned"),
+    [("schedule", ("redis", "mlx", "mlx_lm")), ("lifecycle", ("mlx", "mlx_lm"))],
+)
+def test_the_scheduler_and_the_lifecycle_stay_off_mlx(package, banned):
+    used = {
+        name: sorted(m for m in imports_of(path) if m.split(".")[0] in banned)
+        for name, path in worker_modules().items()
+        if package_of(name) == package
+    }
+    assert {n: u for n, u in used.items() if u} == {}
+
+
 def test_worker_imports_have_no_cycles():
-    modules = package_modules("worker")
+    modules = worker_modules()
     graph = {
-        name: {m for m in imports_of(path) if m in modules and m != name}
+        name: {m for m in worker_imports(path) if m in modules and m != name}
         for name, path in modules.items()
     }
     cycles = []
@@ -58,10 +123,20 @@ def test_worker_imports_have_no_cycles():
     for name in graph:
         visit(name, [])
     assert cycles == []
-    assert graph["worker.lifecycle"] <= {"worker.scripts"}  # the lifecycle knows no MLX
 
 
-def test_the_lifecycle_and_its_scripts_never_import_mlx():
-    code = "import sys, worker.lifecycle; print('mlx' in sys.modules)"
+def test_no_module_rebinds_module_level_state():
+    users = [
+        name
+        for name, path in worker_modules().items()
+        if any(isinstance(n, ast.Global) for n in ast.walk(ast.parse(path.read_text())))
+    ]
+    assert users == []
+
+
+@pytest.mark.parametrize("module", ["worker.lifecycle.held", "worker.schedule.policy"])
+def test_the_lifecycle_and_the_scheduler_import_no_mlx_at_run_time(module):
+    code = f"import sys, {module}; print(sorted(m for m in ('mlx', 'redis') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.stdout.strip() == "False", out.stderr
+    expected = "['redis']" if "lifecycle" in module else "[]"
+    assert out.stdout.strip() == expected, out.stderr

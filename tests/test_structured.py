@@ -19,9 +19,9 @@ from schemas.store import read_result
 from schemas.structured import MAX_SCHEMA_BYTES
 from tests.conftest import chat, run_jobs, run_worker
 from tests.test_schemas import error_of
-from worker import runtime
-from worker.cache import ModelCache
-from worker.policy import SpeculationPolicy
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.policy import SpeculationPolicy
 
 SCHEMA = {
     "type": "object",
@@ -168,7 +168,7 @@ def test_budget_ending_inside_the_json_is_finish_reason_length(conn, redis_url, 
 def test_a_real_vocabulary_byte_level_bpe(conn, redis_url, tmp_path):
     """The 32k byte-level tokenizer (llguidance reads it directly; the tiny models'
     Metaspace one goes through mlxq's byte table): batched and alone agree."""
-    from worker.tinymodels import TinySpec, ensure_model
+    from worker.dev.tinymodels import TinySpec, ensure_model
 
     model = str(
         ensure_model(
@@ -257,7 +257,7 @@ def _allowed(processor, history: list[int], width: int = 512) -> set[int]:
 def test_the_mask_follows_a_history_that_rewinds(loaded, tiny):
     """Speculative decoding shows the processor continuations and then takes them back:
     each mask equals the mask of a fresh matcher fed the same history."""
-    from worker.constrain import constraint_for
+    from worker.engine.constrain import constraint_for
 
     _, tok = loaded
     req = ChatRequest.model_validate(chat(tiny.target, response_format=schema_format()))
@@ -279,8 +279,8 @@ def test_the_mask_follows_a_history_that_rewinds(loaded, tiny):
 
 
 def test_special_tokens_are_never_text_inside_a_string(loaded, tiny):
-    from worker.constrain import constraint_for
-    from worker.tinymodels import SPECIAL_TOKENS
+    from worker.dev.tinymodels import SPECIAL_TOKENS
+    from worker.engine.constrain import constraint_for
 
     _, tok = loaded
     req = ChatRequest.model_validate(chat(tiny.target, response_format={"type": "json_object"}))
@@ -294,7 +294,7 @@ def test_special_tokens_are_never_text_inside_a_string(loaded, tiny):
 
 def test_verify_refuses_output_outside_the_grammar(loaded, tiny):
     from schemas import GenerationError
-    from worker.constrain import constraint_for, verify
+    from worker.engine.constrain import constraint_for, verify
 
     _, tok = loaded
     req = ChatRequest.model_validate(chat(tiny.target, response_format={"type": "json_object"}))
@@ -315,7 +315,7 @@ def test_mask_covers_logits_wider_than_the_vocabulary():
     import mlx.core as mx
     import numpy as np
 
-    from worker.constrain import mask_logits
+    from worker.engine.constrain import mask_logits
 
     bits = np.zeros(2, np.int32)
     bits.view(np.uint32)[1] = np.uint32(1 << 31)  # token 63 only

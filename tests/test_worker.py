@@ -16,8 +16,8 @@ from schemas import keys
 from schemas.result import BatchOutputLine, ChatCompletion
 from schemas.store import read_result
 from tests.conftest import chat, run_worker, write_jsonl
-from worker import runtime
-from worker.cache import ModelCache
+from worker.engine.models import ModelCache
+from worker.runner import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 

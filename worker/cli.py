@@ -195,10 +195,10 @@ def main(
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Import the job code (mlx-lm, transformers: ~1-2 s) before registering, so
     # the first job does not pay for it and "registered" means "ready".
-    from worker import runtime
-    from worker.cache import ModelCache
-    from worker.loop import Worker
-    from worker.policy import SpeculationPolicy
+    from worker.engine.models import ModelCache
+    from worker.runner import runtime
+    from worker.runner.loop import Worker
+    from worker.schedule.policy import SpeculationPolicy
 
     try:  # fail fast on a wrong URL or password; retry only once we are running
         Redis.from_url(redis_url).ping()
@@ -215,7 +215,6 @@ def main(
     )
     if name:
         rt.worker_id = name
-    runtime.install(rt)
     for model in models:
         try:
             rt.check_allowed(model)

@@ -3,23 +3,24 @@
 When the worker takes a job that may share a batch (:func:`batch_key`: not
 streaming, one choice, greedy or unseeded, since a seeded sampling job runs
 alone so that its seed means what it says; a job with a draft when the
-speculation policy says how to batch it), it runs a :class:`ContinuousBatch`:
+speculation policy says how to batch it; ``worker.schedule.grouping``), it runs a
+:class:`ContinuousBatch`:
 further jobs of the same queue on the same (model, adapter, draft, k) join,
 also while the batch runs (a slot freed by a finished job is filled at the next
-step). A batch with a draft decodes speculatively (``worker.specbatch``), one
-without through ``worker.batching``.
+step). A batch with a draft decodes speculatively (``worker.engine.specbatch``), one
+without through ``worker.engine.batch``.
 
 How many join (admission), checked before each job joins:
 
 - memory: the KV bytes the batch can grow to with the newcomer (every sequence
-  run to its ``max_tokens``; ``worker.memory.batch_peak_bytes``) must fit in
+  run to its ``max_tokens``; ``worker.schedule.admission.batch_peak_bytes``) must fit in
   what the memory budget leaves after models and kept prefixes. A job that
   does not fit now goes back to the front of its queue and the batch takes
   nothing more until it would fit (first in, first out: smaller jobs behind it
   do not overtake it). A job that would not fit even alone fails with
   ``context_too_large``, naming the numbers.
 - speed (``--max-batch auto``): the batch grows while a larger batch measures
-  faster (``worker.policy.BatchRates.limit``);
+  faster (``worker.schedule.policy.BatchRates.limit``);
 - ``--max-batch N``: never more than N.
 
 A job that cannot join (another model, streaming...) is given back to the
@@ -27,8 +28,7 @@ front of its queue and the batch stops taking for a second, so first-in-
 first-out order holds.
 
 Jobs are taken, refused, ended and given back through the same lifecycle as
-jobs run alone (``worker.lifecycle``); tokens come from the batched engine
-(``worker.batching``).
+jobs run alone (``worker.lifecycle.held``).
 """
 
 from __future__ import annotations
@@ -37,39 +37,29 @@ import logging
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Protocol
 
-from schemas import ChatRequest, GenerationError, JobEnvelope, MlxqError, ResultRecord
+from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
-from worker import records
-from worker.batching import BatchEngine
-from worker.constrain import constraint_for
-from worker.engine import GenerationOutput, GenerationParams, params_for, prompt_tokens
-from worker.generator import ChatGenerator
-from worker.jobs import deadline_of
-from worker.lifecycle import Job, Lifecycle
-from worker.memory import batch_peak_bytes, job_label
-from worker.policy import Decision
-from worker.runtime import WorkerRuntime
-from worker.specbatch import SpecBatchEngine
+from worker.engine.batch import BatchEngine
+from worker.engine.generator import ChatGenerator
+from worker.engine.protocol import Engine, Finished
+from worker.engine.request import Prepared
+from worker.engine.specbatch import SpecBatchEngine
+from worker.lifecycle.held import Job, Lifecycle
+from worker.runner import records
+from worker.runner.alone import deadline_of
+from worker.runner.kv import projected
+from worker.runner.runtime import WorkerRuntime
+from worker.schedule.goodput import Goodput
+from worker.schedule.grouping import BatchKey, batch_key, batchable
+from worker.schedule.meter import BatchMeter
+from worker.schedule.policy import Decision
 
 log = logging.getLogger(__name__)
 
-
-class BatchKey(NamedTuple):
-    """Jobs share a batch when these are equal."""
-
-    model: str
-    adapter: str | None
-    draft: str | None  # None: no draft (a plain batch)
-    k: int  # draft tokens per round (0: plain); with ``adaptive``, the most per round
-    adaptive: bool = False  # k chosen each round (``worker.goodput``)
-
-
 #: Seconds a batch stops taking jobs after one could not join (FIFO: it waits first).
 PAUSE_AFTER_HAND_BACK_S = 1.0
-#: Steps pooled per batch size before the measured speed goes to the policy.
-MEASURE_STEPS = 16
 #: Seconds between two updates of the batch state the worker publishes.
 PUBLISH_EVERY_S = 0.5
 #: The reason a batch holds what it holds when its queue has nothing more.
@@ -78,37 +68,8 @@ QUEUE_EMPTY = "queue: no more jobs waiting"
 AUTO_CAP = 256
 
 
-def batchable(req: ChatRequest) -> bool:
-    """Whether a request may share a batch at all (n > 1: its choices are a batch of
-    their own; a seeded sampling job runs alone so that its seed means what it says)."""
-    return not (req.stream or req.n > 1 or (req.seed is not None and req.temperature > 0))
-
-
-def batch_key(
-    envelope: JobEnvelope, rt: WorkerRuntime, depth: int
-) -> tuple[BatchKey, Decision | None] | None:
-    """The batch a job may join, or None if it runs alone.
-
-    A job naming a draft joins a batch when the speculation policy says so: without
-    the draft (k 0) or in a speculative batch with it at k; the policy's decision
-    (and why) comes along for its metrics.
-    """
-    req = envelope.request
-    if not batchable(req):
-        return None
-    if not req.draft_model:
-        return BatchKey(req.model, req.adapter, None, 0), None
-    decision = rt.policy.batch_instead(
-        req.model, req.draft_model, req.adapter, depth, req.num_draft_tokens
-    )
-    if decision is None:
-        return None
-    draft = req.draft_model if decision.speculative else None
-    return BatchKey(req.model, req.adapter, draft, decision.k, decision.adaptive), decision
-
-
 class Host(Protocol):
-    """What a batch needs from the worker that runs it (``worker.loop.Worker``)."""
+    """What a batch needs from the worker that runs it (``worker.runner.loop.Worker``)."""
 
     rt: WorkerRuntime
     lifecycle: Lifecycle
@@ -138,20 +99,21 @@ class ContinuousBatch:
         self.cap = host.max_batch or AUTO_CAP
         self.slots: dict[str, _Slot] = {}
         self.generator: ChatGenerator | None = None
-        self.engine: BatchEngine | SpecBatchEngine | None = None
+        self.engine: Engine | None = None
         self.decision: Decision | None = None  # the first job's: how the policy batched it
         self.draft_named: str | None = None  # the draft the first job named (k left to policy)
+        self.meter = BatchMeter(self.rt.policy, key)
         self._pause_until = 0.0
         self._held: tuple[int, int] | None = None  # (prompt, max_tokens) waiting for memory
         self._reason = QUEUE_EMPTY
         self._projected = 0  # the most the batch's KV caches can grow to (bytes)
-        self._prefilled = True  # whether the last step prefilled (its time is not decoding)
-        self._speeds: dict[int, list[float]] = {}  # batch size -> [seconds, steps, tokens]
         self.peak_kv_bytes = 0  # measured, after each step
         self.peak_projected_bytes = 0
-        self.peak_size = 0
         self._published_at = -PUBLISH_EVERY_S
-        self._tokens, self._seconds = 0, 0.0  # of every step (whole-batch speed)
+
+    @property
+    def peak_size(self) -> int:
+        return self.meter.peak_size
 
     def run(self, first: Job, decision: Decision | None = None) -> None:
         """Decode ``first`` and every job that joins until the batch is empty.
@@ -169,31 +131,21 @@ class ContinuousBatch:
             while self.slots:
                 assert self.engine is not None
                 size = len(self.slots)
-                self.peak_size = max(self.peak_size, size)
+                self.meter.held(size)
                 for slot in self.slots.values():
                     slot.peak = max(slot.peak, size)
                 t = time.perf_counter()
                 with self.host.computing():
                     step = self.engine.step()
                 seconds = time.perf_counter() - t
-                self._tokens += step.tokens
-                self._seconds += seconds
                 kv_bytes = self.engine.kv_bytes
                 self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
                 self._finish_outputs(step.done)
                 self._expire()
-                if not (step.prefilled or self._prefilled):  # a decoding step only
-                    self._measure(step.sequences, step.tokens, seconds)
-                self._prefilled = step.prefilled
+                self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
                 self._fill()
                 self._publish(kv_bytes)
-            for size in list(self._speeds):
-                self._report(size)
-            if self.peak_size > 1:
-                model, adapter, draft, k, adaptive = self.key
-                self.rt.policy.record_whole_batch(
-                    model, adapter, self._tokens, self._seconds, draft, k, adaptive
-                )
+            self.meter.close()
         except Exception as e:
             log.exception("batch on %s failed; failing its %d job(s)", self.key[0], len(self.slots))
             error = GenerationError(f"{type(e).__name__}: {e}")
@@ -204,7 +156,7 @@ class ContinuousBatch:
             raise
         finally:
             self.host.batch = None
-            self.rt.cache.kv_reserved = 0
+            self.rt.cache.release()
             if self.engine is not None:
                 self.engine.close()
             self.rt.stats.add_batch(self.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
@@ -236,7 +188,7 @@ class ContinuousBatch:
                 self._reason = reason
                 return
             if self._held is not None:
-                if self._overflow(*self._held) > 0:
+                if self._overflow(self._held) > 0:
                     return  # the job at the head waits for room; nothing overtakes it
                 self._held = None
             job = self.host.take_from(self.queue)
@@ -244,7 +196,7 @@ class ContinuousBatch:
                 self._reason = QUEUE_EMPTY
                 return
             depth = max(self.depth, len(self.slots) + 1)
-            taken = batch_key(job.envelope, self.rt, depth)
+            taken = batch_key(job.envelope.request, self.rt.policy, depth)
             if (taken is None or taken[0] != self.key) and self._same_kind(job):
                 taken = self.key, self.decision  # the policy's new mind is for the next batch
             if taken is None or taken[0] != self.key:
@@ -276,19 +228,14 @@ class ContinuousBatch:
         try:
             self.rt.check_request(req)  # the draft too: batched without it, but named
             with self.host.computing():
-                engine = self._engine(job)
-            target = engine.target
-            prompt = prompt_tokens(target.tokenizer, req)
-            constraint = constraint_for(req, target.tokenizer, target.vocab_size)
-            params = params_for(
-                req, len(prompt), target.context_length, target.vocab_size, constraint=constraint
-            )
-            if not self._room_for(job, len(prompt), params):
-                return False
+                engine = self._engine()
             assert self.generator is not None
+            prepared = self.generator.prepare(req)
+            if not self._room_for(job, prepared):
+                return False
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
-                draft = self.generator.draft if self.key[2] else None
-                start = self.generator.starting_cache(req, prompt, len(prompt) - 1, draft)
+                draft = self.generator.draft if self.key.draft else None
+                start = self.generator.starting_cache(prepared, len(prepared.prompt) - 1, draft)
         except MlxqError as e:
             self._end([(job, records.failure(job, self.rt, e))])
             return False
@@ -298,29 +245,29 @@ class ContinuousBatch:
             self._end([(job, records.failure(job, self.rt, error))])
             return False
         with self.host.computing():  # a speculative batch prefills a joiner here
-            engine.add(job.id, prompt, params, *start)
+            engine.add(job.id, prepared, start)
         self.slots[job.id] = _Slot(job, decision)
         self._reserve()
         return True
 
-    def _room_for(self, job: Job, prompt: int, params: GenerationParams) -> bool:
+    def _room_for(self, job: Job, prepared: Prepared) -> bool:
         """Whether the batch has KV memory for ``job`` now. If it is the only job, make
         room (kept prefixes go) or raise ContextTooLargeError; if others run and it does
         not fit, hand it back to the front of its queue to wait."""
-        assert self.engine is not None
-        alone = self._peak([(prompt, params.max_tokens)])
-        what = job_label(prompt, params.max_tokens)
+        length = prepared.length()
+        alone = self._peak([length])
         if not self.slots:
-            self.rt.cache.make_kv_room(alone, what)
+            self.rt.cache.make_kv_room(alone, prepared.label)
             return True
-        self.rt.cache.check_kv_fits(alone, what)  # one that never fits fails now
-        over = self._overflow(prompt, params.max_tokens)
+        self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
+        over = self._overflow(length)
         if over <= 0:
             return True
         self.host.lifecycle.requeue(job)
-        self._held = (prompt, params.max_tokens)
+        self._held = length
+        prompt, max_tokens = length
         self._reason = (
-            f"memory: the next job ({prompt} + {params.max_tokens} tokens) would take the "
+            f"memory: the next job ({prompt} + {max_tokens} tokens) would take the "
             f"batch's KV cache {over / 1e6:.1f} MB past the {self._room() / 1e6:.1f} MB left"
         )
         return False
@@ -328,34 +275,33 @@ class ContinuousBatch:
     def _room(self) -> int:
         return self.rt.cache.kv_room()
 
-    def _overflow(self, prompt: int, max_tokens: int) -> int:
+    def _overflow(self, length: tuple[int, int]) -> int:
         """Bytes by which the batch's projected KV would exceed the room with this job."""
         assert self.engine is not None
-        return self._peak([*self.engine.lengths(), (prompt, max_tokens)]) - self._room()
+        return self._peak([*self.engine.lengths(), length]) - self._room()
 
     def _peak(self, sequences: list[tuple[int, int]]) -> int:
         """The most the batch's KV caches can hold for ``sequences`` (the draft's too)."""
         assert self.engine is not None
-        models = [self.engine.target]
-        if isinstance(self.engine, SpecBatchEngine):
-            models.append(self.engine.draft)
-        return sum(batch_peak_bytes(m.kv, sequences) for m in models)
+        return projected(self.engine.models, sequences)
 
     def _reserve(self) -> None:
         """Reserve what the batch's KV caches can grow to (kept prefixes keep out of it)."""
         assert self.engine is not None
         self._projected = self._peak(self.engine.lengths())
         self.peak_projected_bytes = max(self.peak_projected_bytes, self._projected)
-        self.rt.cache.kv_reserved = self._projected
+        self.rt.cache.reserve(self._projected)
 
-    def _engine(self, job: Job) -> BatchEngine | SpecBatchEngine:
+    def _engine(self) -> Engine:
         if self.engine is None:
             model, adapter, draft, k, adaptive = self.key
-            self.generator = ChatGenerator.get_or_create(model, draft, adapter, self.rt.cache)
+            self.generator = ChatGenerator.get_or_create(model, draft, adapter, cache=self.rt.cache)
             if draft is not None and self.generator.draft is not None:
                 target, draft_model = self.generator.target, self.generator.draft
-                prior = self.rt.policy.acceptance(model, draft) if adaptive else None
-                self.engine = SpecBatchEngine(target, draft_model, k, adaptive, prior)
+                planner = None
+                if adaptive:
+                    planner = Goodput(k, self.rt.policy.acceptance(model, draft))
+                self.engine = SpecBatchEngine(target, draft_model, k, planner)
             else:
                 self.engine = BatchEngine(self.generator.target, self.cap)
         return self.engine
@@ -382,11 +328,11 @@ class ContinuousBatch:
         if ended:
             self.host.finish(ended)
 
-    def _finish_outputs(self, done: list[tuple[Any, GenerationOutput | MlxqError]]) -> None:
+    def _finish_outputs(self, done: list[Finished]) -> None:
         ended = []
         assert self.generator is not None
         for job_id, out in done:
-            slot = self.slots.pop(job_id)
+            slot = self.slots.pop(str(job_id))
             if isinstance(out, MlxqError):
                 ended.append((slot.job, records.failure(slot.job, self.rt, out)))
                 continue
@@ -409,26 +355,9 @@ class ContinuousBatch:
             deadline = deadline_of(slot.job)
             if deadline is not None and deadline.passed:
                 assert self.engine is not None
-                self.engine.drop(job_id)
+                self.engine.remove(job_id)
                 del self.slots[job_id]
                 ended.append((slot.job, records.failure(slot.job, self.rt, deadline.error())))
         if ended:
             self._reserve()
         self._end(ended)
-
-    # -- measuring --------------------------------------------------------
-    def _measure(self, size: int, tokens: int, seconds: float) -> None:
-        """Pool decoding steps per batch size; report to the policy every few steps."""
-        if size < 1:
-            return
-        pooled = self._speeds.setdefault(size, [0.0, 0, 0])
-        pooled[0] += seconds
-        pooled[1] += 1
-        pooled[2] += tokens
-        if pooled[1] >= MEASURE_STEPS:
-            self._report(size)
-
-    def _report(self, size: int) -> None:
-        seconds, _, tokens = self._speeds.pop(size)
-        model, adapter, draft, k, adaptive = self.key
-        self.rt.policy.record_batch(model, adapter, size, int(tokens), seconds, draft, k, adaptive)

@@ -2,7 +2,7 @@
 
 mlxq's own loop, not RQ's ``Worker``: it never forks (models stay loaded, and
 forking after Metal is initialised crashes on macOS), never imports a function
-named in Redis, and every job goes through one lifecycle (``worker.lifecycle``)
+named in Redis, and every job goes through one lifecycle (``worker.lifecycle.held``)
 whatever runs it. One heartbeat thread keeps the process's lease (which covers
 all its jobs), runs recovery and publishes the worker's state.
 
@@ -22,13 +22,12 @@ from types import FrameType
 
 from redis import Redis
 
-from schemas import ResultRecord, keys
+from schemas import ResultRecord
 from schemas.fleet import BatchInfo
-from worker import registry
-from worker.continuous import AUTO_CAP, ContinuousBatch, batch_key
-from worker.heartbeat import Heartbeat
-from worker.jobs import run_alone
-from worker.lifecycle import (
+from worker.engine.memory import wired_limit
+from worker.lifecycle import registry
+from worker.lifecycle.heartbeat import Heartbeat
+from worker.lifecycle.held import (
     BLOCK_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_CRASHES,
@@ -36,7 +35,11 @@ from worker.lifecycle import (
     Lifecycle,
     Refused,
 )
-from worker.runtime import WorkerRuntime
+from worker.runner.alone import run_alone
+from worker.runner.continuous import AUTO_CAP, ContinuousBatch
+from worker.runner.fleet import worker_info
+from worker.runner.runtime import WorkerRuntime
+from worker.schedule.grouping import batch_key
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,8 @@ class Worker:
         beat.start()
         try:
             self.publish()
-            self._loop()
+            with wired_limit():  # set once for every engine while the worker serves
+                self._loop()
         except ColdShutdown:
             log.warning("worker %s: cold stop; running jobs handed back", self.name)
         finally:
@@ -132,9 +136,9 @@ class Worker:
         depth, taken = 1, None
         if self.max_batch != 1:
             if job.envelope.request.draft_model:  # batch or speculate: how many wait?
-                waiting = self.conn.llen(keys.rq_queue_key(job.queue))
+                waiting = self.lifecycle.waiting(job.queue)
                 depth += min(waiting, (self.max_batch or AUTO_CAP) - 1)
-            taken = batch_key(job.envelope, self.rt, depth)
+            taken = batch_key(job.envelope.request, self.rt.policy, depth)
         if taken is not None:
             ContinuousBatch(self, job.queue, taken[0], depth).run(job, taken[1])
             return
@@ -206,7 +210,7 @@ class Worker:
     # -- the fleet registry -----------------------------------------------
     def publish(self) -> None:
         """Publish this worker's state on ``mlxq:worker:<name>`` (``producer fleet``)."""
-        info = registry.worker_info(
+        info = worker_info(
             self.rt, self.name, self.queues, self.state, self.current, self.batch, self.max_batch
         )
         registry.publish(self.conn, info, self.registry_ttl)

@@ -1,4 +1,4 @@
-"""The worker's runtime settings, reachable from the job function (one per process)."""
+"""The worker's runtime: what the CLI built (model cache, policy, limits), passed down."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import socket
 from dataclasses import dataclass, field
 
 from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
-from worker.cache import ModelCache
-from worker.generator import default_cache, set_default_cache
-from worker.policy import SpeculationPolicy
-from worker.stats import WorkerStats
+from worker.engine.models import ModelCache
+from worker.runner.stats import WorkerStats
+from worker.schedule.policy import SpeculationPolicy
 
 
 @dataclass
 class WorkerRuntime:
     """What a job needs from the worker that runs it."""
 
-    cache: ModelCache = field(default_factory=default_cache)
+    cache: ModelCache = field(default_factory=ModelCache)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}.{os.getpid()}")
     allow_models: tuple[str, ...] = ()
     default_num_draft_tokens: int = 3
@@ -46,22 +45,3 @@ class WorkerRuntime:
                 f"n={request.n} is more choices than this worker runs in one job "
                 f"(--max-n {self.max_n}): submit several jobs with different seeds"
             )
-
-
-_current: WorkerRuntime | None = None
-
-
-def install(runtime: WorkerRuntime) -> WorkerRuntime:
-    """Make ``runtime`` the one jobs in this process use."""
-    global _current
-    _current = runtime
-    set_default_cache(runtime.cache)
-    return runtime
-
-
-def current() -> WorkerRuntime:
-    """The installed runtime (a default one, unbudgeted, if none was installed)."""
-    global _current
-    if _current is None:
-        _current = WorkerRuntime()
-    return _current

@@ -5,8 +5,8 @@ measurements on real jobs, with a model that keeps them few and robust:
 
 - plain decoding speed (tokens/s, time to first token excluded);
 - the draft's acceptance, pooled over all speculative jobs of the pair
-  (p = accepted / (accepted + rounds), the chance the target agrees with the
-  next draft token);
+  (p = accepted / (accepted + rejections), the chance the target agrees with
+  the next draft token: ``worker.schedule.estimators.Acceptance``);
 - the time of one speculative round for the draft lengths tried, fitted as a
   line in k (it is a draft pass per token plus one verify pass).
 
@@ -40,7 +40,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from worker.engine import GenerationOutput
+from worker.schedule.batchsize import BatchRates
+from worker.schedule.estimators import Acceptance, AffineCost, Running, expected_tokens
 
 PLAIN = 0
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8)
@@ -61,64 +62,40 @@ class Decision:
         return self.k > 0
 
 
-@dataclass
-class Arm:
-    runs: int = 0
-    value: float = 0.0  # plain: tokens/s; k > 0: seconds per round
-    measured_at: int = -1  # the pair's job counter at the last measurement
-    accepted: float = 0.0  # k > 0: draft tokens accepted and rounds (slowly forgotten)
-    rounds: float = 0.0
+@dataclass(frozen=True)
+class JobSpeed:
+    """What a finished job tells the policy: its completion tokens, the seconds after
+    its first (decoding), and (speculative) draft tokens accepted and rejections
+    (rounds that stopped before their last proposal)."""
 
-    def update(self, value: float, at: int, weight: float = 0.3) -> None:
-        self.value = value if self.runs == 0 else (1 - weight) * self.value + weight * value
-        self.runs += 1
-        self.measured_at = at
+    tokens: int
+    decode_s: float
+    accepted: int = 0
+    rejections: int = 0
 
 
 @dataclass
 class PairStats:
-    arms: dict[int, Arm] = field(default_factory=dict)
+    arms: dict[int, Running] = field(default_factory=dict)
+    accept: Acceptance = field(default_factory=Acceptance)  # pooled over its jobs
     jobs: int = 0
     last_probe: int = 0  # the job counter at the last re-measurement
     probe_interval: int = 0  # jobs between draft probes while plain wins (0: not yet set)
 
     @property
     def acceptance(self) -> float:
-        """p: the chance the target agrees with the next draft token.
-
-        A round at length k accepts p (1 - p^k) / (1 - p) tokens on average;
-        p is solved (bisection) so that this matches the accepted tokens
-        measured over all rounds of all lengths tried.
-        """
-        data = [(k, a.accepted, a.rounds) for k, a in self.arms.items() if k != PLAIN and a.rounds]
-        if not data or sum(acc for _, acc, _ in data) == 0:
-            return 0.0
-        target = sum(acc for _, acc, _ in data)
-        lo, hi = 0.0, 0.995
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            if sum(r * _mean_accepted(mid, k) for k, _, r in data) < target:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        """p: the chance the target agrees with the next draft token."""
+        return self.accept.rate(0.0, weight=0.0)
 
     def round_seconds(self, k: int) -> float:
         """Seconds per round at draft length k: a line fitted to the lengths measured."""
-        points = [(j, a.value) for j, a in self.arms.items() if j != PLAIN and a.runs]
-        if len(points) == 1:
-            return points[0][1]
-        n = len(points)
-        mean_k = sum(j for j, _ in points) / n
-        mean_t = sum(t for _, t in points) / n
-        var = sum((j - mean_k) ** 2 for j, _ in points)
-        slope = sum((j - mean_k) * (t - mean_t) for j, t in points) / var if var else 0.0
-        return max(mean_t + max(slope, 0.0) * (k - mean_k), 1e-6)
+        cost = AffineCost({j: a.value for j, a in self.arms.items() if j != PLAIN and a.runs})
+        return max(cost.predict(k), 1e-6)
 
     def predicted(self, ks: tuple[int, ...]) -> dict[int, float]:
-        """Predicted tokens/s for each draft length in ``ks`` (acceptance solved once)."""
+        """Predicted tokens/s for each draft length in ``ks``."""
         p = self.acceptance
-        return {k: (1 - p ** (k + 1)) / (1 - p) / self.round_seconds(k) for k in ks}
+        return {k: expected_tokens(p, k) / self.round_seconds(k) for k in ks}
 
 
 #: How much faster (tokens/s of whole batches, else at about the queue's depth) a
@@ -128,67 +105,6 @@ SPEC_BATCH_MARGIN = 1.05
 #: The k of a speculative batch that chooses its k each round (``worker.goodput``) in
 #: the policy's measurements.
 ADAPTIVE = -1
-#: The batch size a target starts at before anything is measured (``--max-batch auto``).
-START_BATCH = 32
-#: A larger batch must measure this much faster (tokens/s) than a smaller one to be used.
-GROWTH_MARGIN = 0.10
-#: Measurements at or below a limit that speed set, before a larger size is tried again.
-REPROBE_EVERY = 40
-
-
-@dataclass
-class BatchRates:
-    """A target's measured aggregate decoding speed (tokens/s) by batch size, and the
-    batch size those measurements favour (``--max-batch auto``)."""
-
-    by_size: dict[int, Arm] = field(default_factory=dict)
-    since_probe: int = 0  # measurements since a size above the limit was last measured
-
-    def rate(self, size: int) -> float | None:
-        """Speed at the measured size nearest ``size`` (ties: the smaller), or None."""
-        if not self.by_size:
-            return None
-        nearest = min(self.by_size, key=lambda n: (abs(n - size), n))
-        return self.by_size[nearest].value
-
-    def record(self, size: int, tokens_per_s: float) -> None:
-        settled = self._settled()
-        self.by_size.setdefault(size, Arm()).update(tokens_per_s, 0)
-        self.since_probe = 0 if settled is None or size > settled else self.since_probe + 1
-
-    def _settled(self) -> int | None:
-        """The smallest measured size within :data:`GROWTH_MARGIN` of the fastest, if a
-        larger size was measured too (where growing stopped paying), else None."""
-        if not self.by_size:
-            return None
-        rates = {n: a.value for n, a in self.by_size.items()}
-        fastest = max(rates.values())
-        good = min(n for n, r in rates.items() if r * (1 + GROWTH_MARGIN) >= fastest)
-        return good if good < max(rates) else None
-
-    def limit(self) -> tuple[int, str]:
-        """The largest batch measurements favour, and why.
-
-        Where a larger batch stops paying (:meth:`_settled`) the batch stays, and
-        every :data:`REPROBE_EVERY` measurements the next size up is tried again;
-        while the largest size measured is also the fastest, the batch may grow to
-        twice it (and is measured there).
-        """
-        if not self.by_size:
-            return START_BATCH, f"speed: starting at {START_BATCH} (nothing measured yet)"
-        rates = {n: a.value for n, a in self.by_size.items()}
-        good = self._settled()
-        if good is None:
-            top = max(rates)
-            grow = max(2 * top, START_BATCH)
-            return grow, f"speed: {top} measured fastest ({rates[top]:.1f} tok/s), up to {grow}"
-        if self.since_probe >= REPROBE_EVERY:
-            return 2 * good, f"speed: re-measuring above {good}"
-        above = min(n for n in rates if n > good)
-        return good, (
-            f"speed: {good} measured {rates[good]:.1f} tok/s, {above} {rates[above]:.1f} "
-            "(a larger batch does not pay)"
-        )
 
 
 class SpeculationPolicy:
@@ -210,7 +126,7 @@ class SpeculationPolicy:
         self.spec_batches: dict[tuple[str, str | None, str, int], BatchRates] = {}
         # whole batches, first step to last (joins and the tail included):
         # (target, adapter, draft or None, k) -> tokens/s
-        self.whole: dict[tuple[str, str | None, str | None, int], Arm] = {}
+        self.whole: dict[tuple[str, str | None, str | None, int], Running] = {}
         self._lock = threading.Lock()
 
     def batch_instead(
@@ -241,7 +157,7 @@ class SpeculationPolicy:
             return Decision(k, f"policy always: speculative batch at k={k}")
         with self._lock:
             pair = self.pairs.get((target, draft))
-            if pair is None or any(pair.arms.get(k, Arm()).runs == 0 for k in self._explore()):
+            if pair is None or any(pair.arms.get(k, Running()).runs == 0 for k in self._explore()):
                 return None  # measure the pair one job at a time first
             alone = max(pair.arms[PLAIN].value, *pair.predicted(self.ks).values())
             rates = self.batches.get((target, adapter))
@@ -314,7 +230,7 @@ class SpeculationPolicy:
             return
         key = (target, adapter, *_kind(draft, k, adaptive))
         with self._lock:
-            self.whole.setdefault(key, Arm()).update(tokens / seconds, 0, weight=0.5)
+            self.whole.setdefault(key, Running()).update(tokens / seconds, 0, weight=0.5)
 
     def batch_limit(
         self,
@@ -351,7 +267,7 @@ class SpeculationPolicy:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1
             for k in self._explore():
-                if pair.arms.get(k, Arm()).runs == 0:
+                if pair.arms.get(k, Running()).runs == 0:
                     return Decision(k, f"auto: measuring {_name(k)}")
             plain = pair.arms[PLAIN].value
             predicted = pair.predicted(self.ks)
@@ -381,35 +297,29 @@ class SpeculationPolicy:
                 f"plain {plain:.1f} tok/s measured)",
             )
 
-    def record(self, target: str, draft: str, decision: Decision, out: GenerationOutput) -> None:
+    def record(self, target: str, draft: str, decision: Decision, job: JobSpeed) -> None:
         """Feed back a finished job's speed, acceptance and round time."""
-        decode_s = out.total_time_s - out.time_to_first_token_s
-        if out.completion_tokens < 2 or decode_s <= 0:
+        if job.tokens < 2 or job.decode_s <= 0:
             return
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
-            arm = pair.arms.setdefault(decision.k, Arm())
+            arm = pair.arms.setdefault(decision.k, Running())
             if decision.k == PLAIN:
-                arm.update((out.completion_tokens - 1) / decode_s, pair.jobs)
+                arm.update((job.tokens - 1) / job.decode_s, pair.jobs)
                 return
-            rounds = out.completion_tokens - out.draft_tokens_accepted
+            rounds = job.tokens - job.accepted
             if rounds <= 0:
                 return
-            arm.update(decode_s / rounds, pair.jobs)
+            arm.update(job.decode_s / rounds, pair.jobs)
             # Older evidence fades; a probe after a long plain stretch is a fresh
             # look at today's workload, so it mostly replaces what came before.
-            fade = 0.1 if decision.probe else 0.9
-            for other in pair.arms.values():
-                other.accepted *= fade
-                other.rounds *= fade
-            arm.accepted += out.draft_tokens_accepted
-            arm.rounds += rounds
+            pair.accept.add(job.accepted, job.rejections, fade=0.1 if decision.probe else 0.9)
 
     def acceptance(self, target: str, draft: str) -> float | None:
         """The pair's measured acceptance (speculating one job at a time), if any."""
         with self._lock:
             pair = self.pairs.get((target, draft))
-            if pair is None or not any(a.rounds for k, a in pair.arms.items() if k != PLAIN):
+            if pair is None or not pair.accept.seen:
                 return None
             return pair.acceptance
 
@@ -433,11 +343,6 @@ def _kind(draft: str | None, k: int, adaptive: bool) -> tuple[str | None, int]:
     if draft is None or k == PLAIN:
         return None, PLAIN
     return draft, ADAPTIVE if adaptive else k
-
-
-def _mean_accepted(p: float, k: int) -> float:
-    """Expected draft tokens accepted in a round of length k at per-token acceptance p."""
-    return p * (1 - p**k) / (1 - p)
 
 
 def _name(k: int) -> str:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from worker.lifecycle import Lifecycle
+from worker.lifecycle.held import Lifecycle
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis import Redis
 
 from schemas import keys
-from worker.logprobs import LogprobEntry, render
 
 #: Entries kept per job stream (XADD MAXLEN ~): plenty for one completion.
 STREAM_MAXLEN = 20_000
@@ -26,11 +24,8 @@ class ChunkWriter:
         completion_id: str,
         model: str,
         ttl: int,
-        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
-        """``token_bytes``: given when the job asked for logprobs (chunks carry them)."""
         self.conn, self.key, self.ttl = conn, keys.stream_key(job_id), ttl
-        self.token_bytes = token_bytes
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -54,14 +49,10 @@ class ChunkWriter:
         self.conn.delete(self.key)
         self._choice({"role": "assistant", "content": ""})
 
-    def text(self, delta: str, logprobs: Sequence[LogprobEntry] = ()) -> None:
-        """A piece of the text, with the logprobs of the tokens it completes."""
-        if not delta and not logprobs:
-            return
-        extra = None
-        if self.token_bytes is not None:
-            extra = render(logprobs, self.token_bytes).model_dump(mode="json")
-        self._choice({"content": delta}, extra)
+    def text(self, delta: str, logprobs: dict[str, Any] | None = None) -> None:
+        """A piece of the text, with the logprobs (OpenAI's ``choices[].logprobs``, as
+        JSON) of the tokens it completes when the job asked for them."""
+        self._choice({"content": delta}, logprobs)
 
     def finish(self, finish_reason: str, usage: dict[str, int]) -> None:
         self._add(

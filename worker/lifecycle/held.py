@@ -2,7 +2,7 @@
 
 Every job a worker runs goes through these functions, whichever engine makes
 its tokens (alone, batched, speculative, streamed); the state transitions are
-the Lua scripts of :mod:`worker.scripts`, where the key layout is documented.
+the Lua scripts of :mod:`worker.lifecycle.scripts`, where the key layout is documented.
 
 mlxq owns this lifecycle on RQ's data model: producers enqueue with RQ
 (``enqueue_many``), jobs are RQ job hashes on RQ queue lists, and a worker
@@ -43,7 +43,7 @@ from schemas import (
 )
 from schemas.keys import rq_time
 from schemas.store import write_once_call
-from worker import scripts
+from worker.lifecycle import scripts
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Lifecycle:
 
     @property
     def worker_ttl(self) -> int:
-        """Seconds RQ's worker record (``worker.registry``) outlives the last heartbeat."""
+        """Seconds RQ's worker record (``registry``) outlives the last heartbeat."""
         return max(60, 3 * self.lease_ms // 1000)
 
     # -- the lease --------------------------------------------------------
@@ -357,6 +357,10 @@ class Lifecycle:
                 ENDED_JOB_DATA if ok else "",
             ],
         )
+
+    def waiting(self, queue: str) -> int:
+        """How many jobs wait in ``queue`` now."""
+        return int(self.conn.llen(keys.rq_queue_key(queue)))
 
     def requeue(self, job: Job) -> bool:
         """Give a held job back to the front of its queue, unstarted."""

@@ -6,7 +6,7 @@ shares its base model's weight arrays (MLX arrays are immutable buffers) and
 adds only the adapter's own parameters, so the base stays untouched for other
 jobs. Under a memory budget, least-recently-used models are evicted and memory
 is freed *before* the next model is loaded. Kept prompt prefixes
-(``worker.prefix``) count in the same budget: they are evicted before any
+(``worker.engine.prefix``) count in the same budget: they are evicted before any
 model, and a model's prefixes go with it.
 """
 
@@ -16,6 +16,8 @@ import gc
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +33,14 @@ from schemas import (
     ModelNotFoundError,
     ModelTooLargeError,
 )
-from worker.memory import DEVICE_SHARE, KVProfile, default_budget, device_memory, kv_profile
-from worker.prefix import PrefixCache
+from worker.engine.memory import (
+    DEVICE_SHARE,
+    KVProfile,
+    default_budget,
+    device_memory,
+    kv_profile,
+)
+from worker.engine.prefix import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +165,8 @@ class ModelCache:
         self._compatible: dict[tuple[CacheKey, CacheKey], bool] = {}
         self.loads = 0
         self.evictions = 0
-        #: KV-cache bytes the running job or batch may still grow to (set by them):
-        #: kept prefixes do not take that room.
+        #: KV-cache bytes the running job or batch may still grow to: kept prefixes
+        #: do not take that room. Written only by :meth:`reserve` and :meth:`release`.
         self.kv_reserved = 0
 
     def __contains__(self, key: CacheKey) -> bool:
@@ -214,6 +222,25 @@ class ModelCache:
             free_memory()
             room = self.kv_room()
         return room
+
+    def reserve(self, nbytes: int) -> None:
+        """The running job or batch may grow its KV caches to ``nbytes`` (kept prefixes
+        keep out of that room)."""
+        self.kv_reserved = nbytes
+
+    def release(self) -> None:
+        """The running job or batch has ended: its KV room is free."""
+        self.kv_reserved = 0
+
+    @contextmanager
+    def reserving(self, nbytes: int, what: str) -> Iterator[None]:
+        """Room for a job running on its own (:meth:`make_kv_room`), reserved while it runs."""
+        self.make_kv_room(nbytes, what)
+        self.reserve(nbytes)
+        try:
+            yield
+        finally:
+            self.release()
 
     def entries(self) -> list[LoadedModel]:
         """Loaded models, least recently used first."""

@@ -17,13 +17,13 @@ from schemas import (
     Usage,
 )
 from schemas.result import PromptTokensDetails
-from worker.constrain import token_bytes
 from worker.engine import GenerationOutput
-from worker.generator import ChatGenerator
-from worker.lifecycle import Job
-from worker.logprobs import render
-from worker.policy import Decision
-from worker.runtime import WorkerRuntime
+from worker.engine.constrain import token_bytes
+from worker.engine.generator import ChatGenerator
+from worker.engine.logprobs import render
+from worker.lifecycle.held import Job
+from worker.runner.runtime import WorkerRuntime
+from worker.schedule.policy import Decision
 
 
 @functools.cache

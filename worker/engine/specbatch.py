@@ -26,27 +26,24 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 
-from schemas import MlxqError
-from worker.batching import SeqState, Step, sampler_for
-from worker.cache import LoadedModel
-from worker.engine import GenerationOutput, GenerationParams, StopScan, check_constraint
-from worker.engine import logits_processors as make_processors
-from worker.goodput import Acceptance, Goodput
-from worker.logprobs import LogprobCollector
-from worker.prefix import PREFILL_STEP
+from worker.engine.models import LoadedModel
+from worker.engine.prefix import PREFILL_STEP
+from worker.engine.protocol import NO_START, DraftPlanner, Finished, Start, Step
+from worker.engine.request import Prepared
+from worker.engine.sampling import logits_processors, sampler_for
+from worker.engine.sequence import Sequence
 
 Cache = list[Any]
 
 
 @dataclass
-class _Row(SeqState):
-    """One sequence of a speculative batch: its :class:`SeqState` plus its draft state."""
+class _Row(Sequence):
+    """One sequence of a speculative batch, plus its draft state."""
 
     processors: list[Any] = field(default_factory=list)
     sampler: Any = None
     history: list[int] = field(default_factory=list)  # prompt + generated
     pending: list[int] = field(default_factory=list)  # tokens the draft has not seen yet
-    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 def _extend(batch: Cache | None, rows: Cache) -> Cache:
@@ -89,20 +86,19 @@ def _drop_tail(cache: Cache, tails: list[int]) -> None:
 
 class SpecBatchEngine:
     """A continuous batch on (target, draft) that decodes speculatively: k draft tokens
-    per round, or, ``adaptive``, each round the k in 0..k with the most expected tokens
-    per second for the rows it holds (:mod:`worker.goodput`; k = 0 is a plain step)."""
+    per round, or, with a ``planner``, each round the k in 0..k it chooses for the rows
+    held (``worker.schedule.goodput``; k = 0 is a plain step)."""
 
     def __init__(
         self,
         target: LoadedModel,
         draft: LoadedModel,
         k: int,
-        adaptive: bool = False,
-        prior: float | None = None,
+        planner: DraftPlanner | None = None,
     ) -> None:
-        """``prior``: the pair's acceptance if measured elsewhere (adaptive only)."""
         self.target, self.draft, self.k = target, draft, k
-        self.goodput = Goodput(k, prior) if adaptive else None
+        self.models = (target, draft)
+        self.planner = planner
         self.eos = frozenset(int(t) for t in target.tokenizer.eos_token_ids)
         self.rows: list[_Row] = []
         self.joining: list[_Joiner] = []
@@ -110,7 +106,7 @@ class SpecBatchEngine:
         self.d_cache: Cache | None = None
         self.rounds = 0
 
-    # -- the BatchEngine interface ------------------------------------------
+    # -- the Engine interface ------------------------------------------------
     @property
     def kv_bytes(self) -> int:
         return sum(int(c.nbytes) for c in (self.t_cache or []) + (self.d_cache or []))
@@ -122,45 +118,36 @@ class SpecBatchEngine:
         return self.rows + [j.row for j in self.joining]
 
     def lengths(self) -> list[tuple[int, int]]:
-        return [
-            (r.prompt_len + len(r.tokens), r.params.max_tokens - len(r.tokens)) for r in self._all()
-        ]
+        return [r.length() for r in self._all()]
 
     def first_token_at(self, tag: Hashable) -> float | None:
         return next((r.first_token_at for r in self._all() if r.tag == tag), None)
 
     def add(
-        self,
-        tag: Hashable,
-        prompt: list[int],
-        params: GenerationParams,
-        cache: Cache | None = None,
-        cached: int = 0,
-        reused: int = 0,
+        self, tag: Hashable, job: Prepared, start: Start = NO_START, on_text: Any = None
     ) -> None:
-        """Add ``prompt`` as a row: it is prefilled on both models at the next
+        """Add ``job``'s prompt as a row: it is prefilled on both models at the next
         :meth:`step`, together with every other row that joined meanwhile, then decodes.
-        ``cache``: the target's layers then the draft's, holding the first ``cached``
-        prompt tokens."""
+        ``start.cache``: the target's layers then the draft's, holding the first
+        ``start.cached`` prompt tokens."""
+        prompt, params = job.prompt, job.params
         n_t = len(self.target.model.layers)
-        if cache is None:
+        if start.cache is None:
             t_layers, d_layers, cached = None, None, 0
         else:
-            t_layers, d_layers = cache[:n_t], cache[n_t:]
+            t_layers, d_layers, cached = start.cache[:n_t], start.cache[n_t:], start.cached
         t_layers = t_layers or make_prompt_cache(self.target.model)
         d_layers = d_layers or make_prompt_cache(self.draft.model)
         if not all(type(c) is KVCache for c in t_layers + d_layers):
             raise ValueError("speculative batches need plain KV caches on both models")
-        collector = LogprobCollector(params.logprobs) if params.logprobs is not None else None
         row = _Row(
             tag,
             len(prompt),
             params,
-            StopScan(params.stop),
             self.target.tokenizer.detokenizer,
-            reused,
-            collector,
-            processors=make_processors(params),
+            start.reused,
+            on_text,
+            processors=logits_processors(params),
             sampler=sampler_for(params),
             history=list(prompt),
             pending=[prompt[-1]],
@@ -194,7 +181,7 @@ class SpecBatchEngine:
         self.d_cache = _extend(self.d_cache, caches[1])
         self.rows.extend(j.row for j in joiners)
 
-    def drop(self, tag: Hashable) -> None:
+    def remove(self, tag: Hashable) -> None:
         self.joining = [j for j in self.joining if j.row.tag != tag]
         keep = [i for i, r in enumerate(self.rows) if r.tag != tag]
         if len(keep) < len(self.rows):
@@ -215,8 +202,9 @@ class SpecBatchEngine:
             return Step(0, [], joined, decoding=0)
         assert self.t_cache is not None and self.d_cache is not None
         now = time.perf_counter()
-        left = [r.params.max_tokens - len(r.tokens) for r in rows]
-        k = self.goodput.choose([r.acceptance for r in rows], left) if self.goodput else self.k
+        left = [r.left for r in rows]
+        tags = [r.tag for r in rows]
+        k = self.planner.plan(tags, left) if self.planner else self.k
         ks = [min(k, n) for n in left]
         kr = max(ks)
         drafts = self._draft(kr) if kr else [[] for _ in rows]  # [rows][kr]
@@ -226,29 +214,25 @@ class SpecBatchEngine:
         logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
         chosen, vectors = self._sample_verify(logits, drafts, ks)
         verified = time.perf_counter()
-        done: list[tuple[Hashable, GenerationOutput | MlxqError]] = []
-        t_tail, d_tail, keep, emitted, accepted, rejections = [], [], [], 0, 0, 0
+        done: list[Finished] = []
+        t_tail, d_tail, keep, emitted, accepts = [], [], [], 0, []
         for i, row in enumerate(rows):
             a = 0
             while a < ks[i] and chosen[i][a] == drafts[i][a]:
                 a += 1
             row.draft_proposed += ks[i]
-            row.acceptance.update(a, ks[i])
-            accepted += a
-            rejections += a < ks[i]
+            row.draft_rejections += a < ks[i]
+            accepts.append(a)
             t_tail.append(kr - a)
             d_tail.append(kr - 1 - a if a < kr else 0)
             finish = None
             for j in range(a + 1):
                 token = chosen[i][j]
-                if row.first_token_at is None:
-                    row.first_token_at = now
-                row.tokens.append(token)
                 row.history.append(token)
                 emitted += 1
                 if j < a:
                     row.draft_accepted += 1
-                at_limit = len(row.tokens) >= row.params.max_tokens
+                at_limit = len(row.tokens) + 1 >= row.params.max_tokens
                 reason = "stop" if token in self.eos else ("length" if at_limit else None)
                 finish = row.advance(token, reason, vectors(i, j))
                 if finish is not None:
@@ -259,23 +243,17 @@ class SpecBatchEngine:
                 row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
             if finish is None:
                 keep.append(i)
-                continue
-            try:
-                check_constraint(row.params, row.tokens, finish)
-            except MlxqError as e:
-                done.append((row.tag, e))
-                continue
-            done.append((row.tag, row.output(finish)))
+            else:
+                done.append((row.tag, row.finish(finish)))
         _drop_tail(self.t_cache, t_tail)
         _drop_tail(self.d_cache, d_tail)
         if len(keep) < len(rows):
             self._keep(keep)
         self.rounds += 1
-        if self.goodput:
+        if self.planner:
             total = time.perf_counter() - now
-            if kr:
-                self.goodput.pooled.add(accepted, rejections)  # the round's totals
-            self.goodput.measured(len(rows), kr, drafted - now, verified - drafted, total, emitted)
+            times = (drafted - now, verified - drafted, total)
+            self.planner.observe(tags, accepts, ks, kr, times, emitted)
         return Step(emitted, done, joined, decoding=len(rows))
 
     def _draft(self, kr: int) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""KV-cache memory: what a sequence of a model costs, and what a batch of them will cost.
+"""Measuring memory: a model's KV bytes per sequence, and the device's memory.
 
 A model's KV bytes are measured, not derived from its config: one token goes
 through the model with the cache mlx-lm makes for it (``make_prompt_cache``),
@@ -8,18 +8,14 @@ recurrent layers (``ArraysCache``) a fixed state per sequence; quantized or
 latent (MLA) caches whatever their arrays hold. So grouped-query heads, head
 sizes, dtypes and hybrid layouts are counted as they are, for any model mlx-lm
 loads.
-
-A continuous batch keeps its sequences right-aligned in one buffer per layer
-(``BatchKVCache``): every row is as long as the longest sequence in it, and the
-buffer shrinks when the longest leaves. :func:`batch_peak_bytes` projects the
-largest that buffer can get if no sequence stops before its ``max_tokens``.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +23,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-#: Batch KV buffers grow in steps of this many tokens (mlx-lm's ``BatchKVCache.step``).
-KV_STEP = 256
 #: Share of the device's memory mlxq plans with when no ``--cache-gb`` budget is set.
 DEVICE_SHARE = 0.8
 
@@ -82,31 +76,6 @@ def kv_profile(model: nn.Module) -> KVProfile:
     return KVProfile(per_token, tuple(windows), fixed)
 
 
-def batch_peak_bytes(profile: KVProfile, sequences: Sequence[tuple[int, int]]) -> int:
-    """The largest a batch's KV buffers can get: ``sequences`` are (tokens held now,
-    tokens still to come at most) each, all decoding one token per step.
-
-    At ``t`` steps from now the rows are ``max(held) + t`` long (over the
-    sequences still running) and there is one row per running sequence; the
-    largest is reached just before a sequence leaves. Buffers grow a step at a
-    time, so a row may have up to one step more room than it holds.
-
-    Sequences sorted by what they have left (most first): just before the i-th
-    leaves, the first i + 1 run. O(n log n): it runs at every step a job waits.
-    """
-    peak = longest = 0
-    ordered = sorted(sequences, key=lambda s: s[1], reverse=True)
-    for running, (held, left) in enumerate(ordered, start=1):
-        longest = max(longest, held)
-        peak = max(peak, running * profile.bytes_for(longest + left + KV_STEP))
-    return peak
-
-
-def job_label(prompt: int, max_tokens: int) -> str:
-    """How errors name a sequence's size."""
-    return f"a prompt of {prompt} tokens with max_tokens {max_tokens}"
-
-
 def device_memory() -> int:
     """Bytes the device can give MLX: the GPU's recommended working set (Apple
     silicon), else the machine's physical memory."""
@@ -121,3 +90,19 @@ def device_memory() -> int:
 def default_budget() -> int:
     """What a worker without ``--cache-gb`` plans with: a share of :func:`device_memory`."""
     return int(DEVICE_SHARE * device_memory())
+
+
+@contextmanager
+def wired_limit() -> Iterator[None]:
+    """Metal's wired-memory limit at the device's recommended working set while a worker
+    serves, so no engine's weights or caches are paged out (mlx-lm sets it only inside
+    ``stream_generate`` and for a ``BatchGenerator``'s life). A no-op off Metal."""
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+    old = maybe_set_recommended_wired_limit() if mx.metal.is_available() else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            mx.synchronize()
+            mx.set_wired_limit(old)

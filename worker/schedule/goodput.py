@@ -17,17 +17,16 @@ Everything comes from measurement in the running batch: pass times (an affine
 fit in the tokens a pass processes, over recent measurements at each size),
 bookkeeping per token, and each row's acceptance (accepted draft tokens and
 rejections, slowly forgotten, shrunk towards the batch's pooled acceptance).
-Pure Python; the engine (``worker.specbatch``) times its passes and asks.
+Pure Python; the engine (``worker.engine.specbatch``) times its passes and asks
+(:meth:`Goodput.plan`, :meth:`Goodput.observe`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 
-#: Weight of a new measurement in a pass time's running average.
-EWMA = 0.3
-#: Per round, the share of a row's past acceptance evidence that is kept.
-FADE = 0.9
+from worker.schedule.estimators import EWMA, Acceptance, AffineCost, ewma, expected_tokens
+
 #: Pseudo-observations of the pooled acceptance in each row's estimate.
 PRIOR = 1.0
 #: After this many rounds in a row without drafting, one round drafts a token (k=1),
@@ -37,61 +36,10 @@ PROBE_AFTER = 8
 #: disagrees with the first token after a prompt, so one round says little.
 START_ROUNDS = 2
 
+#: A pass's cost: seconds, a line in the tokens it processes.
+PassCost = AffineCost
 
-class PassCost:
-    """Seconds of a forward pass, an affine function of the tokens it processes, fitted
-    (least squares) to a running average of measured passes at each token count."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, float] = {}
-
-    def record(self, tokens: int, seconds: float) -> None:
-        old = self.seen.get(tokens)
-        self.seen[tokens] = seconds if old is None else (1 - EWMA) * old + EWMA * seconds
-
-    def predict(self, tokens: int) -> float:
-        """Predicted seconds (0 with nothing measured; flat with one size measured)."""
-        points = list(self.seen.items())
-        if len(points) < 2:
-            return points[0][1] if points else 0.0
-        n = len(points)
-        mx = sum(x for x, _ in points) / n
-        my = sum(y for _, y in points) / n
-        var = sum((x - mx) ** 2 for x, _ in points)
-        slope = max(sum((x - mx) * (y - my) for x, y in points) / var, 0.0)
-        return max(my + slope * (tokens - mx), min(y for _, y in points) * 0.5)
-
-
-@dataclass
-class Acceptance:
-    """Draft tokens accepted and rejections, slowly forgotten (per row, and pooled)."""
-
-    accepted: float = 0.0
-    rejected: float = 0.0
-
-    def add(self, accepted: float, rejections: float) -> None:
-        """Feed one round: draft tokens accepted, and rejections (rounds of a row that
-        stopped before its last proposal), what came before fading."""
-        self.accepted = FADE * self.accepted + accepted
-        self.rejected = FADE * self.rejected + rejections
-
-    def update(self, accepted: int, proposed: int) -> None:
-        """Feed one row's round: ``accepted`` of ``proposed`` draft tokens."""
-        if proposed > 0:
-            self.add(accepted, 1.0 if accepted < proposed else 0.0)
-
-    def rate(self, prior: float, weight: float = PRIOR) -> float:
-        """p, the chance the next draft token is accepted (the geometric model's
-        estimate, accepted / (accepted + rejections)), shrunk towards ``prior``."""
-        seen = self.accepted + self.rejected + weight
-        return (self.accepted + weight * prior) / seen if seen > 0 else prior
-
-
-def expected_tokens(p: float, k: int) -> float:
-    """Tokens a row emits in a round drafting k at per-token acceptance p (accepted + 1)."""
-    if p >= 1.0:
-        return k + 1.0
-    return (1 - p ** (k + 1)) / (1 - p)
+__all__ = ["EWMA", "PRIOR", "Acceptance", "Goodput", "PassCost", "expected_tokens"]
 
 
 class Goodput:
@@ -108,6 +56,30 @@ class Goodput:
         self.pooled = Acceptance(2 * p, 2 * (1 - p))  # worth two rounds
         self.plain_streak = 0
         self.chosen: dict[int, int] = {}  # k -> rounds that drafted it
+        self.rows: dict[Hashable, Acceptance] = {}  # each row's own acceptance
+
+    def plan(self, tags: Sequence[Hashable], remaining: Sequence[int]) -> int:
+        """This round's k for the rows ``tags`` (with ``remaining`` tokens left each)."""
+        self.rows = {t: self.rows.get(t) or Acceptance() for t in tags}
+        return self.choose([self.rows[t] for t in tags], list(remaining))
+
+    def observe(
+        self,
+        tags: Sequence[Hashable],
+        accepted: Sequence[int],
+        proposed: Sequence[int],
+        k: int,
+        times: tuple[float, float, float],
+        emitted: int,
+    ) -> None:
+        """Feed one round: per row, draft tokens ``accepted`` of ``proposed``; the
+        round's k; its (draft, verify, total) seconds; the tokens it emitted."""
+        for tag, a, n in zip(tags, accepted, proposed, strict=True):
+            self.rows.setdefault(tag, Acceptance()).update(a, n)
+        if k:
+            rejections = sum(a < n for a, n in zip(accepted, proposed, strict=True))
+            self.pooled.add(sum(accepted), rejections)  # the round's totals
+        self.measured(len(tags), k, *times, emitted)
 
     def choose(self, rows: list[Acceptance], remaining: list[int]) -> int:
         """The k with the most expected tokens per second for these rows (their
@@ -151,5 +123,4 @@ class Goodput:
         self.target.record(rows * (k + 1), verify_s)
         if emitted:
             rest = max(total_s - draft_s - verify_s, 0.0) / emitted
-            old = self.per_token
-            self.per_token = rest if not old else (1 - EWMA) * old + EWMA * rest
+            self.per_token = ewma(self.per_token or None, rest)

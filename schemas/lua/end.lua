@@ -1,0 +1,35 @@
+-- End a held job: write its record once, then RQ's bookkeeping, then let go of it.
+-- KEYS: result, batch hash, batch done list, running, rq job hash, started registry,
+--       finished or failed registry, rq worker hash, rq results stream
+-- ARGV: record JSON, TTL, counter field, job id, finished_at, token, RQ status,
+--       ended_at (RQ format), worker counter field, seconds worked, the error for
+--       RQ's result stream (as RQ stores it: base64 of zlib; "" when it succeeded),
+--       worker name, the job hash's new ``data`` ("": keep it; a succeeded job's
+--       request is dropped: ``schemas.ENDED_JOB_DATA``, a call with no arguments)
+-- An empty record JSON writes no record (a refused job nobody can be told about).
+-- Returns 1 if this call wrote the record (0: none written, or the job had one).
+--! include write_once_body
+--! include now_ms
+
+local id, token = ARGV[4], ARGV[6]
+local holder = redis.call('HGET', KEYS[4], id)
+if holder and string.sub(holder, 1, #token + 1) == token .. ' ' then
+  redis.call('HDEL', KEYS[4], id)
+end
+redis.call('ZREM', KEYS[6], id .. ':' .. token)
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('HSET', KEYS[5], 'status', ARGV[7], 'ended_at', ARGV[8])
+  if ARGV[13] ~= '' then redis.call('HSET', KEYS[5], 'data', ARGV[13]) end
+  redis.call('EXPIRE', KEYS[5], ARGV[2])
+  if ARGV[11] ~= '' then
+    redis.call('XADD', KEYS[9], 'MAXLEN', 10, '*', 'type', 2, 'worker_name', ARGV[12],
+      'exc_string', ARGV[11])
+    redis.call('EXPIRE', KEYS[9], ARGV[2])
+  end
+  redis.call('ZADD', KEYS[7], math.floor(now_ms / 1000) + tonumber(ARGV[2]), id)
+end
+if redis.call('EXISTS', KEYS[8]) == 1 then
+  redis.call('HINCRBY', KEYS[8], ARGV[9], 1)
+  redis.call('HINCRBYFLOAT', KEYS[8], 'total_working_time', ARGV[10])
+end
+return wrote

@@ -1,0 +1,40 @@
+-- KEYS: batch jobs list, batch hash, batch queues set, rq:queues.
+-- ARGV: job key prefix, queue key prefix, TTL, enqueued_at, timeout, number of
+--       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id) per job,
+--       then ``most`` and ``notify``.
+-- Returns the batch's new total, or -1 (nothing written) when ``most`` (0: no limit)
+-- jobs already wait on the first queue. A non-empty ``notify`` (a gateway process's
+-- list, ``schemas.keys.notify_key``) is set on the batch hash: record writers push
+-- each ended job's id there.
+local jp, qp, ttl, at, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local nq = tonumber(ARGV[6])
+local names, per = {}, {}
+for i = 1, nq do names[i] = ARGV[6 + i]; per[i] = {} end
+local most, notify = tonumber(ARGV[#ARGV - 1]), ARGV[#ARGV]
+if most > 0 and redis.call('LLEN', qp .. names[1]) >= most then return -1 end
+local ids = {}
+for i = 7 + nq, #ARGV - 2, 4 do
+  local id, q = ARGV[i], tonumber(ARGV[i + 1])
+  redis.call('HSET', jp .. id, 'data', ARGV[i + 2], 'status', 'queued', 'origin', names[q],
+    'enqueued_at', at, 'timeout', timeout, 'description', ARGV[i + 3])
+  table.insert(per[q], id)
+  table.insert(ids, id)
+end
+local function push(key, list)
+  for i = 1, #list, 1000 do
+    redis.call('RPUSH', key, unpack(list, i, math.min(i + 999, #list)))
+  end
+end
+for i = 1, nq do
+  if #per[i] > 0 then
+    push(qp .. names[i], per[i])
+    redis.call('SADD', KEYS[3], names[i])
+    redis.call('SADD', KEYS[4], qp .. names[i])
+  end
+end
+push(KEYS[1], ids)
+if notify ~= '' then redis.call('HSET', KEYS[2], 'notify', notify) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
+return redis.call('HINCRBY', KEYS[2], 'total', #ids)

@@ -1,0 +1,56 @@
+-- Take the next job (the inbox first, then the queues in order) and start it.
+-- Jobs of a cancelled batch (its hash has ``cancelled_at``) are dropped on the way,
+-- up to 1,000 per call (``schemas.cancel``), never started.
+-- KEYS: running, leases, inbox, rq worker hash, rq:suspended, queue lists...
+-- ARGV: token, lease ms, worker name, now (RQ time format), job key prefix,
+--       result key prefix, started key prefix, batch key prefix, the inbox's queue
+--       name, queue names (in the order of the queue keys)...
+-- Returns false (nothing queued), {"suspended"}, {"dropped", n} (only cancelled jobs
+-- came: call again), {"held"|"done"|"missing", id, queue} (a copy of a job held now /
+-- one that has its record / an id with no hash: popped, not started) or
+-- {"start", id, queue, {hash fields}}.
+--! include now_ms
+--! include drop
+
+redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
+if redis.call('EXISTS', KEYS[5]) == 1 and redis.call('LLEN', KEYS[3]) == 0 then
+  return {'suspended'}
+end
+local id, queue, dropped = nil, nil, 0
+while dropped < 1000 do
+  id = redis.call('LPOP', KEYS[3])
+  queue = ARGV[9]
+  if not id then
+    for i = 6, #KEYS do
+      id = redis.call('LPOP', KEYS[i])
+      if id then queue = ARGV[i + 4]; break end
+    end
+  end
+  if not id then break end
+  local batch = string.match(id, '^(.+)%-' .. string.rep('%x', 20) .. '$')
+  if not batch or redis.call('HEXISTS', ARGV[8] .. batch, 'cancelled_at') == 0 then break end
+  drop(ARGV[5] .. id, batch_ttl(ARGV[8] .. batch))
+  dropped = dropped + 1
+  id = nil
+end
+if not id then
+  if dropped > 0 then return {'dropped', dropped} end
+  if redis.call('HGET', KEYS[4], 'state') == 'busy' then
+    redis.call('HSET', KEYS[4], 'state', 'idle')
+    redis.call('HDEL', KEYS[4], 'current_job')
+  end
+  return false
+end
+if redis.call('HEXISTS', KEYS[1], id) == 1 then return {'held', id, queue} end
+if redis.call('EXISTS', ARGV[6] .. id) == 1 then return {'done', id, queue} end
+local job = ARGV[5] .. id
+local fields = redis.call('HGETALL', job)
+if #fields == 0 then return {'missing', id, queue} end
+redis.call('HSET', KEYS[1], id, ARGV[1] .. ' ' .. queue)
+redis.call('HSET', job, 'status', 'started', 'started_at', ARGV[4], 'last_heartbeat', ARGV[4],
+  'worker_name', ARGV[3])
+redis.call('ZADD', ARGV[7] .. queue, '+inf', id .. ':' .. ARGV[1])
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('HSET', KEYS[4], 'state', 'busy', 'current_job', id)
+end
+return {'start', id, queue, fields}

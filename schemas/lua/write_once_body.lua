@@ -1,0 +1,23 @@
+-- Lua: write the record only if none exists (first write wins), then bump the batch
+-- counter and announce the job on the batch's done list. Sets ``wrote``. KEYS[1..3]
+-- are the result key, the batch hash and its done list; ARGV[1..5] the record JSON,
+-- the TTL, the counter field, the job id and finished_at (an empty record JSON writes
+-- nothing). If the batch names a listener (hash field ``notify``, a gateway process's
+-- list), the record is pushed there too; ``pcall``: a hash field naming a key of
+-- another type cannot stop the record. The worker's end-of-job script
+-- (``worker.lifecycle.scripts.END``) starts with it.
+local wrote = 0
+if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+  redis.call('HSETNX', KEYS[2], 'first_done_at', ARGV[5])
+  redis.call('HSET', KEYS[2], 'last_done_at', ARGV[5])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('RPUSH', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+  local notify = redis.call('HGET', KEYS[2], 'notify')
+  if notify and string.sub(notify, 1, #{{NOTIFY_PREFIX}}) == {{NOTIFY_PREFIX}} then
+    redis.pcall('RPUSH', notify, ARGV[1])
+    redis.pcall('EXPIRE', notify, {{NOTIFY_TTL}})
+  end
+  wrote = 1
+end

@@ -1,0 +1,38 @@
+"""Lua scripts: one ``.lua`` file each under ``schemas/lua/``, loaded by name.
+
+Every state change that must be atomic in Redis is one script: the producer's
+enqueue and cancel sweep, the worker's lifecycle (take, end, requeue, renew,
+recover, prune, unregister) and the write-once result every record writer runs.
+Each file starts with the keys and arguments it touches. A line
+``--! include NAME`` is replaced by the file ``NAME.lua`` (shared fragments:
+``now_ms``, ``drop``, ``write_once_body``), and ``{{NAME}}`` by a constant of
+:data:`CONSTANTS`, so a script is one self-contained source as Redis sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib.resources import files
+
+from schemas import keys
+
+_INCLUDE = re.compile(r"^--! include (\w+)\n", re.M)
+
+#: Constants scripts name as ``{{NAME}}`` (Lua literals).
+CONSTANTS = {
+    "NOTIFY_PREFIX": f"'{keys.NOTIFY_PREFIX}'",
+    "NOTIFY_TTL": str(keys.NOTIFY_TTL),
+}
+
+
+@functools.cache
+def source(name: str) -> str:
+    """The Lua source of script ``name`` with its includes and constants filled in."""
+    text = files("schemas").joinpath("lua", f"{name}.lua").read_text()
+    text = _INCLUDE.sub(lambda m: source(m.group(1)), text)
+    for constant, value in CONSTANTS.items():
+        text = text.replace("{{" + constant + "}}", value)
+    if "{{" in text:
+        raise ValueError(f"Lua script {name!r} names an unknown constant")
+    return text

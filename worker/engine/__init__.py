@@ -1,0 +1,39 @@
+"""The engines: pure MLX and mlx-lm, no Redis, no jobs.
+
+One request preparation (``request``), one sequence type every engine advances
+(``sequence``) and one output (``output``); engines behind one protocol
+(``protocol``): a continuous batch (``batch``), a speculative batch
+(``specbatch``); one sequence alone through mlx-lm's own loop (``single``), and n
+choices of one prompt (``generator``). The model cache (``models``), the prefix
+cache (``prefix``), memory measurement (``memory``), constrained decoding
+(``constrain``), sampling and logprobs live here too.
+"""
+
+from worker.engine.output import GenerationOutput
+from worker.engine.protocol import NO_START, Engine, Start, Step
+from worker.engine.request import (
+    GenerationParams,
+    Prepared,
+    message_boundary,
+    params_for,
+    prepare,
+    prompt_tokens,
+)
+from worker.engine.sequence import Deadline, Sequence, StopScan
+
+__all__ = [
+    "NO_START",
+    "Deadline",
+    "Engine",
+    "GenerationOutput",
+    "GenerationParams",
+    "Prepared",
+    "Sequence",
+    "Start",
+    "Step",
+    "StopScan",
+    "message_boundary",
+    "params_for",
+    "prepare",
+    "prompt_tokens",
+]

@@ -1,0 +1,109 @@
+"""The batched engine: sequences on one model decode together (continuous batching).
+
+Pure MLX and mlx-lm (``BatchGenerator``); knows nothing of Redis or jobs. Each
+sequence has its own sampler, logits processors, stop strings and max_tokens;
+sequences join between steps and leave as they finish. Which jobs may share a
+batch, and taking them off the queue, is the runner's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from mlx_lm.generate import BatchGenerator
+
+from worker.engine.models import LoadedModel
+from worker.engine.protocol import NO_START, Finished, Start, Step
+from worker.engine.request import Prepared
+from worker.engine.sampling import logits_processors, sampler_for
+from worker.engine.sequence import OnText, Sequence
+
+#: Prompt tokens per sequence prefilled between two decoding steps: a long prompt
+#: joining a running batch is prefilled in chunks while the others keep decoding.
+PREFILL_STEP = 512
+#: Sequences prefilled together (their chunks are one forward pass).
+PREFILL_BATCH = 8
+
+
+class BatchEngine:
+    """A continuous batch on one loaded model: :meth:`add` sequences, :meth:`step` them.
+
+    The engine takes every sequence it is given (up to ``max_batch``); how many
+    to give it is the caller's decision.
+    """
+
+    def __init__(
+        self, target: LoadedModel, max_batch: int, prefill_step: int = PREFILL_STEP
+    ) -> None:
+        self.target = target
+        self.models = (target,)
+        tok = target.tokenizer
+        self.gen = BatchGenerator(
+            target.model,
+            stop_tokens=[[t] for t in tok.eos_token_ids],
+            completion_batch_size=max_batch,
+            prefill_batch_size=min(max_batch, PREFILL_BATCH),
+            prefill_step_size=prefill_step,
+        )
+        self._seqs: dict[int, Sequence] = {}
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the batch's KV caches hold now (sequences decoding and prefilling)."""
+        return self.gen.prompt_cache_nbytes
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def add(
+        self, tag: Hashable, job: Prepared, start: Start = NO_START, on_text: OnText | None = None
+    ) -> None:
+        """Start decoding ``job``'s prompt (it joins at the next step).
+
+        ``start.cache`` holds the KV state of the first ``start.cached`` prompt tokens
+        (a kept prefix): only the rest is prefilled, and the penalties still see the
+        whole prompt.
+        """
+        prompt, params, cached = job.prompt, job.params, start.cached
+        cache = start.cache
+        (uid,) = self.gen.insert(
+            [prompt[cached:]],
+            [params.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[:cached]] if cache is not None else None,
+            samplers=[sampler_for(params)],
+            logits_processors=[logits_processors(params)],
+        )
+        detok = self.target.tokenizer.detokenizer  # a fresh one per access
+        self._seqs[uid] = Sequence(tag, len(prompt), params, detok, start.reused, on_text)
+
+    def lengths(self) -> list[tuple[int, int]]:
+        return [s.length() for s in self._seqs.values()]
+
+    def first_token_at(self, tag: Hashable) -> float | None:
+        return next((s.first_token_at for s in self._seqs.values() if s.tag == tag), None)
+
+    def remove(self, tag: Hashable) -> None:
+        for uid, seq in list(self._seqs.items()):
+            if seq.tag == tag:
+                self.gen.remove([uid])
+                del self._seqs[uid]
+
+    def step(self) -> Step:
+        """One decoding step (and a chunk of prefill for sequences joining)."""
+        prompts, responses = self.gen.next()
+        done: list[Finished] = []
+        for r in responses:
+            seq = self._seqs.get(r.uid)
+            if seq is None:
+                continue
+            finish = seq.advance(int(r.token), r.finish_reason, r.logprobs)
+            if finish is not None:
+                if finish == "stop" and r.finish_reason is None:
+                    self.gen.remove([r.uid])  # a stop string: the generator would go on
+                del self._seqs[r.uid]
+                done.append((seq.tag, seq.finish(finish)))
+        return Step(len(responses), done, bool(prompts))
+
+    def close(self) -> None:
+        self.gen.close()

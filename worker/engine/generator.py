@@ -1,0 +1,193 @@
+"""ChatGenerator: a target model, an optional draft, and generation on them.
+
+Runs a request alone (mlx-lm's loop, plain or speculative, streamed or not) or as
+n choices of one prompt (one shared prefill, then a batch of its own), starting
+from a kept prompt prefix where one applies. Every path prepares its request the
+same way (``worker.engine.request.prepare``); the runner reserves its KV memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from schemas import ChatRequest, MlxqError
+from worker.engine.batch import BatchEngine
+from worker.engine.models import LoadedModel, ModelCache
+from worker.engine.output import GenerationOutput
+from worker.engine.prefix import PREFILL_STEP, restore, snapshot, starting_cache
+from worker.engine.protocol import NO_START, Start
+from worker.engine.request import Prepared, message_boundary, prepare
+from worker.engine.sequence import Deadline, OnText
+from worker.engine.single import generate
+
+
+@dataclass
+class ChatGenerator:
+    """A target (with optional adapter) and optional draft, both held by a :class:`ModelCache`.
+
+    ``get_or_create`` shares models through the cache: a target used with
+    draft A, with draft B and alone is one loaded model.
+    """
+
+    target: LoadedModel
+    draft: LoadedModel | None
+    models: ModelCache  # where they live, and kept prompt prefixes (which count)
+    target_was_warm: bool = False
+    draft_was_warm: bool = False
+
+    @classmethod
+    def get_or_create(
+        cls,
+        model_id: str,
+        draft_model_id: str | None = None,
+        adapter_path: str | None = None,
+        *,
+        cache: ModelCache,
+    ) -> ChatGenerator:
+        """A generator over ``cache``'s models, loading what is not warm yet."""
+        target, t_hit = cache.get(model_id, adapter_path)
+        draft, d_hit = None, False
+        if draft_model_id is not None:
+            keep = (target.key, (model_id, None))
+            draft, d_hit = cache.get(draft_model_id, None, keep=keep)
+            cache.check_draft(target, draft)
+        return cls(target, draft, cache, t_hit, d_hit)
+
+    def has_draft_model(self) -> bool:
+        return self.draft is not None
+
+    @property
+    def load_time_s(self) -> float:
+        """Seconds spent loading for this generator (0 when everything was warm)."""
+        t = 0.0 if self.target_was_warm else self.target.load_time_s
+        if self.draft is not None and not self.draft_was_warm:
+            t += self.draft.load_time_s
+        return t
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.target_was_warm and (self.draft is None or self.draft_was_warm)
+
+    def prepare(self, request: ChatRequest, default_num_draft_tokens: int = 3) -> Prepared:
+        """``request`` on the target (see :func:`worker.engine.request.prepare`)."""
+        return prepare(request, self.target, default_num_draft_tokens)
+
+    def _job(self, request: ChatRequest | Prepared, default_k: int = 3) -> Prepared:
+        return request if isinstance(request, Prepared) else self.prepare(request, default_k)
+
+    def generate(
+        self,
+        request: ChatRequest | Prepared,
+        default_num_draft_tokens: int = 3,
+        on_text: OnText | None = None,
+        *,
+        num_draft_tokens: int | None = None,
+        use_draft: bool = True,
+        deadline: Deadline | None = None,
+    ) -> GenerationOutput:
+        """Run ``request`` (its messages and sampling fields; or prepared) on these models.
+
+        ``use_draft=False`` decodes plainly even with a draft loaded;
+        ``num_draft_tokens`` overrides the request's draft length. Past
+        ``deadline`` it raises :class:`schemas.JobTimeoutError`.
+        """
+        job = self._job(request, default_num_draft_tokens)
+        if num_draft_tokens is not None:
+            job = job.with_params(num_draft_tokens=num_draft_tokens)
+        draft = self.draft if self.draft is not None and use_draft else None
+        # stream_generate's penalties see only what is prefilled: leave them their window.
+        limit = len(job.prompt) - max(1, job.params.penalty_window)
+        start = self.starting_cache(job, limit, draft)
+        return generate(
+            self.target.model,
+            self.target.tokenizer,
+            job.prompt,
+            job.params,
+            draft_model=draft.model if draft else None,
+            on_text=on_text,
+            deadline=deadline,
+            cache=start.cache,
+            cached=start.cached,
+            reused=start.reused,
+        )
+
+    def generate_choices(
+        self, request: ChatRequest | Prepared, deadline: Deadline | None = None
+    ) -> GenerationOutput:
+        """``request.n`` choices of one prompt: one prefill, then the n sequences decode
+        together as one batch (each with its own sampler, processors, stops and limit;
+        with a ``seed``, choice i draws from seed + i). Choice 0 is the output, the others
+        in ``others``; ``completion_tokens`` counts every choice's tokens."""
+        job = self._job(request)
+        n = job.request.n if job.request is not None else 1
+        engine = BatchEngine(self.target, n)
+        start_at = time.perf_counter()
+        outs: dict[Hashable, GenerationOutput] = {}
+        try:
+            layers, held, reused = self._shared_prefill(job)
+            seed = job.params.seed
+            for i in range(n):
+                choice = job.with_params(seed=seed + i) if seed is not None else job
+                start = Start(restore(layers, held), held, reused) if layers else NO_START
+                engine.add(i, choice, start)
+            while len(engine):
+                for tag, out in engine.step().done:
+                    if isinstance(out, MlxqError):
+                        raise out
+                    outs[tag] = out
+                if deadline is not None:
+                    deadline.check()
+        finally:
+            engine.close()
+        first, others = outs[0], tuple(outs[i] for i in range(1, n))
+        total = sum(o.completion_tokens for o in outs.values())
+        elapsed = time.perf_counter() - start_at
+        decode = max(elapsed - first.time_to_first_token_s, 1e-9)
+        return replace(
+            first,
+            completion_tokens=total,
+            generation_tokens_per_s=total / decode,
+            total_time_s=elapsed,
+            others=others,
+        )
+
+    def _shared_prefill(self, job: Prepared) -> tuple[list[Any] | None, int, int]:
+        """The KV state of all of ``prompt`` but its last token, computed once for every
+        choice (starting from a kept prefix, if any): (layers, tokens held, tokens reused).
+        (None, 0, 0) if the model's caches cannot be copied that way. (The batch's
+        penalties still see the whole prompt: it is handed to each sequence.)"""
+        prompt = job.prompt
+        held = len(prompt) - 1
+        if held < 1:
+            return None, 0, 0
+        start = self.starting_cache(job, held)
+        cache, cached = start.cache, start.cached
+        if cache is None:
+            cache, cached = make_prompt_cache(self.target.model), 0
+        model = self.target.model
+        for i in range(cached, held, PREFILL_STEP):
+            model(mx.array(prompt[i : min(i + PREFILL_STEP, held)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        layers = snapshot(cache, held)
+        return (layers, held, start.reused) if layers is not None else (None, 0, 0)
+
+    def starting_cache(self, job: Prepared, limit: int, draft: LoadedModel | None = None) -> Start:
+        """Where ``job``'s prompt starts (see :func:`worker.engine.prefix.starting_cache`):
+        the target's layers, then ``draft``'s; tokens they hold; tokens reused. Its first
+        ``limit`` tokens at most."""
+        if not self.models.prefixes.enabled or job.request is None:
+            return NO_START
+        prompt = job.prompt
+        boundary = message_boundary(self.target.tokenizer, job.request, prompt)
+        pairs = [(m.key, m.model) for m in (self.target, draft) if m is not None]
+        store = self.models.prefixes
+        cache, cached, reused = starting_cache(
+            store, self.models.prefix_room, pairs, prompt, boundary, limit
+        )
+        return Start(cache, cached, reused) if cache is not None else NO_START

@@ -1,0 +1,113 @@
+"""What an engine is: sequences join, each step advances them, finished ones come out.
+
+Every engine (a continuous batch on one model, a speculative batch on a target and
+its draft) has this interface, so whatever runs one (``worker.runner``) runs any of
+them; each advances the one sequence type (``worker.engine.sequence``). Anchors:
+vLLM v1's EngineCore (add_request / step -> typed outputs / abort) and mlx-lm's
+BatchGenerator (insert / next / remove).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from schemas import MlxqError
+from worker.engine.models import LoadedModel
+from worker.engine.output import GenerationOutput
+from worker.engine.request import Prepared
+
+#: A finished sequence: its tag and its output, or what failed it (it alone).
+Finished = tuple[Hashable, GenerationOutput | MlxqError]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a sequence's prompt starts: a KV cache holding its first ``cached`` tokens
+    (the models' layers in order; None: from nothing), and how many of them count as
+    reused (taken from the prefix cache, reported as ``cached_tokens``)."""
+
+    cache: list[Any] | None = None
+    cached: int = 0
+    reused: int = 0
+
+
+#: A prompt that starts from nothing (no kept prefix).
+NO_START = Start()
+
+
+@dataclass
+class Step:
+    """What one step did."""
+
+    tokens: int  # tokens decoded (one per decoding sequence; more when speculative)
+    done: list[Finished]  # sequences that finished, with their outputs
+    prefilled: bool  # whether prompt chunks were prefilled in this step too
+    decoding: int = -1  # sequences that decoded (-1: as many as ``tokens``)
+
+    @property
+    def sequences(self) -> int:
+        return self.tokens if self.decoding < 0 else self.decoding
+
+
+class DraftPlanner(Protocol):
+    """Chooses each round's draft length for a speculative batch, from what it observes
+    (``worker.schedule.goodput.Goodput``)."""
+
+    def plan(self, tags: Sequence[Hashable], remaining: Sequence[int]) -> int:
+        """This round's k for the rows ``tags`` with ``remaining`` tokens left each."""
+        ...
+
+    def observe(
+        self,
+        tags: Sequence[Hashable],
+        accepted: Sequence[int],
+        proposed: Sequence[int],
+        k: int,
+        times: tuple[float, float, float],
+        emitted: int,
+    ) -> None:
+        """One round's outcome: per row accepted of proposed; k; (draft, verify, total)
+        seconds; tokens emitted."""
+        ...
+
+
+class Engine(Protocol):
+    """Sequences on loaded models, advanced together one step at a time."""
+
+    #: The models whose KV caches each sequence holds (the target first).
+    models: tuple[LoadedModel, ...]
+
+    def __len__(self) -> int:
+        """Sequences held (joining or decoding)."""
+        ...
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the sequences' KV caches hold now."""
+        ...
+
+    def add(self, tag: Hashable, job: Prepared, start: Start = NO_START) -> None:
+        """A sequence joins (it is prefilled at the next step); ``tag`` names it."""
+        ...
+
+    def step(self) -> Step:
+        """One step for every sequence held (prefilling those that joined)."""
+        ...
+
+    def remove(self, tag: Hashable) -> None:
+        """Stop the sequence ``tag`` (no output for it)."""
+        ...
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """(tokens held, tokens it may still add) per sequence: what admission projects."""
+        ...
+
+    def first_token_at(self, tag: Hashable) -> float | None:
+        """When the sequence ``tag`` produced its first token (perf_counter), if it has."""
+        ...
+
+    def close(self) -> None:
+        """Let go of every sequence and its caches."""
+        ...

@@ -1,0 +1,162 @@
+"""Request preparation: a chat request meets a model's tokenizer, context and vocabulary.
+
+One place turns a :class:`schemas.ChatRequest` into what every engine runs: the
+prompt's token ids (through the model's chat template), the resolved generation
+parameters (limits checked against the model's context, sampling fields, the
+response_format grammar compiled for the tokenizer) and where the shared part of
+the prompt ends (for the prefix cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from schemas import ChatRequest, ContextLengthError, InvalidRequestError
+from worker.engine.constrain import Constraint, constraint_for
+from worker.engine.prefix import common_prefix
+
+if TYPE_CHECKING:
+    from worker.engine.models import LoadedModel
+
+#: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
+DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Everything that shapes one generation, resolved from a request."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    num_draft_tokens: int = 3
+    constraint: Constraint | None = None  # response_format: the grammar the output follows
+    logprobs: int | None = None  # None: no logprobs; else how many top alternatives (0-20)
+
+    @property
+    def penalty_window(self) -> int:
+        """Trailing tokens (prompt and completion) the penalties look at; 0 without any."""
+        return self.max_tokens if (self.presence_penalty or self.frequency_penalty) else 0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for an engine: its prompt, its parameters, its shared prefix."""
+
+    prompt: list[int]
+    params: GenerationParams
+    request: ChatRequest | None = None
+
+    @property
+    def label(self) -> str:
+        """How errors and admission name this sequence's size."""
+        return f"a prompt of {len(self.prompt)} tokens with max_tokens {self.params.max_tokens}"
+
+    def length(self) -> tuple[int, int]:
+        """(prompt tokens, tokens it may add): what memory admission projects from."""
+        return len(self.prompt), self.params.max_tokens
+
+    def with_params(self, **changes: object) -> Prepared:
+        return replace(self, params=replace(self.params, **changes))
+
+
+def prepare(
+    request: ChatRequest, target: LoadedModel, default_num_draft_tokens: int = 3
+) -> Prepared:
+    """``request`` on ``target``: prompt tokens, parameters (raises on a misfit), grammar."""
+    tokenizer = target.tokenizer
+    prompt = prompt_tokens(tokenizer, request)
+    params = params_for(
+        request,
+        len(prompt),
+        target.context_length,
+        target.vocab_size,
+        default_num_draft_tokens,
+        constraint_for(request, tokenizer, target.vocab_size),
+    )
+    return Prepared(prompt, params, request)
+
+
+def _render(tokenizer: object, messages: list[dict[str, str]], prompt: bool) -> list[int]:
+    """``messages`` through the model's chat template (a plain "role: content" transcript
+    without one) as token ids; ``prompt`` adds the assistant's turn to generate."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        return list(tokenizer.encode(text + "\nassistant:" if prompt else text))  # type: ignore[attr-defined]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt)  # type: ignore[attr-defined]
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
+    """The request's messages through the model's chat template, as token ids."""
+    return _render(tokenizer, [m.as_template_dict() for m in request.messages], prompt=True)
+
+
+def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int]) -> int:
+    """How many leading tokens of ``prompt`` render every message but the last: the part
+    batch jobs share (a system prompt, few-shot turns). 0 for a single message.
+
+    Tokens, not text: it is the common prefix of the two token sequences, so a chat
+    template or tokenizer that renders the shorter conversation differently at its end
+    only shortens it.
+    """
+    if len(request.messages) < 2:
+        return 0
+    head = [m.as_template_dict() for m in request.messages[:-1]]
+    try:
+        ids = _render(tokenizer, head, prompt=False)
+    except Exception:  # a template that refuses a conversation without a user turn
+        return 0
+    return min(common_prefix(ids, prompt), len(prompt) - 1)
+
+
+def params_for(
+    request: ChatRequest,
+    n_prompt: int,
+    context_length: int | None,
+    vocab_size: int,
+    default_num_draft_tokens: int = 3,
+    constraint: Constraint | None = None,
+) -> GenerationParams:
+    """Resolve a request's sampling fields and limits against the model; raise on misfit.
+    ``constraint``: the request's response_format compiled for the model's tokenizer."""
+    limit = request.token_limit
+    if context_length is not None:
+        room = context_length - n_prompt
+        if room < 1 or (limit is not None and limit > room):
+            raise ContextLengthError(
+                f"this model's maximum context length is {context_length} tokens; the prompt "
+                f"has {n_prompt} tokens and {limit or 1} completion tokens were requested"
+            )
+        max_tokens = limit or min(DEFAULT_MAX_TOKENS, room)
+    else:
+        max_tokens = limit or DEFAULT_MAX_TOKENS
+    bias = tuple(sorted((request.logit_bias or {}).items()))
+    bad = [t for t, _ in bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"logit_bias: token ids {bad} are outside the vocabulary")
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        stop=tuple(request.stop or ()),
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=bias,
+        num_draft_tokens=request.num_draft_tokens or default_num_draft_tokens,
+        constraint=constraint,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+    )

@@ -1,0 +1,77 @@
+"""How a sequence picks its next token: its logits processors and its sampler."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
+
+from worker.engine.request import GenerationParams
+
+
+def logits_processors(params: GenerationParams) -> list:
+    """One sequence's processors: bias and penalties, then the grammar's mask last (so
+    nothing can lift a token the grammar forbids). Fresh objects: the mask is stateful."""
+    processors = make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=params.max_tokens,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=params.max_tokens,
+    )
+    if params.constraint is not None:
+        processors.append(params.constraint.processor())
+    return processors
+
+
+@functools.lru_cache(maxsize=64)
+def _sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Any:
+    # Sequences with the same settings share one sampler object, so BatchGenerator
+    # samples the whole batch in one call instead of one call per sequence.
+    return make_sampler(temperature, top_p, min_p, top_k=top_k)
+
+
+class KeyedSampler:
+    """mlx-lm's sampler chain (top-p, min-p, top-k, temperature) drawing from its own
+    random key, split at every token: a seeded sequence samples the same tokens
+    whatever else shares its batch or the global random state."""
+
+    def __init__(
+        self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int
+    ) -> None:
+        self.temperature = temperature
+        self.top_p, self.min_p, self.top_k = top_p, min_p, top_k
+        self.key = mx.random.key(seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, key = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+
+
+def sampler_for(params: GenerationParams) -> Any:
+    """The sampler of one sequence in a batch: shared among sequences with the same
+    settings (one call samples them all), or a :class:`KeyedSampler` of its own when
+    seeded."""
+    if params.seed is not None and params.temperature > 0:
+        t, p, m, k = params.temperature, params.top_p, params.min_p, params.top_k
+        return KeyedSampler(t, p, m, k, params.seed)
+    return _sampler(params.temperature, params.top_p, params.min_p, params.top_k)
+
+
+def plain_sampler(params: GenerationParams) -> Any:
+    """The sampler of a sequence decoded alone (the global random state, seeded per job)."""
+    return make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)

@@ -1,0 +1,132 @@
+"""Running one job alone: plain or speculative decoding, streamed or not, or its n choices.
+
+A job gets here from the worker loop (``worker.runner.loop``) already taken and
+started by the lifecycle; what comes back is its result record, which the loop
+ends it with. Jobs run by a continuous batch go through ``worker.runner.continuous``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from redis import Redis
+
+from schemas import GenerationError, MlxqError, ResultRecord
+from worker.engine.constrain import token_bytes
+from worker.engine.generator import ChatGenerator
+from worker.engine.logprobs import LogprobEntry, render
+from worker.engine.models import LoadedModel
+from worker.engine.output import GenerationOutput
+from worker.engine.sequence import Deadline, OnText
+from worker.lifecycle.held import Job
+from worker.lifecycle.streaming import ChunkWriter
+from worker.runner import records
+from worker.runner.kv import projected
+from worker.runner.runtime import WorkerRuntime
+from worker.schedule.policy import Decision, JobSpeed
+
+log = logging.getLogger(__name__)
+
+
+def deadline_of(job: Job) -> Deadline | None:
+    """The job's deadline, counted from when it was taken."""
+    if not job.timeout_s:
+        return None
+    return Deadline(job.started.perf + job.timeout_s, job.timeout_s)
+
+
+def speed_of(out: GenerationOutput) -> JobSpeed:
+    """What the speculation policy learns from a finished job."""
+    return JobSpeed(
+        out.completion_tokens, out.decode_s, out.draft_tokens_accepted, out.draft_rejections
+    )
+
+
+def _streamer(writer: ChunkWriter, target: LoadedModel, logprobs: bool) -> OnText:
+    """What hands a streamed sequence's pieces (and their logprobs) to ``writer``."""
+    bytes_of = token_bytes(target.tokenizer, target.vocab_size) if logprobs else None
+
+    def on_text(delta: str, entries: Sequence[LogprobEntry]) -> None:
+        if not delta and not entries:
+            return
+        rendered = render(entries, bytes_of).model_dump(mode="json") if bytes_of else None
+        writer.text(delta, rendered)
+
+    return on_text
+
+
+def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
+    """Generate ``job`` on its own. Whatever goes wrong becomes its failed record; only
+    BaseExceptions (a cold shutdown) escape.
+
+    With ``stream: true`` the text is also appended to the job's chunk stream
+    (``worker.lifecycle.streaming``) as it is produced, ending with a final chunk.
+    """
+    req = job.envelope.request
+    completion_id = records.new_completion_id()
+    ttl = job.envelope.result_ttl
+    writer = None
+    try:
+        rt.check_request(req)
+        generator = ChatGenerator.get_or_create(
+            req.model, req.draft_model, req.adapter, cache=rt.cache
+        )
+        target = generator.target
+        if req.stream:
+            writer = ChunkWriter(conn, job.id, completion_id, req.model, ttl)
+            writer.start()
+        prepared = generator.prepare(req, rt.default_num_draft_tokens)
+        if req.n > 1:
+            decision = None
+            if req.draft_model:
+                decision = Decision(0, f"n={req.n}: the choices decode as one batch, plainly")
+            need = projected([target], [prepared.length()] * req.n)
+            with rt.cache.reserving(need, f"{req.n} x {prepared.label}"):
+                out = generator.generate_choices(prepared, deadline=deadline_of(job))
+            return records.success(
+                job,
+                rt,
+                out,
+                generator,
+                completion_id=completion_id,
+                batched_with=req.n,
+                decision=decision,
+            )
+        decision = None
+        if req.draft_model:
+            decision = rt.policy.choose(req.model, req.draft_model, req.num_draft_tokens)
+            if req.stream:  # say why a streamed job never shares a speculative batch
+                reason = f"{decision.reason}; streamed, so alone (streams are not batched)"
+                decision = dataclasses.replace(decision, reason=reason)
+        speculative = decision is not None and decision.speculative
+        models = [target, generator.draft] if speculative and generator.draft else [target]
+        on_text = _streamer(writer, target, bool(req.logprobs)) if writer else None
+        with rt.cache.reserving(projected(models, [prepared.length()]), prepared.label):
+            out = generator.generate(
+                prepared,
+                on_text=on_text,
+                num_draft_tokens=decision.k if speculative and decision else None,
+                use_draft=speculative,
+                deadline=deadline_of(job),
+            )
+        if decision is not None and req.draft_model:
+            rt.policy.record(req.model, req.draft_model, decision, speed_of(out))
+        record = records.success(
+            job, rt, out, generator, completion_id=completion_id, decision=decision
+        )
+        if writer and record.response:
+            writer.finish(out.finish_reason, record.response.usage.model_dump())
+        return record
+    except MlxqError as e:
+        record = records.failure(job, rt, e)
+    except Exception as e:  # never let one job's surprise take the worker down
+        log.exception("job %s failed unexpectedly", job.id)
+        record = records.failure(job, rt, GenerationError(f"{type(e).__name__}: {e}"))
+    if req.stream and record.error is not None:
+        # Whatever failed, a streaming job's readers get a final (error) chunk.
+        ChunkWriter(conn, job.id, completion_id, req.model, ttl).error(
+            record.error.model_dump(mode="json")
+        )
+    return record

@@ -1,0 +1,62 @@
+"""What a worker publishes of itself (``producer fleet``): built from its runtime."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from schemas.fleet import BatchInfo, LoadedModelInfo, PrefixCacheInfo, WorkerInfo
+from worker.runner.runtime import WorkerRuntime
+
+
+def worker_info(
+    rt: WorkerRuntime,
+    name: str,
+    queues: list[str],
+    state: str,
+    current_job: str | None,
+    batch: BatchInfo | None = None,
+    max_batch: int | None = None,
+) -> WorkerInfo:
+    cache = rt.cache
+    return WorkerInfo(
+        name=name,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        queues=queues,
+        state=state,
+        current_job=current_job,
+        models=[
+            LoadedModelInfo(
+                name=e.name, adapter=e.adapter, memory_mb=round(e.nbytes / 1e6, 1), pinned=e.pinned
+            )
+            for e in cache.entries()
+        ],
+        cache_budget_gb=cache.budget_bytes / 1e9 if cache.budget_bytes else None,
+        cache_used_gb=round(cache.used_bytes / 1e9, 3),
+        jobs_done=rt.stats.jobs_done,
+        pairs=list(rt.stats.pairs.values()),
+        speculation=rt.policy.summary(),
+        prefix_cache=_prefix_info(rt),
+        batch=batch,
+        max_batch=str(max_batch or "auto"),
+        peak_batch=rt.stats.peak_batch,
+        peak_kv_mb=round(rt.stats.peak_kv_bytes / 1e6, 1),
+        updated_at=time.time(),
+    )
+
+
+def _prefix_info(rt: WorkerRuntime) -> PrefixCacheInfo | None:
+    store = rt.cache.prefixes
+    if not store.enabled:
+        return None
+    stats = store.stats
+    return PrefixCacheInfo(
+        budget_mb=round(store.budget_bytes / 1e6, 1),
+        used_mb=round(store.nbytes / 1e6, 1),
+        entries=len(store),
+        lookups=stats.lookups,
+        hits=stats.hits,
+        tokens_reused=stats.tokens_reused,
+    )

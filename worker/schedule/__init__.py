@@ -1,0 +1,13 @@
+"""Scheduling: what runs together, when to speculate, admission by memory.
+
+Pure Python: neither Redis nor MLX, so every decision is testable in
+milliseconds. The runner feeds it measurements and asks it questions:
+
+- ``policy``: plain or speculative, and k, per (target, draft) pair; a batch or
+  one at a time; which kind of batch (``--speculative auto``);
+- ``goodput``: each round's k inside a speculative batch;
+- ``batchsize``: how large a batch grows (``--max-batch auto``);
+- ``grouping``: which jobs may share a batch;
+- ``admission``: the KV bytes a batch can grow to;
+- ``estimators``: the running averages, cost lines and acceptance they all use.
+"""

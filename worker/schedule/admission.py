@@ -1,0 +1,52 @@
+"""Memory admission: what a batch of sequences will cost, in the bytes a model measured.
+
+A model's KV bytes per sequence (a :class:`KVCost`) are measured by the engine
+(``worker.engine.memory.kv_profile``): full-attention layers cost bytes per
+token; sliding-window layers the same up to their window; recurrent layers a
+fixed state per sequence. Pure Python from there.
+
+A continuous batch keeps its sequences right-aligned in one buffer per layer
+(``BatchKVCache``): every row is as long as the longest sequence in it, and the
+buffer shrinks when the longest leaves. :func:`batch_peak_bytes` projects the
+largest that buffer can get if no sequence stops before its ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+#: Batch KV buffers grow in steps of this many tokens (mlx-lm's ``BatchKVCache.step``).
+KV_STEP = 256
+
+
+class KVCost(Protocol):
+    """A model's KV bytes per sequence as a function of its length (the engine measures
+    it: ``worker.engine.memory.KVProfile``)."""
+
+    def bytes_for(self, tokens: int) -> int: ...
+
+
+def batch_peak_bytes(profile: KVCost, sequences: Sequence[tuple[int, int]]) -> int:
+    """The largest a batch's KV buffers can get: ``sequences`` are (tokens held now,
+    tokens still to come at most) each, all decoding one token per step.
+
+    At ``t`` steps from now the rows are ``max(held) + t`` long (over the
+    sequences still running) and there is one row per running sequence; the
+    largest is reached just before a sequence leaves. Buffers grow a step at a
+    time, so a row may have up to one step more room than it holds.
+
+    Sequences sorted by what they have left (most first): just before the i-th
+    leaves, the first i + 1 run. O(n log n): it runs at every step a job waits.
+    """
+    peak = longest = 0
+    ordered = sorted(sequences, key=lambda s: s[1], reverse=True)
+    for running, (held, left) in enumerate(ordered, start=1):
+        longest = max(longest, held)
+        peak = max(peak, running * profile.bytes_for(longest + left + KV_STEP))
+    return peak
+
+
+def job_label(prompt: int, max_tokens: int) -> str:
+    """How errors name a sequence's size."""
+    return f"a prompt of {prompt} tokens with max_tokens {max_tokens}"
