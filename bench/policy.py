@@ -21,6 +21,7 @@ from bench.plots import grouped_bars
 from schemas import ChatRequest
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
+from worker.runner.alone import speed_of
 from worker.schedule.policy import DEFAULT_KS, PLAIN, Decision, SpeculationPolicy
 
 OUT = Path(__file__).parent / "out"
@@ -59,7 +60,7 @@ def run(gen: ChatGenerator, reqs: list[ChatRequest], choose) -> list[tuple[int, 
         decision: Decision = choose(last)
         tokens, seconds, out = one(gen, req, decision)
         timings.append((tokens, seconds))
-        last = (decision, out)
+        last = (decision, speed_of(out))
     return timings
 
 
@@ -116,7 +117,7 @@ def main() -> None:
             decision = choose(last)
             tokens, seconds, out = one(gen, req, decision)
             warm.append((tokens, seconds))
-            last = (decision, out)
+            last = (decision, speed_of(out))
         best_k = max(fixed, key=lambda k: rate(fixed[k]))
         row = {
             "target": target,

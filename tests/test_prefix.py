@@ -23,6 +23,7 @@ from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
 from worker.engine.prefix import MIN_TOKENS, PrefixCache, cache_nbytes, prefill, restore, snapshot
 from worker.runner import runtime
+from worker.runner.alone import generate_reserved
 from worker.schedule.admission import batch_peak_bytes
 from worker.schedule.policy import SpeculationPolicy
 
@@ -110,7 +111,7 @@ def test_single_message_and_short_prefixes_are_not_kept(conn, redis_url, tiny):
 def _entry(cache: ModelCache, model: str, system: str):
     gen = ChatGenerator.get_or_create(model, cache=cache)
     req = ChatRequest.model_validate(with_system(model, "x", system=system, max_tokens=2))
-    gen.generate(req)
+    generate_reserved(gen, gen.prepare(req))  # as a worker runs it: its KV reserved
     return gen
 
 

@@ -19,6 +19,7 @@ from worker.engine.generator import ChatGenerator
 from worker.engine.logprobs import LogprobEntry, render
 from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
+from worker.engine.request import Prepared
 from worker.engine.sequence import Deadline, OnText
 from worker.lifecycle.held import Job
 from worker.lifecycle.streaming import ChunkWriter
@@ -42,6 +43,23 @@ def speed_of(out: GenerationOutput) -> JobSpeed:
     return JobSpeed(
         out.completion_tokens, out.decode_s, out.draft_tokens_accepted, out.draft_rejections
     )
+
+
+def generate_reserved(
+    generator: ChatGenerator,
+    job: Prepared,
+    speculative: bool = False,
+    on_text: OnText | None = None,
+    deadline: Deadline | None = None,
+) -> GenerationOutput:
+    """``job`` alone (with the draft when ``speculative``), its KV caches reserved in the
+    model cache while it runs: they must fit, or it fails naming the numbers, and kept
+    prefixes keep out of that room."""
+    models = [generator.target]
+    if speculative and generator.draft is not None:
+        models.append(generator.draft)
+    with generator.models.reserving(projected(models, [job.length()]), job.label):
+        return generator.generate(job, on_text=on_text, use_draft=speculative, deadline=deadline)
 
 
 def _streamer(writer: ChunkWriter, target: LoadedModel, logprobs: bool) -> OnText:
@@ -101,16 +119,15 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
                 reason = f"{decision.reason}; streamed, so alone (streams are not batched)"
                 decision = dataclasses.replace(decision, reason=reason)
         speculative = decision is not None and decision.speculative
-        models = [target, generator.draft] if speculative and generator.draft else [target]
-        on_text = _streamer(writer, target, bool(req.logprobs)) if writer else None
-        with rt.cache.reserving(projected(models, [prepared.length()]), prepared.label):
-            out = generator.generate(
-                prepared,
-                on_text=on_text,
-                num_draft_tokens=decision.k if speculative and decision else None,
-                use_draft=speculative,
-                deadline=deadline_of(job),
-            )
+        if speculative and decision is not None:
+            prepared = prepared.with_params(num_draft_tokens=decision.k)
+        out = generate_reserved(
+            generator,
+            prepared,
+            speculative,
+            on_text=_streamer(writer, target, bool(req.logprobs)) if writer else None,
+            deadline=deadline_of(job),
+        )
         if decision is not None and req.draft_model:
             rt.policy.record(req.model, req.draft_model, decision, speed_of(out))
         record = records.success(
