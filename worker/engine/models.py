@@ -98,7 +98,7 @@ class LoadedModel:
 
     @property
     def kv(self) -> KVProfile:
-        """The model's KV-cache bytes per sequence (measured once, ``worker.memory``)."""
+        """The model's KV-cache bytes per sequence (measured once, ``worker.engine.memory``)."""
         if self._kv is None:
             self._kv = kv_profile(self.model)
         return self._kv

@@ -9,9 +9,9 @@ row by row uses mlx-lm's own ``BatchKVCache`` left padding: what every row rejec
 is trimmed off the end, and the rest of a row's rejected tail is rolled round to
 the left of its filled part, where the attention mask skips it. Sequences join
 (all that joined since the last round prefilled together, then appended) and
-leave between rounds, as in :class:`worker.batching.BatchEngine`, whose interface
-this engine shares so a continuous batch can run either (how many rows it holds
-is the caller's decision).
+leave between rounds, as in :class:`worker.engine.batch.BatchEngine`; both are
+Engines (``worker.engine.protocol``), so a continuous batch runs either (how many
+rows it holds is the caller's decision).
 
 Pure MLX and mlx-lm; knows nothing of Redis or jobs.
 """

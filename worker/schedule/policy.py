@@ -25,7 +25,7 @@ draft that stops paying is dropped). A job that fixes
 runs: speculative decoding never changes it.
 
 Batching or speculating. Speculation speeds up one sequence; continuous
-batching (``worker.batching``) multiplies throughput when many jobs wait.
+batching (``worker.engine.batch``) multiplies throughput when many jobs wait.
 When a job with a draft is dequeued and more jobs wait in its queue, auto
 compares the pair's best single-stream speed (plain or predicted best k, once
 measured) with the measured aggregate speeds, at about that many jobs, of a
