@@ -31,7 +31,7 @@ from worker.engine.prefix import PREFILL_STEP
 from worker.engine.protocol import NO_START, DraftPlanner, Finished, Start, Step
 from worker.engine.request import Prepared
 from worker.engine.sampling import logits_processors, sampler_for
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import OnText, Sequence
 
 Cache = list[Any]
 
@@ -124,7 +124,7 @@ class SpecBatchEngine:
         return next((r.first_token_at for r in self._all() if r.tag == tag), None)
 
     def add(
-        self, tag: Hashable, job: Prepared, start: Start = NO_START, on_text: Any = None
+        self, tag: Hashable, job: Prepared, start: Start = NO_START, on_text: OnText | None = None
     ) -> None:
         """Add ``job``'s prompt as a row: it is prefilled on both models at the next
         :meth:`step`, together with every other row that joined meanwhile, then decodes.
