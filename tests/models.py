@@ -45,14 +45,18 @@ def write_lora_adapter(base: str, dst: Path, seed: int = 0) -> str:
     return str(dst)
 
 
-def noisy_copy(src: str, dst: Path, scale: float, seed: int = 0) -> str:
-    """A copy of model ``src`` with Gaussian noise (``scale``) added to its MLP weights:
-    a draft that agrees with ``src`` often but not always."""
+def noisy_copy(
+    src: str, dst: Path, scale: float, seed: int = 0, parts: tuple[str, ...] = ("mlp",)
+) -> str:
+    """A copy of model ``src`` with Gaussian noise (``scale``) added to the weights whose
+    names contain one of ``parts`` (its MLP): a draft that agrees with ``src`` often but
+    not always."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
     weights = mx.load(str(dst / "model.safetensors"))
     mx.random.seed(seed)
     noisy = {
-        k: v + scale * mx.random.normal(v.shape) if "mlp" in k else v for k, v in weights.items()
+        k: v + scale * mx.random.normal(v.shape) if any(p in k for p in parts) else v
+        for k, v in weights.items()
     }
     mx.save_safetensors(str(dst / "model.safetensors"), noisy, metadata={"format": "mlx"})
     return str(dst)

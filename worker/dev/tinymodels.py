@@ -1,13 +1,16 @@
 """Tiny local models for demos, tests and benchmarks where no model hub is reachable.
 
-Each model is a real mlx-lm llama checkpoint on disk (config.json, safetensors
+Each model is a real mlx-lm checkpoint on disk (config.json, safetensors
 weights, a small BPE tokenizer and a chat template), loaded through the
-same ``mlx_lm.load`` path as any hub model. Weights are random but
-deterministic for a given seed, so greedy output is reproducible.
+same ``mlx_lm.load`` path as any hub model: llama by default, or any of
+:data:`ARCHS` (sliding-window, linear-attention, SSM hybrid and MoE shapes, each
+with a window or state small enough that short prompts pass it). Weights are
+random but deterministic for a given seed, so greedy output is reproducible.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import string
@@ -17,7 +20,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -59,6 +61,9 @@ class TinySpec:
     # "bpe32k": a byte-level BPE of ``vocab`` entries (e.g. 32,000) trained on
     # Python's own standard library (code and English docs: a realistic vocabulary).
     tokenizer: str = "tiny"
+    # Any of ARCHS; ``window``: the sliding window of architectures that have one.
+    arch: str = "llama"
+    window: int = 16
 
 
 def _corpus(seed: int, n_lines: int = 400) -> list[str]:
@@ -167,10 +172,99 @@ def save_tokenizer(tok: Any, path: Path, chat_template: str, unk_token: str | No
     )
 
 
-def model_config(spec: TinySpec, eos_token_id: int) -> dict:
-    """The config.json of a tiny llama model."""
+def _arch_fields(spec: TinySpec) -> dict[str, Any]:
+    """What each architecture's config needs beyond the llama-shaped fields."""
+    w, h = spec.window, spec.hidden
+    linear = {  # Qwen3-Next / Qwen3.5 gated delta-net layers, every other layer full attention
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "partial_rotary_factor": 0.25,
+        "full_attention_interval": 2,
+    }
+    moe = {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": spec.intermediate // 2,
+        "norm_topk_prob": True,
+    }
     return {
-        "model_type": "llama",
+        "llama": {},
+        "qwen3": {},
+        "qwen3_moe": moe,
+        "gemma3_text": {
+            "query_pre_attn_scalar": h // spec.heads,
+            "sliding_window": w,
+            "sliding_window_pattern": 2,
+            "rope_local_base_freq": 10000.0,
+        },
+        "gemma4_text": {
+            "global_head_dim": 2 * (h // spec.heads),
+            "vocab_size_per_layer_input": spec.vocab,
+            "hidden_size_per_layer_input": 16,
+            "num_kv_shared_layers": 0,
+            "sliding_window": w,
+            "sliding_window_pattern": 2,
+            "use_double_wide_mlp": False,
+        },
+        "gpt_oss": {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": w,
+            "layer_types": ["sliding_attention", "full_attention"] * (spec.layers // 2),
+        },
+        "qwen3_next": linear | moe | {"shared_expert_intermediate_size": spec.intermediate // 2},
+        "qwen3_5": linear,
+        "nemotron_h": {
+            "attention_bias": False,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 1,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "hybrid_override_pattern": "M*M-" * (spec.layers // 4) or "M*",
+        },
+        "falcon_h1": {
+            "mamba_d_ssm": h,
+            "mamba_n_heads": 4,
+            "mamba_d_head": h // 4,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 16,
+        },
+    }[spec.arch]
+
+
+#: Architectures :func:`write_model` builds: llama-shaped, MoE, sliding-window
+#: (Gemma 3/4, gpt-oss: ``RotatingKVCache`` layers), linear attention (Qwen3-Next,
+#: Qwen3.5: ``ArraysCache``) and SSM hybrids (Nemotron-H, Falcon-H1).
+ARCHS = (
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3_text",
+    "gemma4_text",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5",
+    "nemotron_h",
+    "falcon_h1",
+)
+
+
+def model_config(spec: TinySpec, eos_token_id: int) -> dict:
+    """The config.json of a tiny model of ``spec.arch``."""
+    return {
+        "model_type": spec.arch,
+        "head_dim": spec.hidden // spec.heads,
         "hidden_size": spec.hidden,
         "num_hidden_layers": spec.layers,
         "intermediate_size": spec.intermediate,
@@ -183,11 +277,11 @@ def model_config(spec: TinySpec, eos_token_id: int) -> dict:
         "tie_word_embeddings": spec.tied,
         "eos_token_id": eos_token_id,
         "torch_dtype": "float32",
-    }
+    } | _arch_fields(spec)
 
 
 def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a tiny random llama model (weights, config, tokenizer) to ``path``."""
+    """Write a tiny random model (weights, config, tokenizer) to ``path``."""
     path = Path(path)
     if spec.tokenizer == "bpe32k":
         write_bytelevel_tokenizer(path, vocab=spec.vocab)
@@ -196,9 +290,10 @@ def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     config = model_config(spec, eos_token_id=vocab["</s>"])
     mx.random.seed(spec.seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    arch = importlib.import_module(f"mlx_lm.models.{spec.arch}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = {
-        k: v if ("norm" in k or "embed" in k) else v * spec.weight_scale
+        k: v * spec.weight_scale if _scaled(spec.arch, k) else v
         for k, v in tree_flatten(model.parameters())
     }
     if spec.copy_last_token:
@@ -209,6 +304,17 @@ def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def _scaled(arch: str, key: str) -> bool:
+    """Whether a weight is scaled up (see ``TinySpec.weight_scale``): llama's every
+    projection; other architectures' attention and MLP projections only (their state
+    and gating parameters keep mlx's init)."""
+    if arch == "llama":
+        return not ("norm" in key or "embed" in key)
+    return key.endswith(
+        ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "proj.weight")
+    ) and not any(s in key for s in ("norm", "embed", "router", "gate.weight", "mixer"))
 
 
 def ensure_model(path: Path, spec: TinySpec = TinySpec()) -> Path:

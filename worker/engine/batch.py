@@ -23,6 +23,10 @@ from worker.engine.sequence import OnText, Sequence
 PREFILL_STEP = 512
 #: Sequences prefilled together (their chunks are one forward pass).
 PREFILL_BATCH = 8
+#: Architectures whose padded batch prefill is not exact in mlx-lm 0.32 (their SSM
+#: update ignores ``ArraysCache.lengths``, so the padding enters the state): their
+#: sequences are prefilled one at a time (they still decode together).
+UNPADDED_PREFILL = frozenset({"nemotron_h"})
 
 
 class BatchEngine:
@@ -38,11 +42,12 @@ class BatchEngine:
         self.target = target
         self.models = (target,)
         tok = target.tokenizer
+        together = 1 if target.config.get("model_type") in UNPADDED_PREFILL else PREFILL_BATCH
         self.gen = BatchGenerator(
             target.model,
             stop_tokens=[[t] for t in tok.eos_token_ids],
             completion_batch_size=max_batch,
-            prefill_batch_size=min(max_batch, PREFILL_BATCH),
+            prefill_batch_size=min(max_batch, together),
             prefill_step_size=prefill_step,
         )
         self._seqs: dict[int, Sequence] = {}

@@ -1,9 +1,10 @@
-"""One sequence alone: mlx-lm's own loop, plain or speculative, streamed or not.
+"""One sequence alone, plain or speculative, streamed or not.
 
-Pure MLX and mlx-lm; knows nothing of Redis or jobs. Speculative decoding is
-mlx-lm's own (``stream_generate`` with ``draft_model``): the draft proposes
-``num_draft_tokens`` tokens per round and the target verifies them in one pass.
-Each token goes through the one sequence type (``worker.engine.sequence``).
+Pure MLX and mlx-lm; knows nothing of Redis or jobs. Plain decoding is mlx-lm's
+own loop (``stream_generate``); speculative decoding is mlxq's
+(:mod:`worker.engine.speculate`), which is exact on every cache type where
+mlx-lm's is exact on plain KV caches only. Each token goes through the one
+sequence type (``worker.engine.sequence``).
 """
 
 from __future__ import annotations
@@ -13,42 +14,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import MlxqError
 from worker.engine.output import GenerationOutput
 from worker.engine.request import GenerationParams
 from worker.engine.sampling import logits_processors, plain_sampler
 from worker.engine.sequence import Deadline, OnText, Sequence
-
-
-class _DraftCounter:
-    """Counts draft tokens proposed and accepted from the stream of ``from_draft`` flags.
-
-    mlx-lm's speculative loop drafts ``min(k, max_tokens - n)`` tokens per round,
-    yields the accepted ones (``from_draft``), then one token of the target's
-    own, which ends the round. So each round's proposal size is known exactly
-    from where the round started. In the last round, draft tokens after a stop
-    (EOS or stop string) were proposed but are not counted as accepted.
-    """
-
-    def __init__(self, seq: Sequence, k: int) -> None:
-        self.seq, self.k = seq, k
-        self.in_round = False
-        self.proposed = self.accepted = 0  # this round's
-
-    def add(self, from_draft: bool) -> None:
-        seq = self.seq
-        if not self.in_round:
-            self.proposed = min(self.k, seq.params.max_tokens - (len(seq.tokens) - 1))
-            self.accepted = 0
-            seq.draft_proposed += self.proposed
-            self.in_round = True
-        if from_draft:
-            seq.draft_accepted += 1
-            self.accepted += 1
-        else:
-            seq.draft_rejections += self.accepted < self.proposed
-            self.in_round = False
+from worker.engine.speculate import Tally, speculative_tokens
 
 
 def generate(
@@ -74,34 +47,80 @@ def generate(
     """
     if params.seed is not None:
         mx.random.seed(params.seed)
-    kwargs: dict[str, object] = {
-        "sampler": plain_sampler(params),
-        "logits_processors": logits_processors(params),
-    }
-    if cache is not None:
-        kwargs["prompt_cache"] = cache
     mx.reset_peak_memory()
     seq = Sequence(None, len(prompt), params, tokenizer.detokenizer, reused, on_text)
-    counter = None
     if draft_model is not None:
-        kwargs.update(draft_model=draft_model, num_draft_tokens=params.num_draft_tokens)
-        counter = _DraftCounter(seq, params.num_draft_tokens)
-    finish, last = "length", None
-    for response in stream_generate(
-        model, tokenizer, mx.array(prompt[cached:]), max_tokens=params.max_tokens, **kwargs
-    ):
-        last = response
-        ended = seq.advance(int(response.token), response.finish_reason, response.logprobs)
-        if counter is not None:
-            counter.add(response.from_draft)
+        eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        finish = _speculative(model, draft_model, prompt, seq, eos, deadline, cache, cached)
+        out = seq.finish(finish)
+    else:
+        finish, last = "length", None
+        kwargs: dict[str, object] = {
+            "sampler": plain_sampler(params),
+            "logits_processors": logits_processors(params),
+        }
+        if cache is not None:
+            kwargs["prompt_cache"] = cache
+        for response in stream_generate(
+            model, tokenizer, mx.array(prompt[cached:]), max_tokens=params.max_tokens, **kwargs
+        ):
+            last = response
+            ended = seq.advance(int(response.token), response.finish_reason, response.logprobs)
+            if ended is not None:
+                finish = ended
+                break
+            if deadline is not None:
+                deadline.check()
+        if last is None:
+            raise RuntimeError("mlx-lm produced no tokens")
+        out = seq.finish(finish, last.prompt_tps, last.generation_tps)
+    if isinstance(out, MlxqError):
+        raise out
+    return out
+
+
+def _speculative(
+    model: nn.Module,
+    draft: nn.Module,
+    prompt: list[int],
+    seq: Sequence,
+    eos: frozenset[int],
+    deadline: Deadline | None,
+    cache: list[Any] | None,
+    cached: int,
+) -> str:
+    """Decode ``seq`` speculatively to its end; its finish reason."""
+    params = seq.params
+    n_t = len(model.layers)
+    if cache is None:
+        t_cache, d_cache, cached = make_prompt_cache(model), make_prompt_cache(draft), 0
+    else:
+        t_cache, d_cache = cache[:n_t], cache[n_t:]
+    tally = Tally()
+    tokens = speculative_tokens(
+        model,
+        draft,
+        prompt,
+        k=params.num_draft_tokens,
+        max_tokens=params.max_tokens,
+        sampler=plain_sampler(params),
+        processors=logits_processors(params),
+        target_cache=t_cache,
+        draft_cache=d_cache,
+        cached=cached,
+        tally=tally,
+    )
+    finish = "length"
+    for t in tokens:
+        at_limit = len(seq.tokens) + 1 >= params.max_tokens
+        reason = "stop" if t.token in eos else ("length" if at_limit else None)
+        ended = seq.advance(t.token, reason, t.logprobs)
+        seq.draft_proposed, seq.draft_accepted = tally.proposed, tally.accepted
+        seq.draft_rejections = tally.rejections
         if ended is not None:
             finish = ended
             break
         if deadline is not None:
             deadline.check()
-    if last is None:
-        raise RuntimeError("mlx-lm produced no tokens")
-    out = seq.finish(finish, last.prompt_tps, last.generation_tps)
-    if isinstance(out, MlxqError):
-        raise out
-    return out
+    tokens.close()
+    return finish

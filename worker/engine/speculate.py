@@ -1,0 +1,171 @@
+"""Speculative decoding of one sequence, exact on every cache type.
+
+Each round the draft proposes up to k tokens (one pass each), the target
+verifies them in one pass of k + 1 tokens, the sequence keeps the draft's
+tokens while they equal the target's own (greedy: exactly what the target
+alone would write) and then the target's token, and both caches are rewound
+past the rejected tokens with :mod:`worker.engine.rewind`: cut off for KV and
+sliding-window layers, restored and replayed over the kept tokens for
+recurrent layers. mlx-lm's own loop (``speculative_generate_step``) does this
+for plain KV caches only.
+
+Counting is honest: a draft token counts as proposed only once the sequence
+reaches its position (tokens drafted past the end of a sequence count as
+neither accepted nor rejected), see :class:`Tally`.
+
+Pure MLX and mlx-lm; knows nothing of Redis or jobs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from worker.engine import rewind
+from worker.engine.prefix import PREFILL_STEP
+
+Cache = list[Any]
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class Tally:
+    """Draft tokens of one sequence: proposed (at positions it reached), accepted, and
+    rounds that ended on a rejection; plus the replay passes rewinding cost and their
+    seconds (recurrent caches only)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    replays: int = 0
+    replay_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token of the sequence, its log-probability vector, and whether the draft
+    proposed it."""
+
+    token: int
+    logprobs: mx.array
+    from_draft: bool
+
+
+def _prefill(model: nn.Module, cache: Cache, tokens: list[int]) -> None:
+    for i in range(0, len(tokens), PREFILL_STEP):
+        model(mx.array(tokens[i : i + PREFILL_STEP])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def speculative_tokens(
+    model: nn.Module,
+    draft: nn.Module,
+    prompt: list[int],
+    *,
+    k: int,
+    max_tokens: int,
+    sampler: Sampler,
+    processors: list[Any],
+    target_cache: Cache,
+    draft_cache: Cache,
+    cached: int = 0,
+    tally: Tally | None = None,
+) -> Iterator[Token]:
+    """The tokens of ``prompt``'s continuation, ``max_tokens`` at most, decoded with
+    ``draft`` proposing ``k`` per round. Both caches hold the first ``cached`` prompt
+    tokens (the rest is prefilled here). Stop iterating to end the sequence early."""
+    tally = tally if tally is not None else Tally()
+    _prefill(model, target_cache, prompt[cached:-1])
+    _prefill(draft, draft_cache, prompt[cached:-1])
+    history = list(prompt)  # prompt + tokens emitted
+    replay = rewind.needs_replay(target_cache)
+    draft_replay = rewind.needs_replay(draft_cache)
+
+    def pick(logits: mx.array, context: list[int] | mx.array) -> tuple[mx.array, mx.array]:
+        if processors:
+            ctx = context if isinstance(context, mx.array) else mx.array(context, mx.uint32)
+            for p in processors:
+                logits = p(ctx, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs), logprobs
+
+    y = [prompt[-1]]  # what the target has not seen yet
+    dy = [prompt[-1]]  # what the draft has not seen yet
+    emitted = 0
+    while emitted < max_tokens:
+        num = min(k, max_tokens - emitted)
+        # -- draft: num tokens, one pass each -------------------------------------
+        restore_draft = draft_replay or rewind.wraps(draft_cache, len(dy) + num)
+        d_mark = rewind.checkpoint(draft_cache, copy=True) if restore_draft else None
+        drafts: list[mx.array] = []
+        base = mx.array(history, mx.uint32)
+        inp = mx.array(dy, mx.uint32)
+        for _ in range(num):
+            logits = draft(inp[None], cache=draft_cache)[:, -1, :]
+            tok, _ = pick(logits, mx.concatenate([base, *drafts]) if drafts else base)
+            mx.async_eval(tok)
+            drafts.append(tok)
+            inp = tok
+        # -- verify: one target pass over y and the drafts -------------------------
+        t_mark = rewind.checkpoint(target_cache) if replay and num else None
+        started = time.perf_counter()
+        verify_in = mx.concatenate([mx.array(y, mx.uint32), *drafts]) if drafts else mx.array(y)
+        logits = model(verify_in[None], cache=target_cache)[0, -(num + 1) :, :]
+        if processors:
+            picks = [
+                pick(logits[j : j + 1], mx.concatenate([base, *drafts[:j]]) if j else base)
+                for j in range(num + 1)
+            ]
+            chosen_arr = mx.concatenate([t for t, _ in picks])
+            lps = [lp[0] for _, lp in picks]
+        else:
+            chosen_arr, lp_all = pick(logits, base)
+            lps = [lp_all[j] for j in range(num + 1)]
+        mx.eval(chosen_arr, *drafts)
+        tally.verify_s += time.perf_counter() - started
+        chosen = chosen_arr.tolist()
+        proposed = [int(d.item()) for d in drafts]
+        a = 0
+        while a < num and chosen[a] == proposed[a]:
+            a += 1
+        # -- emit: accepted drafts, then the target's token ------------------------
+        for j in range(a + 1):
+            if emitted >= max_tokens:
+                break
+            history.append(chosen[j])
+            emitted += 1
+            if j < a:
+                tally.proposed += 1
+                tally.accepted += 1
+            else:
+                tally.proposed += num - a
+                tally.rejections += a < num
+            yield Token(chosen[j], lps[j], j < a)
+        if emitted >= max_tokens:
+            return
+        # -- rewind both caches past what was rejected ------------------------------
+        if a < num:
+            if t_mark is not None:
+                started = time.perf_counter()
+                rewind.restore(target_cache, t_mark)
+                model(verify_in[None, : a + 1], cache=target_cache)
+                mx.eval([c.state for c in target_cache])
+                tally.replays += 1
+                tally.replay_s += time.perf_counter() - started
+            else:
+                rewind.cut(target_cache, num - a)
+        y = [chosen[a]]
+        if a == num:  # the draft saw all but its last token
+            dy = [proposed[-1], chosen[a]] if num else [chosen[a]]
+        elif d_mark is not None:  # back to the round's start; the kept tokens go in next round
+            rewind.restore(draft_cache, d_mark)
+            dy = dy + chosen[: a + 1]
+        else:
+            rewind.trim(draft_cache, num - 1 - a)  # (it never saw its last token)
+            dy = [chosen[a]]
