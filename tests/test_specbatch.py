@@ -15,6 +15,7 @@ from tests.test_structured import SCHEMA, schema_format
 from worker.engine import Prepared, Start, params_for, prompt_tokens
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
+from worker.engine.protocol import CannotTake
 from worker.engine.specbatch import SpecBatchEngine
 from worker.schedule.goodput import Goodput
 from worker.schedule.policy import Decision, SpeculationPolicy
@@ -160,7 +161,7 @@ def test_a_model_with_caches_that_cannot_be_rewound_per_row_is_refused(tiny):
     req = _requests(tiny.target, 1)[0]
     prompt = prompt_tokens(gen.target.tokenizer, req)
     rotating = [RotatingKVCache(max_size=64) for _ in gen.target.model.layers]
-    with pytest.raises(ValueError, match="plain KV caches"):
+    with pytest.raises(CannotTake, match="plain KV caches"):
         engine.add("x", Prepared(prompt, params_for(req, len(prompt), 512, 512)), Start(rotating))
     assert len(engine) == 0
 

@@ -22,6 +22,11 @@ from worker.engine.request import Prepared
 Finished = tuple[Hashable, GenerationOutput | MlxqError]
 
 
+class CannotTake(Exception):
+    """An engine cannot hold this sequence (a cache type, a shape): raised by ``add``
+    before anything changes, naming why. The job must go to a path that can run it."""
+
+
 @dataclass(frozen=True)
 class Start:
     """Where a sequence's prompt starts: a KV cache holding its first ``cached`` tokens
@@ -89,7 +94,8 @@ class Engine(Protocol):
         ...
 
     def add(self, tag: Hashable, job: Prepared, start: Start = NO_START) -> None:
-        """A sequence joins (it is prefilled at the next step); ``tag`` names it."""
+        """A sequence joins (it is prefilled at the next step); ``tag`` names it.
+        Raises :class:`CannotTake` (and changes nothing) if this engine cannot hold it."""
         ...
 
     def step(self) -> Step:

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 
 from worker.engine.models import LoadedModel
 from worker.engine.prefix import PREFILL_STEP
-from worker.engine.protocol import NO_START, DraftPlanner, Finished, Start, Step
+from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished, Start, Step
 from worker.engine.request import Prepared
 from worker.engine.sampling import logits_processors, sampler_for
 from worker.engine.sequence import OnText, Sequence
@@ -138,8 +138,10 @@ class SpecBatchEngine:
             t_layers, d_layers, cached = start.cache[:n_t], start.cache[n_t:], start.cached
         t_layers = t_layers or make_prompt_cache(self.target.model)
         d_layers = d_layers or make_prompt_cache(self.draft.model)
-        if not all(type(c) is KVCache for c in t_layers + d_layers):
-            raise ValueError("speculative batches need plain KV caches on both models")
+        odd = sorted({type(c).__name__ for c in t_layers + d_layers if type(c) is not KVCache})
+        if odd:
+            has = ", ".join(odd)
+            raise CannotTake(f"a speculative batch needs plain KV caches (this pair has {has})")
         row = _Row(
             tag,
             len(prompt),
@@ -220,8 +222,6 @@ class SpecBatchEngine:
             a = 0
             while a < ks[i] and chosen[i][a] == drafts[i][a]:
                 a += 1
-            row.draft_proposed += ks[i]
-            row.draft_rejections += a < ks[i]
             accepts.append(a)
             t_tail.append(kr - a)
             d_tail.append(kr - 1 - a if a < kr else 0)
@@ -230,8 +230,12 @@ class SpecBatchEngine:
                 token = chosen[i][j]
                 row.history.append(token)
                 emitted += 1
-                if j < a:
+                if j < a:  # proposals count once the row reaches them (not past its end)
+                    row.draft_proposed += 1
                     row.draft_accepted += 1
+                else:
+                    row.draft_proposed += ks[i] - a
+                    row.draft_rejections += a < ks[i]
                 at_limit = len(row.tokens) + 1 >= row.params.max_tokens
                 reason = "stop" if token in self.eos else ("length" if at_limit else None)
                 finish = row.advance(token, reason, vectors(i, j))

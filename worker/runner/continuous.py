@@ -43,7 +43,7 @@ from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
-from worker.engine.protocol import Engine, Finished
+from worker.engine.protocol import CannotTake, Engine, Finished
 from worker.engine.request import Prepared
 from worker.engine.specbatch import SpecBatchEngine
 from worker.lifecycle.held import Job, Lifecycle
@@ -236,6 +236,11 @@ class ContinuousBatch:
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
                 draft = self.generator.draft if self.key.draft else None
                 start = self.generator.starting_cache(prepared, len(prepared.prompt) - 1, draft)
+            with self.host.computing():
+                engine.add(job.id, prepared, start)
+        except CannotTake as e:
+            self._cannot_take(job, str(e))
+            return False
         except MlxqError as e:
             self._end([(job, records.failure(job, self.rt, e))])
             return False
@@ -244,11 +249,23 @@ class ContinuousBatch:
             error = GenerationError(f"{type(e).__name__}: {e}")
             self._end([(job, records.failure(job, self.rt, error))])
             return False
-        with self.host.computing():  # a speculative batch prefills a joiner here
-            engine.add(job.id, prepared, start)
         self.slots[job.id] = _Slot(job, decision)
         self._reserve()
         return True
+
+    def _cannot_take(self, job: Job, reason: str) -> None:
+        """The engine cannot hold ``job``. A speculative batch's refusal bars the pair from
+        speculative batches (the policy runs its jobs alone, or batched without the draft)
+        and gives the job back to the front of its queue, to be taken on those terms; any
+        other engine's refusal fails the job, naming why. Either way it has a path."""
+        if self.key.draft is None:
+            self._end([(job, records.failure(job, self.rt, GenerationError(reason)))])
+            return
+        log.warning("job %s: %s; %s runs its draft jobs another way", job.id, reason, self.key[0])
+        self.rt.policy.refuse_spec_batch(self.key.model, self.key.draft, reason)
+        self.host.lifecycle.requeue(job)
+        self._pause_until = float("inf")  # nothing more joins: the batch's key is barred now
+        self._reason = f"refused: {reason}"
 
     def _room_for(self, job: Job, prepared: Prepared) -> bool:
         """Whether the batch has KV memory for ``job`` now. If it is the only job, make

@@ -127,7 +127,15 @@ class SpeculationPolicy:
         # whole batches, first step to last (joins and the tail included):
         # (target, adapter, draft or None, k) -> tokens/s
         self.whole: dict[tuple[str, str | None, str | None, int], Running] = {}
+        # (target, draft) pairs a speculative batch cannot hold, and why
+        self.no_spec_batch: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
+
+    def refuse_spec_batch(self, target: str, draft: str, reason: str) -> None:
+        """A speculative batch could not take a job of this pair (``reason``): its jobs
+        run alone or in plain batches from now on."""
+        with self._lock:
+            self.no_spec_batch[(target, draft)] = reason
 
     def batch_instead(
         self,
@@ -150,6 +158,9 @@ class SpeculationPolicy:
             return None
         if self.mode == "never":
             return Decision(PLAIN, "policy never: draft ignored, batched")
+        refused = self.no_spec_batch.get((target, draft))
+        if refused is not None and (fixed_k is not None or self.mode == "always"):
+            return None  # speculative, then, but alone
         if fixed_k is not None:
             return Decision(fixed_k, f"num_draft_tokens fixed by the job: batched at k={fixed_k}")
         if self.mode == "always":
@@ -164,6 +175,10 @@ class SpeculationPolicy:
             batched = rates.rate(depth) if rates else None
             if batched is None:
                 return Decision(PLAIN, f"auto: measuring batching ({depth} jobs waiting)")
+            if refused is not None:
+                if batched >= alone:
+                    return Decision(PLAIN, f"auto: {refused}; batched without the draft")
+                return None
             cap = self._explore()[-1]
             rates_k = self.spec_batches.get((target, adapter, draft, ADAPTIVE))
             spec_rate = rates_k.rate(depth) if rates_k else None
@@ -259,10 +274,11 @@ class SpeculationPolicy:
     def choose(self, target: str, draft: str, fixed_k: int | None = None) -> Decision:
         if self.mode == "never":
             return Decision(PLAIN, "policy never: draft ignored")
+        alone = f"; alone: {r}" if (r := self.no_spec_batch.get((target, draft))) else ""
         if fixed_k is not None:
-            return Decision(fixed_k, "num_draft_tokens fixed by the job")
+            return Decision(fixed_k, f"num_draft_tokens fixed by the job{alone}")
         if self.mode == "always":
-            return Decision(self.default_k, "policy always: worker default k")
+            return Decision(self.default_k, f"policy always: worker default k{alone}")
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1

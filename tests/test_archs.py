@@ -1,0 +1,214 @@
+"""Every path on every architecture: sliding-window, linear-attention, SSM hybrid and MoE
+models as well as llama-shaped ones.
+
+Each architecture is a tiny random checkpoint loaded through ``mlx_lm.load``, with a
+sliding window (16) or recurrent state that the test prompts pass. Each path must give
+the greedy text of the same job alone without a draft (logprobs within 1e-4), or be
+refused by name; speculation must be exact past the window (mlx-lm's own speculative
+loop is not: its rewind of a wrapped window is a no-op, and it cannot rewind
+recurrent state at all).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+
+import jsonschema
+import pytest
+
+from schemas import ChatRequest
+from tests.conftest import chat, run_jobs
+from tests.models import noisy_copy
+from tests.test_logprobs import TOL
+from tests.test_structured import SCHEMA, schema_format
+from worker.dev.tinymodels import ARCHS, TinySpec, ensure_model
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
+from worker.engine.rewind import describe
+from worker.schedule.policy import SpeculationPolicy
+
+WINDOW = 16
+LONG = "the queue worker model token draft target redis job batch result metric apple silicon"
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    target: str
+    twin: str  # the same weights: every proposal accepted
+    noisy: str  # noise on its projections: some proposals accepted, some not
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request, tmp_path_factory) -> Arch:
+    root = tmp_path_factory.mktemp(request.param)
+    spec = TinySpec(arch=request.param, layers=4, hidden=64, intermediate=128, seed=1)
+    target = ensure_model(root / "target", spec)
+    twin = root / "twin"
+    shutil.copytree(target, twin)
+    noisy = noisy_copy(str(target), root / "noisy", 0.02, parts=("proj",))
+    return Arch(request.param, str(target), str(twin), noisy)
+
+
+def _req(arch: Arch, **fields) -> ChatRequest:
+    fields = {"max_tokens": 40, "temperature": 0} | fields
+    return ChatRequest.model_validate(chat(arch.target, content=LONG, **fields))
+
+
+def _alone(arch: Arch, req: ChatRequest, draft: str | None = None, k: int = 3):
+    gen = ChatGenerator.get_or_create(arch.target, draft, cache=ModelCache(prefix_bytes=0))
+    return gen.generate(req.model_copy(update={"draft_model": draft}), num_draft_tokens=k)
+
+
+def test_the_matrix_covers_every_cache_kind(arch):
+    gen = ChatGenerator.get_or_create(arch.target, cache=ModelCache())
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kinds = describe(make_prompt_cache(gen.target.model))
+    expected = {
+        "gemma3_text": "kv+sliding-window",
+        "gemma4_text": "kv+sliding-window",
+        "gpt_oss": "kv+sliding-window",
+        "qwen3_next": "kv+recurrent",
+        "qwen3_5": "kv+recurrent",
+        "nemotron_h": "kv+recurrent",
+        "falcon_h1": "kv+recurrent",
+    }.get(arch.name, "kv")
+    assert kinds == expected
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_speculation_alone_is_exact_past_the_window(arch, k):
+    req = _req(arch)
+    plain = _alone(arch, req)
+    assert plain.prompt_tokens + plain.completion_tokens > 2 * WINDOW
+    noisy = _alone(arch, req, arch.noisy, k)
+    assert noisy.token_ids == plain.token_ids
+    assert noisy.text == plain.text
+    # some proposals accepted and some rejected: both rewinds ran
+    assert 0 < noisy.draft_tokens_accepted < noisy.draft_tokens_proposed
+    twin = _alone(arch, req, arch.twin, k)
+    assert twin.token_ids == plain.token_ids
+    assert twin.draft_tokens_proposed == twin.draft_tokens_accepted > 0
+    assert twin.draft_rejections == 0
+
+
+def test_speculative_logprobs_and_schema_match_plain(arch):
+    req = _req(arch, logprobs=True, top_logprobs=2)
+    plain, spec = _alone(arch, req), _alone(arch, req, arch.noisy)
+    assert spec.token_ids == plain.token_ids
+    assert plain.logprobs is not None and spec.logprobs is not None
+    for (t, lp, top), (u, lq, toq) in zip(spec.logprobs, plain.logprobs, strict=True):
+        assert t == u and abs(lp - lq) < TOL
+        assert [i for i, _ in top] == [i for i, _ in toq]
+        assert all(abs(a - b) < TOL for (_, a), (_, b) in zip(top, toq, strict=True))
+    req = _req(arch, response_format=schema_format(), max_tokens=60)
+    plain, spec = _alone(arch, req), _alone(arch, req, arch.noisy)
+    assert spec.text == plain.text
+    if plain.finish_reason == "stop":
+        jsonschema.validate(json.loads(spec.text), SCHEMA)
+
+
+def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch):
+    """Alone, a continuous batch, speculative (always and auto), streamed, n = 2 and a
+    shared system prompt, through a real worker: each job's text is the plain job's."""
+    system = {"role": "system", "content": (LONG + " ") * 3}
+
+    def job(i: int, **fields) -> dict:
+        messages = [system, {"role": "user", "content": f"item {i} " + "cache " * (i % 3)}]
+        base = {"model": arch.target, "messages": messages, "max_tokens": 24, "temperature": 0}
+        return base | fields
+
+    plain = run_jobs(conn, redis_url, {f"j{i}": job(i) for i in range(4)}, f"{arch.name}-plain")
+    texts = {c: r.response.choices[0].message.content for c, r in plain.items()}
+    variants = {
+        "batch": ({}, 4, "auto"),
+        "spec-always": ({"draft_model": arch.noisy}, 4, "always"),
+        "spec-auto": ({"draft_model": arch.noisy}, 4, "auto"),
+        "stream": ({"stream": True, "draft_model": arch.twin}, 1, "auto"),
+        "n": ({"n": 2}, 1, "auto"),
+    }
+    for name, (fields, max_batch, mode) in variants.items():
+        got = run_jobs(
+            conn,
+            redis_url,
+            {f"j{i}": job(i, **fields) for i in range(4)},
+            f"{arch.name}-{name}",
+            max_batch=max_batch,
+            policy=SpeculationPolicy(mode),
+        )
+        for c, r in got.items():
+            assert r.status == "succeeded", (name, c, r.error)
+            choices = r.response.choices
+            assert [ch.message.content for ch in choices] == [texts[c]] * len(choices), name
+
+
+def test_prefix_cache_on_every_cache_type(arch):
+    """A shared system prompt is prefilled once and reused, and the text is the same."""
+    system = {"role": "system", "content": (LONG + " ") * 3}
+    reqs = [
+        ChatRequest.model_validate(
+            {
+                "model": arch.target,
+                "messages": [system, {"role": "user", "content": f"question {i}"}],
+                "max_tokens": 12,
+                "temperature": 0,
+            }
+        )
+        for i in range(3)
+    ]
+    cold = ChatGenerator.get_or_create(arch.target, cache=ModelCache(prefix_bytes=0))
+    warm = ChatGenerator.get_or_create(arch.target, cache=ModelCache())
+    outs = [warm.generate(r) for r in reqs]
+    assert [o.text for o in outs] == [cold.generate(r).text for r in reqs]
+    assert outs[0].cached_tokens == 0
+    assert all(o.cached_tokens > 2 * WINDOW for o in outs[1:])
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> Arch:
+    root = tmp_path_factory.mktemp("hybrid")
+    spec = TinySpec(arch="qwen3_5", layers=4, hidden=64, intermediate=128, seed=1)
+    target = ensure_model(root / "target", spec)
+    twin = root / "twin"
+    shutil.copytree(target, twin)
+    noisy = noisy_copy(str(target), root / "noisy", 0.02, parts=("proj",))
+    return Arch("qwen3_5", str(target), str(twin), noisy)
+
+
+def test_no_job_is_held_unrun_when_a_speculative_batch_refuses_it(conn, hybrid, workers):
+    """A long-running worker (not burst) told to batch draft jobs speculatively, on a
+    hybrid model a speculative batch cannot hold: every job runs (speculating alone,
+    exact) and its record says why it was not batched; none waits in the worker."""
+    from producer import Client
+    from schemas.store import read_result
+    from tests.test_faults import wait_for
+
+    jobs = {
+        f"j{i}": chat(
+            hybrid.target,
+            content=f"{LONG} {i}",
+            max_tokens=16,
+            temperature=0,
+            draft_model=hybrid.noisy,
+        )
+        for i in range(4)
+    }
+    plain = {
+        c: _alone(arch=hybrid, req=ChatRequest.model_validate(j | {"draft_model": None})).text
+        for c, j in jobs.items()
+    }
+    s = Client(connection=conn).submit(jobs)
+    w = workers("--speculative", "always", "--max-batch", "4")
+    records = wait_for(
+        lambda: all(r := [read_result(conn, j) for j in s.job_ids]) and r, timeout=120
+    )
+    assert w.proc.poll() is None  # still serving
+    for r in records:
+        assert r.status == "succeeded", r.error
+        assert r.response.choices[0].message.content == plain[r.custom_id]
+        assert r.metrics.speculative
+    reasons = [r.metrics.speculation_reason or "" for r in records]
+    assert any("plain KV caches" in why for why in reasons), reasons
