@@ -18,9 +18,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import ChatRequest, MlxqError
 from worker.engine.batch import BatchEngine
+from worker.engine.layers import restore, snapshot
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
-from worker.engine.prefix import PREFILL_STEP, restore, snapshot, starting_cache
+from worker.engine.prefix import PREFILL_STEP, starting_cache
 from worker.engine.protocol import NO_START, Start
 from worker.engine.request import Prepared, message_boundary, prepare
 from worker.engine.sequence import Deadline, OnText

@@ -13,13 +13,16 @@ job whose prompt starts with a kept prefix prefills only the rest.
   of jobs that share an uncached prefix prefills it once, not once per job.
 - **Matching.** On token ids: the longest common prefix of the prompt with any
   kept entry of the model (trimmed to it), always leaving at least one token to
-  prefill. Any common prefix is reusable, not only whole messages: the KV of the
-  first n tokens depends on those tokens alone.
-- **Memory.** Entries are compact copies (exactly their tokens' KV, not the
-  generation buffer), counted in bytes under the cache's own budget
-  (``--prefix-cache-gb``) and inside the model cache's (``--cache-gb``):
-  least recently used entries go first, before a model load would fail, and
-  all of a model's entries go with the model.
+  prefill. On KV layers any common prefix is reusable, not only whole messages:
+  the KV of the first n tokens depends on those tokens alone. Recurrent state
+  (linear attention, SSM) and a sliding window that has wrapped hold exactly
+  their entry's tokens, so such an entry serves a prompt that starts with all of
+  them (``worker.engine.layers``).
+- **Memory.** Entries are compact copies (exactly their tokens' state, a
+  sliding window's at most its window, not the generation buffer), counted in
+  bytes under the cache's own budget (``--prefix-cache-gb``) and inside the
+  model cache's (``--cache-gb``): least recently used entries go first, before a
+  model load would fail, and all of a model's entries go with the model.
 
 mlx-lm's server has ``LRUPromptCache`` (a trie; deep copies on fetch). It is
 not used here because mlxq needs what it does not offer: dropping a model's
@@ -37,7 +40,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from worker.engine.layers import nbytes as cache_nbytes
+from worker.engine.layers import restore, shortest, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +57,17 @@ Cache = list[Any]
 
 @dataclass
 class Entry:
-    """A kept prefix: its tokens and one compact KV cache per layer."""
+    """A kept prefix: its tokens and one compact cache per layer (``worker.engine.layers``);
+    ``shortest``: the fewest of its tokens a job may start from (all of them when a
+    layer's state cannot be cut: recurrent, or a sliding window that has wrapped)."""
 
     tokens: tuple[int, ...]
     layers: Cache
     nbytes: int
+    shortest: int = 1
+
+    def usable(self, n: int) -> bool:
+        return n >= self.shortest
 
 
 @dataclass
@@ -65,41 +77,6 @@ class PrefixStats:
     lookups: int = 0
     hits: int = 0
     tokens_reused: int = 0
-
-
-def cache_nbytes(cache: Cache) -> int:
-    return sum(int(c.nbytes) for c in cache)
-
-
-def snapshot(cache: Cache, n: int) -> Cache | None:
-    """Compact copies of the first ``n`` positions of ``cache``; None if its layers cannot
-    be cut (caches other than mlx-lm's plain KVCache are not kept)."""
-    if not cache or not all(type(c) is KVCache and c.offset >= n > 0 for c in cache):
-        return None
-    out = []
-    for c in cache:
-        kept = KVCache()
-        kept.keys = mx.contiguous(c.keys[..., :n, :])
-        kept.values = mx.contiguous(c.values[..., :n, :])
-        kept.offset = n
-        out.append(kept)
-    mx.eval([(c.keys, c.values) for c in out])
-    return out
-
-
-def restore(layers: Cache, n: int) -> Cache:
-    """A cache holding the first ``n`` positions of an entry, for one job.
-
-    No copy: the job's cache starts from slices of the entry's (immutable)
-    arrays, and its first update moves it to a buffer of its own.
-    """
-    out = []
-    for c in layers:
-        fresh = KVCache()
-        fresh.keys, fresh.values = c.keys[..., :n, :], c.values[..., :n, :]
-        fresh.offset = n
-        out.append(fresh)
-    return out
 
 
 def prefill(model: nn.Module, tokens: Sequence[int]) -> Cache:
@@ -147,7 +124,10 @@ class PrefixCache:
         """The entry of ``model`` sharing the longest prefix with ``prompt``, and its length."""
         best, best_n = None, 0
         for (owner, _), entry in self._entries.items():
-            if owner == model and (n := common_prefix(entry.tokens, prompt)) > best_n:
+            if owner != model:
+                continue
+            n = common_prefix(entry.tokens, prompt)
+            if n > best_n and entry.usable(n):
                 best, best_n = entry, n
         if best is None:
             return None
@@ -171,7 +151,7 @@ class PrefixCache:
             self._remove(k)
         while self._entries and self._nbytes + nbytes > limit:
             self._remove(next(iter(self._entries)))
-        self._entries[key] = Entry(key[1], layers, nbytes)
+        self._entries[key] = Entry(key[1], layers, nbytes, shortest(layers, len(tokens)))
         self._nbytes += nbytes
         return True
 
@@ -232,7 +212,7 @@ def starting_cache(
         else:
             return None, 0, 0
     n = min(min(k for _, k in found), limit)
-    if n < MIN_TOKENS:
+    if n < MIN_TOKENS or any(n < shortest(layers, k) for layers, k in found):
         return None, 0, 0
     if reused:
         store.stats.hits += 1

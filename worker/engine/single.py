@@ -17,6 +17,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import MlxqError
+from worker.engine.layers import count as cache_count
 from worker.engine.output import GenerationOutput
 from worker.engine.request import GenerationParams
 from worker.engine.sampling import logits_processors, plain_sampler
@@ -91,7 +92,7 @@ def _speculative(
 ) -> str:
     """Decode ``seq`` speculatively to its end; its finish reason."""
     params = seq.params
-    n_t = len(model.layers)
+    n_t = cache_count(model)
     if cache is None:
         t_cache, d_cache, cached = make_prompt_cache(model), make_prompt_cache(draft), 0
     else:

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 
+from worker.engine.layers import count as cache_count
 from worker.engine.models import LoadedModel
 from worker.engine.prefix import PREFILL_STEP
 from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished, Start, Step
@@ -131,7 +132,7 @@ class SpecBatchEngine:
         ``start.cache``: the target's layers then the draft's, holding the first
         ``start.cached`` prompt tokens."""
         prompt, params = job.prompt, job.params
-        n_t = len(self.target.model.layers)
+        n_t = cache_count(self.target.model)
         if start.cache is None:
             t_layers, d_layers, cached = None, None, 0
         else:
