@@ -10,6 +10,10 @@ All synthetic: random weights, one shared BPE tokenizer (vocab 512) but for ``wi
   predicts the last token again, so it agrees with ``wide`` often by construction.
 - ``unrelated``: 1 x 128 random: the same tokenizer, ~0% acceptance.
 - ``medium``: 8 x 512, for the quicker worker-overhead benchmark.
+- ``wide-gemma3``: ``wide``'s size in Gemma 3's shape (``gemma3_text``: 5 sliding-window
+  layers of window 512 to 1 global, head_dim 64); ``wide-qwen35``: in Qwen3.5's
+  (``qwen3_5``: 3 gated delta-net linear-attention layers to 1 full attention). Both
+  repeat their last token as ``wide`` does (``TinySpec.repeats``), so ``copy`` agrees.
 """
 
 from __future__ import annotations
@@ -59,6 +63,31 @@ SPECS: dict[str, TinySpec] = {
     ),
     "unrelated": TinySpec(
         layers=1, hidden=128, intermediate=256, heads=4, kv_heads=4, context=4096, seed=103
+    ),
+    "wide-gemma3": TinySpec(
+        arch="gemma3_text",
+        window=512,
+        layers=12,
+        hidden=1024,
+        intermediate=2816,
+        heads=16,
+        kv_heads=8,
+        context=8192,
+        seed=104,
+        weight_scale=1.0,
+        repeats=True,
+    ),
+    "wide-qwen35": TinySpec(
+        arch="qwen3_5",
+        layers=12,
+        hidden=1024,
+        intermediate=2816,
+        heads=16,
+        kv_heads=8,
+        context=8192,
+        seed=105,
+        weight_scale=0.5,
+        repeats=True,
     ),
     "medium": TinySpec(
         layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=8, context=4096, seed=11

@@ -1,7 +1,7 @@
 """Speculative decoding: acceptance, speedup, and speedup predicted from measured costs.
 
 For each (target, draft) pair and each k = num_draft_tokens, runs the same
-greedy prompts through mlxq's engine (mlx-lm's speculative decoding) and
+greedy prompts through mlxq's engine (its speculative loop, worker.engine.speculate) and
 reports acceptance (accepted / proposed), tokens/s, speedup over plain
 decoding, and the speedup predicted from the measured acceptance and the
 measured costs of one draft step and of verifying k + 1 tokens:

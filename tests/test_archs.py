@@ -212,3 +212,37 @@ def test_no_job_is_held_unrun_when_a_speculative_batch_refuses_it(conn, hybrid, 
         assert r.metrics.speculative
     reasons = [r.metrics.speculation_reason or "" for r in records]
     assert any("plain KV caches" in why for why in reasons), reasons
+
+
+def test_a_batch_never_holds_more_than_projected_on_every_cache_type(arch):
+    """Admission's projection bounds what the batch's caches really hold: sliding-window
+    layers stop growing at their window, recurrent state is fixed per sequence."""
+    from worker.engine.batch import BatchEngine
+    from worker.schedule.admission import batch_peak_bytes
+
+    gen = ChatGenerator.get_or_create(arch.target, cache=ModelCache(prefix_bytes=0))
+    kv = gen.target.kv
+    if "sliding-window" in describe(_cache(gen)):
+        assert kv.windows and all(w == WINDOW for w, _ in kv.windows)
+        assert kv.bytes_for(10 * WINDOW) - kv.bytes_for(5 * WINDOW) == kv.per_token * 5 * WINDOW
+    if "recurrent" in describe(_cache(gen)):
+        assert kv.fixed > 0
+    engine = BatchEngine(gen.target, 8)
+    for i, n in enumerate((60, 5, 30)):
+        req = _req(arch, max_tokens=n, logit_bias={"3": -100})
+        engine.add(i, gen.prepare(req))
+    projected = batch_peak_bytes(kv, engine.lengths())
+    peak = 0
+    while len(engine):
+        engine.step()
+        peak = max(peak, engine.kv_bytes)
+        assert engine.kv_bytes <= batch_peak_bytes(kv, engine.lengths()) or not len(engine)
+    engine.close()
+    assert 0 < peak <= projected
+    assert peak >= projected // 3  # a bound, not a guess off by miles
+
+
+def _cache(gen: ChatGenerator) -> list:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(gen.target.model)

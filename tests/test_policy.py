@@ -59,7 +59,9 @@ def test_auto_settles_after_three_jobs_on_a_near_best_draft_length():
 def test_auto_runs_plain_when_the_draft_does_not_pay_and_probes_back():
     policy = SpeculationPolicy("auto", default_k=3, probe_every=5)
     chosen = drive(policy, p=0.0, jobs=15)
-    assert chosen[:3] == [PLAIN, 3, 6]
+    # 2k is not measured: at the acceptance k measured, even a round no slower than k's
+    # would emit fewer tokens per second than plain (auto's exploration costs less)
+    assert chosen[:3] == [PLAIN, 3, PLAIN]
     exploit = chosen[3:]
     assert exploit.count(PLAIN) >= len(exploit) - 3  # plain, but for periodic probes
     assert set(exploit) == {PLAIN, 1}  # it re-measured the draft (at k=1) now and then

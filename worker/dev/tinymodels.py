@@ -61,6 +61,9 @@ class TinySpec:
     # "bpe32k": a byte-level BPE of ``vocab`` entries (e.g. 32,000) trained on
     # Python's own standard library (code and English docs: a realistic vocabulary).
     tokenizer: str = "tiny"
+    # Every block's output at 1%: the target's greedy output repeats its last token (what
+    # a copy draft predicts) at the full model's cost. Gemma's post-norms are scaled.
+    repeats: bool = False
     # Any of ARCHS; ``window``: the sliding window of architectures that have one.
     arch: str = "llama"
     window: int = 16
@@ -175,14 +178,15 @@ def save_tokenizer(tok: Any, path: Path, chat_template: str, unk_token: str | No
 def _arch_fields(spec: TinySpec) -> dict[str, Any]:
     """What each architecture's config needs beyond the llama-shaped fields."""
     w, h = spec.window, spec.hidden
-    linear = {  # Qwen3-Next / Qwen3.5 gated delta-net layers, every other layer full attention
-        "linear_num_value_heads": 2,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
+    tiny = h <= 64
+    linear = {  # Qwen3-Next / Qwen3.5 gated delta-net layers; 3 : 1 full attention (tiny 1 : 1)
+        "linear_num_value_heads": 2 if tiny else spec.heads,
+        "linear_num_key_heads": 2 if tiny else spec.heads // 2,
+        "linear_key_head_dim": 16 if tiny else 128,
+        "linear_value_head_dim": 16 if tiny else 128,
         "linear_conv_kernel_dim": 4,
         "partial_rotary_factor": 0.25,
-        "full_attention_interval": 2,
+        "full_attention_interval": 2 if spec.layers < 8 else 4,
     }
     moe = {
         "num_experts": 4,
@@ -199,7 +203,7 @@ def _arch_fields(spec: TinySpec) -> dict[str, Any]:
         "gemma3_text": {
             "query_pre_attn_scalar": h // spec.heads,
             "sliding_window": w,
-            "sliding_window_pattern": 2,
+            "sliding_window_pattern": 6 if spec.layers >= 6 else 2,  # Gemma 3: 5 local : 1
             "rope_local_base_freq": 10000.0,
         },
         "gemma4_text": {
@@ -296,6 +300,14 @@ def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
         k: v * spec.weight_scale if _scaled(spec.arch, k) else v
         for k, v in tree_flatten(model.parameters())
     }
+    if spec.repeats:
+        for k, v in weights.items():
+            if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+                weights[k] = mx.full(v.shape, -0.99, v.dtype)  # Gemma norms scale by 1 + w
+            elif k.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                weights[k] = v * 0.01
+        if "lm_head.weight" in weights:  # its output layer is its embedding, as if tied
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     if spec.copy_last_token:
         for k in weights:
             if k.endswith(("o_proj.weight", "down_proj.weight")):

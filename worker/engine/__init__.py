@@ -3,10 +3,12 @@
 One request preparation (``request``), one sequence type every engine advances
 (``sequence``) and one output (``output``); engines behind one protocol
 (``protocol``): a continuous batch (``batch``), a speculative batch
-(``specbatch``); one sequence alone through mlx-lm's own loop (``single``), and n
+(``specbatch``); one sequence alone (``single``: plain through mlx-lm's loop,
+speculative through ``speculate``, exact on every cache type by ``rewind``), and n
 choices of one prompt (``generator``). The model cache (``models``), the prefix
-cache (``prefix``), memory measurement (``memory``), constrained decoding
-(``constrain``), sampling and logprobs live here too.
+cache (``prefix``, its snapshots of every cache type in ``layers``), memory
+measurement (``memory``), constrained decoding (``constrain``), sampling and
+logprobs live here too.
 """
 
 from worker.engine.output import GenerationOutput

@@ -1,6 +1,6 @@
 """One sequence being generated: the one type every engine advances, token by token.
 
-Whatever makes the tokens (mlx-lm's own loop for a job alone, plain or speculative;
+Whatever makes the tokens (a job alone, plain (mlx-lm's loop) or speculative (mlxq's);
 a continuous batch; a speculative batch; the n choices of one prompt), each token
 goes through :meth:`Sequence.advance`, which applies what a job asked for in one
 place: EOS, ``max_tokens``, stop strings (the text is cut before the earliest),

@@ -42,6 +42,7 @@ class Tally:
     proposed: int = 0
     accepted: int = 0
     rejections: int = 0
+    rounds: int = 0
     replays: int = 0
     replay_s: float = 0.0
     verify_s: float = 0.0
@@ -129,6 +130,7 @@ def speculative_tokens(
             lps = [lp_all[j] for j in range(num + 1)]
         mx.eval(chosen_arr, *drafts)
         tally.verify_s += time.perf_counter() - started
+        tally.rounds += 1
         chosen = chosen_arr.tolist()
         proposed = [int(d.item()) for d in drafts]
         a = 0

@@ -168,7 +168,7 @@ class SpeculationPolicy:
             return Decision(k, f"policy always: speculative batch at k={k}")
         with self._lock:
             pair = self.pairs.get((target, draft))
-            if pair is None or any(pair.arms.get(k, Running()).runs == 0 for k in self._explore()):
+            if pair is None or self._to_measure(pair) is not None:
                 return None  # measure the pair one job at a time first
             alone = max(pair.arms[PLAIN].value, *pair.predicted(self.ks).values())
             rates = self.batches.get((target, adapter))
@@ -271,6 +271,22 @@ class SpeculationPolicy:
         second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))
         return (PLAIN, self.default_k, second)
 
+    def _to_measure(self, pair: PairStats) -> int | None:
+        """The next arm auto measures for ``pair`` (plain, k, then 2k), or None when done.
+        An arm its own measurements already say loses is skipped: a round at k costs at
+        least what a measured round at a smaller k did, so k can emit at most
+        ``expected_tokens(p, k)`` tokens in that time; below plain's speed, it loses."""
+        for k in self._explore():
+            if pair.arms.get(k, Running()).runs:
+                continue
+            shorter = [j for j, a in pair.arms.items() if PLAIN < j < k and a.runs]
+            if k != PLAIN and shorter and PLAIN in pair.arms:
+                fastest = expected_tokens(pair.acceptance, k) / pair.arms[max(shorter)].value
+                if fastest < pair.arms[PLAIN].value:
+                    continue
+            return k
+        return None
+
     def choose(self, target: str, draft: str, fixed_k: int | None = None) -> Decision:
         if self.mode == "never":
             return Decision(PLAIN, "policy never: draft ignored")
@@ -282,9 +298,9 @@ class SpeculationPolicy:
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1
-            for k in self._explore():
-                if pair.arms.get(k, Running()).runs == 0:
-                    return Decision(k, f"auto: measuring {_name(k)}")
+            k = self._to_measure(pair)
+            if k is not None:
+                return Decision(k, f"auto: measuring {_name(k)}")
             plain = pair.arms[PLAIN].value
             predicted = pair.predicted(self.ks)
             best_k = max(predicted, key=predicted.__getitem__)
