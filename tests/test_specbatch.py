@@ -153,16 +153,16 @@ def test_schema_and_logprobs_in_a_speculative_batch(conn, redis_url, tiny, pair,
         _close(choice.logprobs.content, a.response.choices[0].logprobs.content)
 
 
-def test_a_model_with_caches_that_cannot_be_rewound_per_row_is_refused(tiny):
-    from mlx_lm.models.cache import RotatingKVCache
+def test_a_model_with_caches_that_cannot_be_batched_is_refused(tiny):
+    from mlx_lm.models.cache import QuantizedKVCache
 
     gen = ChatGenerator.get_or_create(tiny.target, tiny.twin, cache=ModelCache())
     engine = SpecBatchEngine(gen.target, gen.draft, K)
     req = _requests(tiny.target, 1)[0]
     prompt = prompt_tokens(gen.target.tokenizer, req)
-    rotating = [RotatingKVCache(max_size=64) for _ in gen.target.model.layers]
-    with pytest.raises(CannotTake, match="plain KV caches"):
-        engine.add("x", Prepared(prompt, params_for(req, len(prompt), 512, 512)), Start(rotating))
+    quantized = [QuantizedKVCache() for _ in gen.target.model.layers]
+    with pytest.raises(CannotTake, match="QuantizedKVCache"):
+        engine.add("x", Prepared(prompt, params_for(req, len(prompt), 512, 512)), Start(quantized))
     assert len(engine) == 0
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
     CacheList,
     ChunkedKVCache,
     KVCache,
@@ -53,15 +55,15 @@ def leaves(cache: Iterable[Any]) -> list[Any]:
     return out
 
 
-def unsupported(cache: Cache) -> str | None:
-    """Why speculation cannot be exact on ``cache`` (cache types it cannot rewind), or None."""
-    odd = sorted(
-        {
-            type(c).__name__
-            for c in leaves(cache)
-            if not isinstance(c, (*_TRIMMABLE, RotatingKVCache, ArraysCache))
-        }
+def unsupported(cache: Cache, batch: bool = False) -> str | None:
+    """Why speculation cannot be exact on ``cache`` (cache types it cannot rewind; in a
+    ``batch``, types mlx-lm does not batch), or None."""
+    ok = (
+        (KVCache, RotatingKVCache, ArraysCache)
+        if batch
+        else (*_TRIMMABLE, RotatingKVCache, ArraysCache)
     )
+    odd = sorted({type(c).__name__ for c in leaves(cache) if type(c) not in ok})
     return f"cache types {', '.join(odd)} cannot be rewound" if odd else None
 
 
@@ -145,3 +147,42 @@ def cut(cache: Cache, n: int) -> None:
             raise RuntimeError("recurrent state cannot be cut: restore and replay")
         else:
             c.trim(n)
+
+
+# -- batches -------------------------------------------------------------------
+def plain_kv(cache: Cache) -> bool:
+    """True if every layer of a batch's ``cache`` is a ``BatchKVCache``: rows are rewound by
+    turning their rejected tails into padding (``worker.engine.specbatch``), no replay."""
+    return all(type(c) is BatchKVCache for c in leaves(cache))
+
+
+def _small(x: Any) -> Any:
+    """A copy of a batch's per-row bookkeeping array (updated in place by mlx-lm)."""
+    return mx.array(x) if isinstance(x, mx.array) else x
+
+
+def batch_checkpoint(cache: Cache, *, copy: bool = False) -> list[Any]:
+    """What :func:`batch_restore` needs to bring a batch's ``cache`` back to now. Buffers
+    are kept by reference (a pass of several tokens writes a KV buffer only past the
+    rows' ends, and builds a sliding window anew) unless ``copy`` (single-token passes
+    write a window's ring in place); per-row offsets and paddings are copied."""
+    marks: list[Any] = []
+    for c in leaves(cache):
+        if isinstance(c, ArraysCache):
+            arrays, left_padding, lengths = c.state
+            marks.append((list(arrays), _small(left_padding), _small(lengths)))
+            continue
+        keys, values, *rest = c.state
+        if copy and isinstance(c, BatchRotatingKVCache):
+            keys, values = _copy(keys), _copy(values)
+        marks.append((keys, values, *(_small(x) for x in rest)))
+    return marks
+
+
+def batch_restore(cache: Cache, marks: list[Any]) -> None:
+    """Bring a batch's ``cache`` back to its :func:`batch_checkpoint`."""
+    for c, mark in zip(leaves(cache), marks, strict=True):
+        if isinstance(c, ArraysCache):
+            c.state = (list(mark[0]), _small(mark[1]), _small(mark[2]))
+        else:
+            c.state = tuple(_small(x) if i >= 2 else x for i, x in enumerate(mark))

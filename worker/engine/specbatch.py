@@ -9,7 +9,11 @@ row by row uses mlx-lm's own ``BatchKVCache`` left padding: what every row rejec
 is trimmed off the end, and the rest of a row's rejected tail is rolled round to
 the left of its filled part, where the attention mask skips it. Sequences join
 (all that joined since the last round prefilled together, then appended) and
-leave between rounds, as in :class:`worker.engine.batch.BatchEngine`; both are
+leave between rounds, as in :class:`worker.engine.batch.BatchEngine`. A model with
+any layer that is not plain KV (sliding window, recurrent state) is rewound by
+replay instead: its caches go back to a checkpoint taken before the pass, and the
+target runs again over each row's kept tokens (right-padded; the draft sees its
+rows' kept tokens at its next pass). This engine and ``BatchEngine`` are both
 Engines (``worker.engine.protocol``), so a continuous batch runs either (how many
 rows it holds is the caller's decision).
 
@@ -26,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 
+from worker.engine import rewind
+from worker.engine.batch import UNPADDED_PREFILL
 from worker.engine.layers import count as cache_count
 from worker.engine.models import LoadedModel
 from worker.engine.prefix import PREFILL_STEP
@@ -45,6 +51,10 @@ class _Row(Sequence):
     sampler: Any = None
     history: list[int] = field(default_factory=list)  # prompt + generated
     pending: list[int] = field(default_factory=list)  # tokens the draft has not seen yet
+
+
+def _all_kv(model: Any) -> bool:
+    return all(type(c) is KVCache for c in rewind.leaves(make_prompt_cache(model)))
 
 
 def _extend(batch: Cache | None, rows: Cache) -> Cache:
@@ -106,6 +116,10 @@ class SpecBatchEngine:
         self.t_cache: Cache | None = None
         self.d_cache: Cache | None = None
         self.rounds = 0
+        self.replays = 0  # target passes that re-ran kept tokens (recurrent state)
+        # Layers that are not all plain KV are rewound by checkpoint and replay.
+        self.t_replay = not _all_kv(target.model)
+        self.d_replay = not _all_kv(draft.model)
 
     # -- the Engine interface ------------------------------------------------
     @property
@@ -139,10 +153,12 @@ class SpecBatchEngine:
             t_layers, d_layers, cached = start.cache[:n_t], start.cache[n_t:], start.cached
         t_layers = t_layers or make_prompt_cache(self.target.model)
         d_layers = d_layers or make_prompt_cache(self.draft.model)
-        odd = sorted({type(c).__name__ for c in t_layers + d_layers if type(c) is not KVCache})
-        if odd:
-            has = ", ".join(odd)
-            raise CannotTake(f"a speculative batch needs plain KV caches (this pair has {has})")
+        why = rewind.unsupported(t_layers + d_layers, batch=True)
+        for m in self.models:
+            if m.config.get("model_type") in UNPADDED_PREFILL:
+                why = f"{m.config['model_type']} cannot prefill padded rows exactly"
+        if why:
+            raise CannotTake(f"a speculative batch cannot hold this pair: {why}")
         row = _Row(
             tag,
             len(prompt),
@@ -173,7 +189,7 @@ class SpecBatchEngine:
             batch = [first.merge([row[i] for row in layers]) for i, first in enumerate(layers[0])]
             if width:
                 for c in batch:
-                    c.prepare(right_padding=pad)
+                    c.prepare(lengths=[len(r) for r in rests], right_padding=pad)
                 for i in range(0, width, PREFILL_STEP):
                     model(tokens[:, i : i + PREFILL_STEP], cache=batch)
                     mx.eval([c.state for c in batch])
@@ -210,10 +226,13 @@ class SpecBatchEngine:
         k = self.planner.plan(tags, left) if self.planner else self.k
         ks = [min(k, n) for n in left]
         kr = max(ks)
+        pending = [list(r.pending) for r in rows]
+        d_mark = rewind.batch_checkpoint(self.d_cache, copy=True) if self.d_replay and kr else None
         drafts = self._draft(kr) if kr else [[] for _ in rows]  # [rows][kr]
         drafted = time.perf_counter()
         ys = [r.history[-1] for r in rows]
         verify_in = mx.array([[y, *d] for y, d in zip(ys, drafts, strict=True)])
+        t_mark = rewind.batch_checkpoint(self.t_cache) if self.t_replay and kr else None
         logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
         chosen, vectors = self._sample_verify(logits, drafts, ks)
         verified = time.perf_counter()
@@ -244,14 +263,22 @@ class SpecBatchEngine:
                     break
             if kr == 0:  # the draft did not run: it has this token to see as well
                 row.pending.append(row.history[-1])
+            elif d_mark is not None:  # the draft goes back to the round's start
+                row.pending = pending[i] + chosen[i][: a + 1]
             else:
                 row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
             if finish is None:
                 keep.append(i)
             else:
                 done.append((row.tag, row.finish(finish)))
-        _drop_tail(self.t_cache, t_tail)
-        _drop_tail(self.d_cache, d_tail)
+        if t_mark is None:
+            _drop_tail(self.t_cache, t_tail)
+        elif max(t_tail) > 0:
+            self._replay(t_mark, verify_in, accepts)
+        if d_mark is not None:
+            rewind.batch_restore(self.d_cache, d_mark)
+        else:
+            _drop_tail(self.d_cache, d_tail)
         if len(keep) < len(rows):
             self._keep(keep)
         self.rounds += 1
@@ -261,6 +288,24 @@ class SpecBatchEngine:
             self.planner.observe(tags, accepts, ks, kr, times, emitted)
         return Step(emitted, done, joined, decoding=len(rows))
 
+    def _replay(self, mark: list[Any], verify_in: mx.array, accepts: list[int]) -> None:
+        """Recurrent target layers: back to before verification, then the target runs again
+        over each row's kept tokens only (its input token and accepted drafts; shorter
+        rows right-padded, as when prefilling)."""
+        assert self.t_cache is not None
+        rewind.batch_restore(self.t_cache, mark)
+        lens = [a + 1 for a in accepts]
+        width = max(lens)
+        if width > min(lens):
+            for c in self.t_cache:
+                c.prepare(lengths=lens, right_padding=[width - n for n in lens])
+        self.target.model(verify_in[:, :width], cache=self.t_cache)
+        if width > min(lens):
+            for c in self.t_cache:
+                c.finalize()
+        mx.eval([c.state for c in self.t_cache])
+        self.replays += 1
+
     def _draft(self, kr: int) -> list[list[int]]:
         """``kr`` draft tokens for every row (the draft's passes batched)."""
         rows = self.rows
@@ -269,7 +314,7 @@ class SpecBatchEngine:
         width = max(lens)
         if width > min(lens):
             for c in self.d_cache:  # rows with fewer pending tokens are right-padded
-                c.prepare(right_padding=[width - n for n in lens])
+                c.prepare(lengths=lens, right_padding=[width - n for n in lens])
         first = mx.array([r.pending + [0] * (width - len(r.pending)) for r in rows])
         logits = self.draft.model(first, cache=self.d_cache)
         if width > min(lens):
