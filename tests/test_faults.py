@@ -318,26 +318,56 @@ def test_a_long_job_outlives_its_lease_without_being_requeued(conn, redis_url, t
     assert w.wait() == 0
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_sigkill_mid_batch_recovers_every_job(conn, redis_url, tiny, workers, speculative):
+def _slow_of(arch: str, tiny, tmp_path_factory) -> str:
+    """The slow model's size (4 x 256) in another architecture (window 16)."""
+    if arch == "llama":
+        return tiny.slow
+    from worker.dev.tinymodels import TinySpec, ensure_model
+
+    spec = TinySpec(arch=arch, layers=4, hidden=256, intermediate=512, context=8192, seed=5)
+    return str(ensure_model(tmp_path_factory.getbasetemp() / f"slow-{arch}", spec))
+
+
+@pytest.mark.parametrize(
+    "speculative,arch",
+    [(False, "llama"), (True, "llama"), (True, "gemma3_text"), (True, "qwen3_5")],
+)
+def test_sigkill_mid_batch_recovers_every_job(
+    conn, redis_url, tiny, workers, speculative, arch, tmp_path_factory
+):
+    """On llama-shaped, sliding-window and hybrid models alike."""
     client = Client(connection=conn)
+    model = _slow_of(arch, tiny, tmp_path_factory)
+    tokens = SLOW_TOKENS if arch == "llama" else 400  # (the others are slower per token)
     # Its own draft: every proposal accepted, so a round costs what plain decoding does.
-    extra = {"draft_model": tiny.slow} if speculative else {}
-    s = client.submit({f"s{i}": slow_job(tiny, content=f"job {i}", **extra) for i in range(3)})
+    extra = {"draft_model": model} if speculative else {}
+    s = client.submit(
+        {
+            f"s{i}": chat(
+                model,
+                content=f"job {i}",
+                max_tokens=tokens,
+                temperature=0,
+                logit_bias={"3": -100},
+                **extra,
+            )
+            for i in range(3)
+        }
+    )
     args = ("--lease-seconds", "2", "--max-batch", "4", "--speculative", "always")
     a = workers(*args, name="batch-a")
     wait_for(lambda: all(running_execution(conn, j) for j in s.job_ids))  # all in one batch
     a.signal(signal.SIGKILL)
     a.wait()
     b = workers(*args, name="batch-b")
-    records = [one_result(conn, j) for j in s.job_ids]
+    records = [one_result(conn, j, timeout=180) for j in s.job_ids]
     assert all(r.status == "succeeded" for r in records)
-    assert all(r.response.usage.completion_tokens == SLOW_TOKENS for r in records)
+    assert all(r.response.usage.completion_tokens == tokens for r in records)
     assert all(r.metrics.speculative == speculative for r in records)
     if speculative:  # they ran in a speculative batch, after the kill too
         assert all(r.metrics.batch_size > 1 and r.metrics.draft_tokens_proposed for r in records)
     assert all(conn.get(keys.crashes_key(j)) == b"1" for j in s.job_ids)
-    name = "sigkill mid-batch" + (" (speculative)" if speculative else "")
+    name = "sigkill mid-batch" + (f" (speculative, {arch})" if speculative else "")
     FAULT_REPORT.append({"test": name, "kills": 1, "jobs_recovered": 3})
     b.signal(signal.SIGTERM)
     assert b.wait() == 0

@@ -226,9 +226,7 @@ class SpecBatchEngine:
         k = self.planner.plan(tags, left) if self.planner else self.k
         ks = [min(k, n) for n in left]
         kr = max(ks)
-        pending = [list(r.pending) for r in rows]
-        d_mark = rewind.batch_checkpoint(self.d_cache, copy=True) if self.d_replay and kr else None
-        drafts = self._draft(kr) if kr else [[] for _ in rows]  # [rows][kr]
+        drafts, d_mark = self._draft(kr) if kr else ([[] for _ in rows], None)  # [rows][kr]
         drafted = time.perf_counter()
         ys = [r.history[-1] for r in rows]
         verify_in = mx.array([[y, *d] for y, d in zip(ys, drafts, strict=True)])
@@ -263,8 +261,8 @@ class SpecBatchEngine:
                     break
             if kr == 0:  # the draft did not run: it has this token to see as well
                 row.pending.append(row.history[-1])
-            elif d_mark is not None:  # the draft goes back to the round's start
-                row.pending = pending[i] + chosen[i][: a + 1]
+            elif d_mark is not None:  # the draft goes back to after its first pass
+                row.pending = chosen[i][: a + 1]
             else:
                 row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
             if finish is None:
@@ -276,7 +274,7 @@ class SpecBatchEngine:
         elif max(t_tail) > 0:
             self._replay(t_mark, verify_in, accepts)
         if d_mark is not None:
-            rewind.batch_restore(self.d_cache, d_mark)
+            rewind.batch_restore(self.d_cache, d_mark)  # (all rows: kept tokens are pending)
         else:
             _drop_tail(self.d_cache, d_tail)
         if len(keep) < len(rows):
@@ -306,8 +304,10 @@ class SpecBatchEngine:
         mx.eval([c.state for c in self.t_cache])
         self.replays += 1
 
-    def _draft(self, kr: int) -> list[list[int]]:
-        """``kr`` draft tokens for every row (the draft's passes batched)."""
+    def _draft(self, kr: int) -> tuple[list[list[int]], list[Any] | None]:
+        """``kr`` draft tokens for every row (the draft's passes batched), and, for a draft
+        rewound by replay, its checkpoint after the first pass (which takes what the rows'
+        drafts had not seen yet, for good)."""
         rows = self.rows
         assert self.d_cache is not None
         lens = [len(r.pending) for r in rows]
@@ -321,6 +321,7 @@ class SpecBatchEngine:
             for c in self.d_cache:
                 c.finalize()
         last = logits[mx.arange(len(rows)), mx.array(lens) - 1]
+        mark = rewind.batch_checkpoint(self.d_cache, copy=True) if self.d_replay else None
         drafts: list[list[int]] = [[] for _ in rows]
         for step in range(kr):
             tokens = self._sample_rows(
@@ -331,7 +332,7 @@ class SpecBatchEngine:
             if step + 1 < kr:
                 logits = self.draft.model(mx.array(tokens)[:, None], cache=self.d_cache)
                 last = logits[:, -1]
-        return drafts
+        return drafts, mark
 
     def _sample_rows(self, logits: mx.array, contexts: list[list[int]]) -> list[int]:
         """One token per row from ``logits`` (B, V), each through its row's processors and

@@ -102,13 +102,17 @@ def speculative_tokens(
     while emitted < max_tokens:
         num = min(k, max_tokens - emitted)
         # -- draft: num tokens, one pass each -------------------------------------
+        # The draft's first pass takes what it has not seen (kept for good); a cache that
+        # its next passes cannot be trimmed back from is checkpointed after it.
         restore_draft = draft_replay or rewind.wraps(draft_cache, len(dy) + num)
-        d_mark = rewind.checkpoint(draft_cache, copy=True) if restore_draft else None
+        d_mark = None
         drafts: list[mx.array] = []
         base = mx.array(history, mx.uint32)
         inp = mx.array(dy, mx.uint32)
-        for _ in range(num):
+        for step in range(num):
             logits = draft(inp[None], cache=draft_cache)[:, -1, :]
+            if step == 0 and restore_draft and num > 1:
+                d_mark = rewind.checkpoint(draft_cache, copy=True)
             tok, _ = pick(logits, mx.concatenate([base, *drafts]) if drafts else base)
             mx.async_eval(tok)
             drafts.append(tok)
@@ -165,9 +169,9 @@ def speculative_tokens(
         y = [chosen[a]]
         if a == num:  # the draft saw all but its last token
             dy = [proposed[-1], chosen[a]] if num else [chosen[a]]
-        elif d_mark is not None:  # back to the round's start; the kept tokens go in next round
+        elif d_mark is not None:  # back to after its first pass; the kept tokens go next
             rewind.restore(draft_cache, d_mark)
-            dy = dy + chosen[: a + 1]
+            dy = chosen[: a + 1]
         else:
             rewind.trim(draft_cache, num - 1 - a)  # (it never saw its last token)
             dy = [chosen[a]]
