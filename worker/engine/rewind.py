@@ -156,11 +156,6 @@ def plain_kv(cache: Cache) -> bool:
     return all(type(c) is BatchKVCache for c in leaves(cache))
 
 
-def _small(x: Any) -> Any:
-    """A copy of a batch's per-row bookkeeping array (updated in place by mlx-lm)."""
-    return mx.array(x) if isinstance(x, mx.array) else x
-
-
 def batch_checkpoint(cache: Cache, *, copy: bool = False) -> list[Any]:
     """What :func:`batch_restore` needs to bring a batch's ``cache`` back to now. Buffers
     are kept by reference (a pass of several tokens writes a KV buffer only past the
@@ -170,12 +165,12 @@ def batch_checkpoint(cache: Cache, *, copy: bool = False) -> list[Any]:
     for c in leaves(cache):
         if isinstance(c, ArraysCache):
             arrays, left_padding, lengths = c.state
-            marks.append((list(arrays), _small(left_padding), _small(lengths)))
+            marks.append((list(arrays), _copy(left_padding), _copy(lengths)))
             continue
         keys, values, *rest = c.state
         if copy and isinstance(c, BatchRotatingKVCache):
             keys, values = _copy(keys), _copy(values)
-        marks.append((keys, values, *(_small(x) for x in rest)))
+        marks.append((keys, values, *(_copy(x) for x in rest)))
     return marks
 
 
@@ -183,6 +178,6 @@ def batch_restore(cache: Cache, marks: list[Any]) -> None:
     """Bring a batch's ``cache`` back to its :func:`batch_checkpoint`."""
     for c, mark in zip(leaves(cache), marks, strict=True):
         if isinstance(c, ArraysCache):
-            c.state = (list(mark[0]), _small(mark[1]), _small(mark[2]))
+            c.state = (list(mark[0]), _copy(mark[1]), _copy(mark[2]))
         else:
-            c.state = tuple(_small(x) if i >= 2 else x for i, x in enumerate(mark))
+            c.state = tuple(_copy(x) if i >= 2 else x for i, x in enumerate(mark))
