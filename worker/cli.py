@@ -190,7 +190,10 @@ def main(
     name: str | None,
     verbose: int,
 ) -> None:
-    """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis."""
+    """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis.
+
+    Also: ``worker import-gguf FILE OUT`` writes a GGUF file as a model directory.
+    """
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Import the job code (mlx-lm, transformers: ~1-2 s) before registering, so
@@ -245,5 +248,15 @@ def main(
     sys.exit(0)
 
 
+def entry() -> None:
+    """``worker [OPTIONS]`` serves jobs; ``worker import-gguf FILE OUT`` imports a GGUF file."""
+    if sys.argv[1:2] == ["import-gguf"]:
+        from worker.gguf.cli import import_command
+
+        import_command(args=sys.argv[2:], prog_name="worker import-gguf")
+    else:
+        main()
+
+
 if __name__ == "__main__":
-    main()
+    entry()
