@@ -16,6 +16,7 @@ attention). Side by side in one run, per model:
   and through ``mlx_lm.server`` (``bench.prefix``).
 
     .venv/bin/python -m bench.archs [--models wide-gemma3,wide-qwen35] [--jobs 64]
+        [--baseline-jobs 16]
 """
 
 from __future__ import annotations
@@ -128,16 +129,23 @@ def speculation(target: str, cache: ModelCache, max_tokens: int, reps: int) -> d
     return out
 
 
-def prefix(target: str, jobs: int, system_tokens: int) -> dict:
+def prefix(target: str, jobs: int, system_tokens: int, baseline_jobs: int) -> dict:
+    """``jobs`` through the cache; the arms without reuse run the first ``baseline_jobs``.
+
+    Without reuse every job pays the same full prefill, so their jobs/s does not depend
+    on how many run; the cache arm runs all of them, its first (cold) job included.
+    """
     tokenizer = ModelCache().get(target)[0].tokenizer
     reqs = bodies(target, system_prompt(tokenizer, system_tokens), jobs, 8)
+    few = reqs[: min(baseline_jobs, jobs)]
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
-        off = through_worker(conn, target, reqs, 0)
+        off = through_worker(conn, target, few, 0)
         on = through_worker(conn, target, reqs, 1.0)
-    srv = through_server(target, reqs)
+    srv = through_server(target, few)
     out = {
         "jobs": jobs,
+        "jobs_without_reuse_arms": len(few),
         "prompt_tokens": on["prompt_tokens"],
         "shared_prefix_tokens": max(on["cached_tokens"]),
         "jobs_reusing_the_prefix": sum(1 for c in on["cached_tokens"] if c),
@@ -149,9 +157,9 @@ def prefix(target: str, jobs: int, system_tokens: int) -> dict:
         "cache_over_no_cache": round(on["jobs_per_s"] / off["jobs_per_s"], 2),
         "cache_over_mlx_lm_server": round(on["jobs_per_s"] / srv["jobs_per_s"], 2),
         "prefix_cache_mb": round(on["prefix_cache_mb"], 1),
-        "outputs_equal_cache_vs_no_cache": on["texts"] == off["texts"],
+        "outputs_equal_cache_vs_no_cache": on["texts"][: len(few)] == off["texts"],
         "server_outputs_equal_to_mlxq": sum(
-            a == b for a, b in zip(srv["texts"], on["texts"], strict=True)
+            a == b for a, b in zip(srv["texts"], on["texts"][: len(few)], strict=True)
         ),
     }
     print(target.rsplit("/", 1)[-1], "prefix", out, file=sys.stderr, flush=True)
@@ -165,6 +173,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=64)
+    ap.add_argument(
+        "--baseline-jobs",
+        type=int,
+        default=None,
+        help="jobs for the no-cache and mlx_lm.server arms [default: --jobs]",
+    )
     ap.add_argument("--system-tokens", type=int, default=1500)
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -177,7 +191,9 @@ def main() -> None:
             report[name]["speculation"] = speculation(target, cache, args.max_tokens, args.reps)
         if "prefix" in parts:
             mx.clear_cache()
-            report[name]["prefix"] = prefix(target, args.jobs, args.system_tokens)
+            report[name]["prefix"] = prefix(
+                target, args.jobs, args.system_tokens, args.baseline_jobs or args.jobs
+            )
     OUT.mkdir(exist_ok=True)
     (OUT / "archs.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

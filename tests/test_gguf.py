@@ -214,3 +214,12 @@ def test_worker_import_gguf_is_a_worker_subcommand(sources, tmp_path):
     assert "qwen3" in out.stdout and (tmp_path / "m" / "config.json").exists()
     out = subprocess.run([str(worker), "--help"], capture_output=True, text=True, timeout=60)
     assert "import-gguf" in out.stdout and "--queue" in out.stdout
+
+
+def test_a_job_naming_a_gguf_file_is_told_to_import_it(sources, tmp_path):
+    from schemas import MlxqError
+    from worker.engine.models import ModelCache
+
+    path = export(sources["llama"], tmp_path / "m.gguf")
+    with pytest.raises(MlxqError, match="import a GGUF file first: worker import-gguf"):
+        ModelCache().get(str(path))

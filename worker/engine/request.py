@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 #: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
 DEFAULT_MAX_TOKENS = 512
+#: Where a model without a chat template (a base model) starts the next turn of the plain
+#: "role: content" transcript it is given: its answer ends there, not at max_tokens.
+TRANSCRIPT_STOP = "\nuser:"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def prepare(
         default_num_draft_tokens,
         constraint_for(request, tokenizer, target.vocab_size),
     )
+    if not getattr(tokenizer, "has_chat_template", False) and TRANSCRIPT_STOP not in params.stop:
+        params = replace(params, stop=(*params.stop, TRANSCRIPT_STOP))
     return Prepared(prompt, params, request)
 
 

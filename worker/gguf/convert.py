@@ -146,6 +146,17 @@ def _quantize(out: Path, bits: int, group_size: int) -> None:
     save_config(config, out / "config.json")
 
 
+def requantize(src: Path, out: Path, bits: int, group_size: int = 64) -> Path:
+    """A copy of the model directory ``src`` at ``out``, quantized by mlx-lm to ``bits``."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("mlxq-import.json"))
+    _quantize(tmp, bits, group_size)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 def import_gguf(
     path: Path,
     out: Path,
