@@ -2,6 +2,7 @@
 
 - ``worker.lifecycle`` (Redis) and ``worker.engine`` (MLX) never import each other;
 - ``worker.schedule`` imports neither Redis nor MLX (nor the engines or the lifecycle);
+- ``worker.gguf`` (file conversion) imports no Redis and no other worker package;
 - only ``worker.runner`` (and the CLI) import across packages;
 - no runtime module imports the dev fixtures (``worker.dev``);
 - ``worker`` uses no RQ code at all (it keeps RQ's data model, read and written by
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("lifecycle", "schedule", "engine", "runner", "dev")
+PACKAGES = ("lifecycle", "schedule", "engine", "runner", "dev", "gguf")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -68,6 +69,7 @@ ALLOWED = {
     "schedule": set(),
     "engine": set(),
     "dev": set(),
+    "gguf": set(),  # file conversion: no Redis, no worker code
 }
 
 
@@ -94,9 +96,13 @@ def test_no_runtime_module_imports_the_dev_fixtures():
 
 @pytest.mark.parametrize(
     ("package", "banned"),
-    [("schedule", ("redis", "mlx", "mlx_lm")), ("lifecycle", ("mlx", "mlx_lm"))],
+    [
+        ("schedule", ("redis", "mlx", "mlx_lm")),
+        ("lifecycle", ("mlx", "mlx_lm")),
+        ("gguf", ("redis",)),
+    ],
 )
-def test_the_scheduler_and_the_lifecycle_stay_off_mlx(package, banned):
+def test_packages_stay_off_the_libraries_their_room_bans(package, banned):
     used = {
         name: sorted(m for m in imports_of(path) if m.split(".")[0] in banned)
         for name, path in worker_modules().items()
