@@ -27,6 +27,7 @@ from producer.localredis import LocalRedis
 from schemas import ChatRequest
 from worker.engine import prompt_tokens
 from worker.engine.models import ModelCache
+from worker.engine.request import prepare
 from worker.runner import runtime
 from worker.schedule.policy import SpeculationPolicy
 
@@ -57,6 +58,9 @@ def direct(cache: ModelCache, reqs: list[dict]) -> tuple[int, float, list[str]]:
         target, _ = cache.get(req.model)
         draft = cache.get(req.draft_model)[0].model if req.draft_model else None
         kwargs = {"draft_model": draft, "num_draft_tokens": 3} if draft is not None else {}
+        # the stop strings the worker applies (a model without a chat template stops at
+        # the transcript's next turn), cut here the same way, so both decode the same tokens
+        stops = prepare(req, target).params.stop
         text = ""
         for r in stream_generate(
             target.model,
@@ -68,6 +72,9 @@ def direct(cache: ModelCache, reqs: list[dict]) -> tuple[int, float, list[str]]:
         ):
             text += r.text
             last = r
+            if hits := [i for stop in stops if (i := text.find(stop)) >= 0]:
+                text = text[: min(hits)]
+                break
         tokens += last.generation_tokens
         texts.append(text)
     return tokens, time.perf_counter() - start, texts
@@ -105,6 +112,7 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--halves", default="plain,speculative", help="which halves to run")
     args = ap.parse_args()
     target, draft = (args.target, args.draft) if args.target else bench_pair()
     OUT.mkdir(exist_ok=True)
@@ -119,6 +127,8 @@ def main() -> None:
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
         for label, d in (("plain", None), ("speculative", draft)):
+            if label not in args.halves.split(","):
+                continue
             reqs = requests(target, d, args.max_tokens)
             direct(cache, reqs[:1])  # warm both paths' models and kernels
             want: list[str] = []
@@ -152,14 +162,12 @@ def main() -> None:
         conn.flushall()
         report["cold_vs_warm"] = cold_warm(conn, target, draft)
     (OUT / "worker.json").write_text(json.dumps(report, indent=1))
+    halves = [m for m in ("plain", "speculative") if m in report]
     grouped_bars(
         OUT / "worker.png",
         "Tokens/s: producer -> Redis -> worker vs mlx_lm.stream_generate",
-        ["plain", "speculative"],
-        {
-            side: [report[m][f"{side}_tok_s"] for m in ("plain", "speculative")]
-            for side in ("direct", "worker")
-        },
+        halves,
+        {side: [report[m][f"{side}_tok_s"] for m in halves] for side in ("direct", "worker")},
         "tokens/s (median)",
     )
     print(json.dumps(report, indent=1))

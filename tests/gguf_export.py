@@ -33,7 +33,7 @@ _GEMMA = {
     "post_feedforward_layernorm": "post_ffw_norm",
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
 def _name(name: str, model_type: str) -> str:

@@ -21,6 +21,7 @@ from worker.gguf import UnsupportedModel, import_gguf
 from worker.gguf.cli import import_command
 from worker.gguf.vocab import BYTE, CONTROL, NORMAL, UNKNOWN, Vocab, build
 
+ROUND_TRIPS = ("llama", "qwen2", "qwen3", "gemma3_text")
 TEXTS = [
     "def main(argv):\n    return 0  # héllo wörld 123",
     "The queue worker leases a job, runs it, and writes the result back.",
@@ -35,11 +36,11 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         arch: ensure_model(
             root / arch, TinySpec(arch=arch, layers=6, tokenizer="bpe32k", vocab=1024, seed=3)
         )
-        for arch in ("llama", "qwen3", "gemma3_text")
+        for arch in ROUND_TRIPS
     }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ROUND_TRIPS)
 def test_a_float_file_imports_to_the_same_model(sources, tmp_path, arch):
     """llama.cpp's conventions undone: permuted Q/K rows (llama), Gemma's norm offset; the
     byte-level vocabulary and the chat template survive: logits and ids are identical."""

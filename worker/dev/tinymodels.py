@@ -198,6 +198,7 @@ def _arch_fields(spec: TinySpec) -> dict[str, Any]:
     }
     return {
         "llama": {},
+        "qwen2": {},  # not in ARCHS (llama-shaped, with Q/K/V biases): GGUF round trips
         "qwen3": {},
         "qwen3_moe": moe,
         "gemma3_text": {
