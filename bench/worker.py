@@ -28,6 +28,7 @@ from schemas import ChatRequest
 from worker.engine import prompt_tokens
 from worker.engine.models import ModelCache
 from worker.engine.request import prepare
+from worker.engine.sequence import StopScan
 from worker.runner import runtime
 from worker.schedule.policy import SpeculationPolicy
 
@@ -60,7 +61,7 @@ def direct(cache: ModelCache, reqs: list[dict]) -> tuple[int, float, list[str]]:
         kwargs = {"draft_model": draft, "num_draft_tokens": 3} if draft is not None else {}
         # the stop strings the worker applies (a model without a chat template stops at
         # the transcript's next turn), cut here the same way, so both decode the same tokens
-        stops = prepare(req, target).params.stop
+        stops = StopScan(prepare(req, target).params.stop)
         text = ""
         for r in stream_generate(
             target.model,
@@ -70,10 +71,11 @@ def direct(cache: ModelCache, reqs: list[dict]) -> tuple[int, float, list[str]]:
             sampler=make_sampler(0.0),
             **kwargs,
         ):
+            grown_from = len(text)
             text += r.text
             last = r
-            if hits := [i for stop in stops if (i := text.find(stop)) >= 0]:
-                text = text[: min(hits)]
+            if (cut := stops.find(text, grown_from)) >= 0:
+                text = text[:cut]
                 break
         tokens += last.generation_tokens
         texts.append(text)

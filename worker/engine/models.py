@@ -118,11 +118,9 @@ def resolve_path(name: str) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            hint = " (import a GGUF file first: worker import-gguf FILE OUT)"
             gguf = path.suffix.lower() == ".gguf"
-            raise ModelNotFoundError(
-                f"model {name!r} is a file, not a model directory{hint if gguf else ''}"
-            )
+            hint = " (import a GGUF file first: worker import-gguf FILE OUT)" if gguf else ""
+            raise ModelNotFoundError(f"model {name!r} is a file, not a model directory{hint}")
         return path
     if name.startswith(("/", "./", "../", "~")):
         raise ModelNotFoundError(f"model {name!r}: no such local directory")

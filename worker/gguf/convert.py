@@ -91,13 +91,13 @@ def _weights(reader: Any, fam: Family, meta: Callable[[str, Any], Any]) -> dict[
     return out
 
 
+def _meta(reader: Any, arch: str) -> Callable[[str, Any], Any]:
+    """The file's ``<arch>.<key>`` metadata by key."""
+    return lambda key, default: _field(reader, f"{arch}.{key}", default)
+
+
 def _config(reader: Any, fam: Family, vocab: Vocab, tied: bool) -> dict[str, Any]:
-    arch = fam.arch
-
-    def meta(key: str, default: Any) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
-
-    config = fam.config(meta, len(vocab.tokens))
+    config = fam.config(_meta(reader, fam.arch), len(vocab.tokens))
     eos = [vocab.eos_id] if vocab.eos_id is not None else []
     eos += [vocab.tokens.index(p) for p in fam.eos_pieces if p in vocab.tokens]
     return {
@@ -185,11 +185,7 @@ def import_gguf(
     template, template_source = choose(chat_template, vocab.chat_template)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     config = _config(reader, fam, vocab, tied)
-
-    def meta(key: str, default: Any) -> Any:
-        return _field(reader, f"{fam.arch}.{key}", default)
-
-    weights = _weights(reader, fam, meta)
+    weights = _weights(reader, fam, _meta(reader, fam.arch))
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

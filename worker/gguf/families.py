@@ -82,15 +82,9 @@ class Family:
         return array
 
 
-def permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's row permutation of a Q or K projection (what its converter writes)."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
-
-
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """The inverse of ``permute``: rows back in the rotate-half order."""
+    """The inverse of llama.cpp's row permutation of a Q or K projection: rows back in the
+    rotate-half order (``mlx_lm.gguf.permute_weights`` is the forward one)."""
     return (
         w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     )
