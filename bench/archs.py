@@ -40,7 +40,7 @@ from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
 from worker.engine.rewind import describe
 from worker.engine.sampling import logits_processors, plain_sampler
-from worker.engine.speculate import Tally, speculative_tokens
+from worker.engine.speculate import DraftProposer, Tally, speculative_tokens
 
 OUT = Path(__file__).parent / "out"
 WORDS = "queue worker model token draft target redis job batch lease prefix cache fleet "
@@ -63,14 +63,13 @@ def _speculative(
     for i, t in enumerate(
         speculative_tokens(
             gen.target.model,
-            gen.draft.model,
+            DraftProposer(gen.draft.model, make_prompt_cache(gen.draft.model), prompt, 0),
             prompt,
             k=k,
             max_tokens=max_tokens,
             sampler=plain_sampler(params),
             processors=logits_processors(params),
             target_cache=make_prompt_cache(gen.target.model),
-            draft_cache=make_prompt_cache(gen.draft.model),
             tally=tally,
         )
     ):

@@ -10,6 +10,8 @@ All synthetic: random weights, one shared BPE tokenizer (vocab 512) but for ``wi
   predicts the last token again, so it agrees with ``wide`` often by construction.
 - ``unrelated``: 1 x 128 random: the same tokenizer, ~0% acceptance.
 - ``medium``: 8 x 512, for the quicker worker-overhead benchmark.
+- ``quote32k``: ``wide32k``'s size, one attention head, built to quote: its greedy
+  answer replays the end of its prompt (``TinySpec.quote``), as extraction jobs do.
 - ``wide-gemma3``: ``wide``'s size in Gemma 3's shape (``gemma3_text``: 5 sliding-window
   layers of window 512 to 1 global, head_dim 64); ``wide-qwen35``: in Qwen3.5's
   (``qwen3_5``: 3 gated delta-net linear-attention layers to 1 full attention). Both
@@ -88,6 +90,21 @@ SPECS: dict[str, TinySpec] = {
         seed=105,
         weight_scale=0.5,
         repeats=True,
+    ),
+    # ``wide32k``'s size and tokenizer, built to quote (``TinySpec.quote``): its greedy
+    # answer replays the last 96 tokens of its prompt (prompt lookup's copy-heavy work).
+    "quote32k": TinySpec(
+        layers=12,
+        hidden=1024,
+        intermediate=2816,
+        heads=1,
+        kv_heads=1,
+        context=4096,
+        seed=106,
+        weight_scale=1.0,
+        vocab=32000,
+        tokenizer="bpe32k",
+        quote=96,
     ),
     "medium": TinySpec(
         layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=8, context=4096, seed=11

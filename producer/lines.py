@@ -60,7 +60,9 @@ def apply_defaults(body: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
     extra = body.get("extra_params") if isinstance(body.get("extra_params"), dict) else {}
     if defaults.model is not None and "model" not in body:
         body["model"] = defaults.model
-    has_draft_key = "draft_model" in body or "draft_model" in extra
+    # A line that says how it speculates (``speculation``) keeps what it says.
+    says = ("draft_model", "speculation")
+    has_draft_key = any(k in body or k in extra for k in says)
     if defaults.draft_model is not None and not has_draft_key:
         body["draft_model"] = defaults.draft_model
     draft = body.get("draft_model") or extra.get("draft_model")

@@ -32,7 +32,10 @@ _UNSUPPORTED_KEYS = frozenset(UNSUPPORTED)
 
 #: The most choices a request may ask for; a worker's ``--max-n`` (default 16) may allow fewer.
 MAX_N = 128
-_EXTRA_PARAM_FIELDS = ("draft_model", "num_draft_tokens", "adapter")
+_EXTRA_PARAM_FIELDS = ("draft_model", "num_draft_tokens", "adapter", "speculation")
+#: Prompt lookup's limits: n-gram sizes 1..MAX_NGRAM, proposals of MAX_PROPOSAL at most.
+MAX_NGRAM = 16
+MAX_PROPOSAL = 64
 
 
 class TextPart(BaseModel):
@@ -100,6 +103,37 @@ class ResponseFormat(BaseModel):
         return None if schema is None else grammar_for(schema)
 
 
+class Speculation(BaseModel):
+    """mlxq's ``speculation``: where a job's speculative tokens come from.
+
+    ``draft``: the ``draft_model`` it names (the default when it names one);
+    ``prompt_lookup``: copied from its own prompt and output, no draft model (n-gram
+    sizes tried longest first, at most ``num_tokens`` per round; the worker chooses
+    per round up to that when unset); ``none``: never speculate. Whether and how far
+    to speculate is the worker's ``--speculative`` policy, as for a draft.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["draft", "prompt_lookup", "none"]
+    ngram_min: int | None = Field(default=None, ge=1, le=MAX_NGRAM)
+    ngram_max: int | None = Field(default=None, ge=1, le=MAX_NGRAM)
+    num_tokens: int | None = Field(default=None, ge=1, le=MAX_PROPOSAL)
+
+    @model_validator(mode="after")
+    def _check(self) -> Speculation:
+        tuned = [f for f in ("ngram_min", "ngram_max", "num_tokens") if getattr(self, f)]
+        if tuned and self.method != "prompt_lookup":
+            raise ValueError(
+                f"speculation: {', '.join(tuned)} apply to method prompt_lookup only "
+                "(a draft's length is num_draft_tokens)"
+            )
+        lo, hi = self.ngram_min, self.ngram_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"speculation: ngram_min {lo} is larger than ngram_max {hi}")
+        return self
+
+
 class Message(BaseModel):
     """One chat message. ``developer`` is OpenAI's newer name for ``system``."""
 
@@ -155,6 +189,7 @@ class ChatRequest(BaseModel):
     draft_model: str | None = Field(default=None, min_length=1, max_length=512)
     num_draft_tokens: int | None = Field(default=None, ge=1, le=32)
     adapter: str | None = Field(default=None, min_length=1, max_length=512)
+    speculation: Speculation | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -220,6 +255,14 @@ class ChatRequest(BaseModel):
             raise ValueError("max_tokens and max_completion_tokens differ; give only one")
         if self.num_draft_tokens is not None and self.draft_model is None:
             raise ValueError("num_draft_tokens is set but no draft_model is named")
+        method = self.speculation.method if self.speculation is not None else None
+        if method == "draft" and self.draft_model is None:
+            raise ValueError("speculation.method is draft but no draft_model is named")
+        if method in ("prompt_lookup", "none") and self.draft_model is not None:
+            raise ValueError(
+                f"speculation.method {method} and draft_model {self.draft_model!r} "
+                "contradict each other: name one way to speculate"
+            )
         if self.n > 1 and self.stream:
             raise ValueError("n > 1 cannot be streamed yet: drop stream, or submit n jobs")
         if self.top_logprobs is not None and not self.logprobs:
@@ -235,6 +278,14 @@ class ChatRequest(BaseModel):
     def grammar(self) -> str | None:
         """The llguidance grammar the output must follow; None for free text."""
         return self.response_format.grammar if self.response_format is not None else None
+
+    @property
+    def speculation_method(self) -> str | None:
+        """How this job asks to speculate: "draft", "prompt_lookup", "none", or None (it
+        does not say: the worker's ``--lookup`` decides for a job without a draft)."""
+        if self.speculation is not None:
+            return self.speculation.method
+        return "draft" if self.draft_model is not None else None
 
     @property
     def token_limit(self) -> int | None:

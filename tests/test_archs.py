@@ -287,3 +287,40 @@ def test_speculative_batches_are_exact_on_every_cache_type(arch, planner):
             ), i
     if "recurrent" in describe(_cache(gen)):
         assert engine.replays > 0
+
+
+def test_prompt_lookup_is_exact_on_every_cache_type(arch):
+    """Speculation without a draft model (prompt lookup), alone and in a batch with joins
+    and leaves, past the window: the plain greedy text. Random weights seldom copy their
+    prompt, so most proposals are rejected and every rewind runs (acceptance itself is
+    ``tests/test_lookup``'s quoting model's business)."""
+    from tests.test_specbatch import _run_engine
+    from worker.engine.protocol import CannotTake
+    from worker.engine.specbatch import SpecBatchEngine
+
+    gen = ChatGenerator.get_or_create(arch.target, cache=ModelCache(prefix_bytes=0))
+    lookup = {"method": "prompt_lookup", "ngram_min": 1}
+    reqs = [
+        ChatRequest.model_validate(
+            chat(arch.target, f"{LONG} job batch job batch {i} " + "job " * i)
+            | {"max_tokens": 30 + 3 * i, "temperature": 0, "speculation": lookup}
+        )
+        for i in range(5)
+    ]
+    proposed = 0
+    for r in reqs:
+        job = gen.prepare(r)
+        plain = gen.generate(job, use_draft=False)
+        assert plain.prompt_tokens + plain.completion_tokens > 2 * WINDOW
+        looked = gen.generate(job.with_params(num_draft_tokens=4), lookup=job.params.lookup)
+        assert looked.token_ids == plain.token_ids
+        proposed += looked.draft_tokens_proposed - looked.draft_tokens_accepted
+    assert proposed > 0  # rejected proposals: the target was rewound
+    engine = SpecBatchEngine(gen.target, None, 4)
+    if arch.name == "nemotron_h":
+        with pytest.raises(CannotTake, match="nemotron_h"):
+            _run_engine(engine, gen, reqs)
+        return
+    outs, _ = _run_engine(engine, gen, reqs)
+    for i, r in enumerate(reqs):
+        assert outs[i].token_ids == gen.generate(r, use_draft=False).token_ids, i

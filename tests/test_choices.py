@@ -82,7 +82,7 @@ def test_the_prompt_is_prefilled_once_for_all_choices(tiny):
     model.__class__ = Counting
     try:
         req = ChatRequest.model_validate(
-            chat(tiny.target, content="a prompt of some length " * 4, max_tokens=5, n=6)
+            chat(tiny.target, content="a prompt of some length " * 4, max_tokens=5, n=6, seed=1)
         )
         out = gen.generate_choices(req)
     finally:

@@ -18,7 +18,9 @@ from tests.test_notify import chat_body as body
 ECHO_LUA = "redis.call('INCR', KEYS[1]); return ARGV[1]"
 
 
-def test_a_burst_of_64_enqueues_takes_a_few_round_trips_and_one_connection(redis_url, conn):
+def test_a_burst_of_64_enqueues_takes_a_few_round_trips_and_two_connections_at_most(
+    redis_url, conn
+):
     async def scenario() -> tuple[list[bool], int, int, int]:
         # Named, so that connections other tests on this Redis left open do not count.
         aredis = AsyncRedis.from_url(redis_url, client_name="burst-gateway")
@@ -38,7 +40,7 @@ def test_a_burst_of_64_enqueues_takes_a_few_round_trips_and_one_connection(redis
     answers, round_trips, sent, clients = asyncio.run(scenario())
     assert answers == [True] * 64
     assert sent >= 64 and round_trips <= 4, round_trips  # 1 alone, then the rest together
-    assert clients == 1, clients
+    assert clients <= 2, clients  # the first call's own, and the pipeline's meanwhile
     assert conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 64
 
 

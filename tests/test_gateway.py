@@ -136,6 +136,16 @@ def test_chat_completions_plain_streamed_and_with_a_draft(gateway, workers, tiny
     assert drafted.choices[0].message.content == plain.choices[0].message.content
     record = json.loads(conn.get(keys.result_key(raw.headers["x-mlxq-job-id"])))
     assert record["metrics"]["draft_model"] == tiny.draft
+    looked = client.chat.completions.with_raw_response.create(
+        model=tiny.target,
+        messages=messages(),
+        max_tokens=12,
+        temperature=0,
+        extra_body={"speculation": {"method": "prompt_lookup", "num_tokens": 4}},
+    )
+    assert looked.parse().choices[0].message.content == plain.choices[0].message.content
+    got = json.loads(conn.get(keys.result_key(looked.headers["x-mlxq-job-id"])))["metrics"]
+    assert got["speculation_method"] == "prompt_lookup" and got["num_draft_tokens"] == 4
     # Server-Timing: the gateway's own share leaves out the job's queue wait and run.
     timing = {
         name.strip(): float(dur.split("=")[1])

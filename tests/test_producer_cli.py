@@ -143,6 +143,10 @@ def test_defaults_fill_missing_model_and_draft(tmp_path, conn, redis_url):
     lines = [
         {"messages": [{"role": "user", "content": "x"}]},
         {"messages": [{"role": "user", "content": "y"}], "draft_model": None},
+        {
+            "messages": [{"role": "user", "content": "z"}],
+            "speculation": {"method": "prompt_lookup"},
+        },
     ]
     path = write_jsonl(tmp_path / "jobs.jsonl", lines)
     r = invoke(
@@ -169,6 +173,9 @@ def test_defaults_fill_missing_model_and_draft(tmp_path, conn, redis_url):
     assert reqs[0]["model"] == "tgt" and reqs[0]["draft_model"] == "dft"
     assert reqs[0]["num_draft_tokens"] == 5
     assert reqs[1]["model"] == "tgt" and reqs[1].get("draft_model") is None
+    # a line that says how it speculates keeps it: no default draft, no draft count
+    assert reqs[2].get("draft_model") is None and reqs[2].get("num_draft_tokens") is None
+    assert reqs[2]["speculation"]["method"] == "prompt_lookup"
 
 
 def test_missing_model_without_default_is_a_line_error(tmp_path, redis_url):

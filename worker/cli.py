@@ -130,6 +130,25 @@ class BatchSize(click.ParamType):
     help="auto: per (target, draft) pair, run plain or the draft length measured fastest.",
 )
 @click.option(
+    "--lookup",
+    envvar="MLXQ_LOOKUP",
+    type=click.Choice(["never", "auto", "always"]),
+    default="never",
+    show_default=True,
+    help="Prompt lookup (draft tokens copied from the job's own prompt, no draft model) for "
+    "jobs that name no draft: never (only jobs asking for it), auto (as --speculative "
+    "decides), always.",
+)
+@click.option(
+    "--lookup-tokens",
+    envvar="MLXQ_LOOKUP_TOKENS",
+    type=click.IntRange(1, 64),
+    default=4,
+    show_default=True,
+    help="Prompt lookup's proposal length per round when a job does not fix it (auto "
+    "measures this and twice this).",
+)
+@click.option(
     "--max-batch",
     envvar="MLXQ_MAX_BATCH",
     type=BatchSize(),
@@ -183,6 +202,8 @@ def main(
     allow_models: tuple[str, ...],
     num_draft_tokens: int,
     speculative: str,
+    lookup: str,
+    lookup_tokens: int,
     max_batch: int | None,
     max_n: int,
     lease_seconds: int,
@@ -213,7 +234,9 @@ def main(
         cache=ModelCache(budget, prefix_bytes=int(prefix_cache_gb * 1e9)),
         allow_models=allow_models,
         default_num_draft_tokens=num_draft_tokens,
-        policy=SpeculationPolicy(speculative, default_k=num_draft_tokens),
+        policy=SpeculationPolicy(
+            speculative, default_k=num_draft_tokens, lookup=lookup, lookup_k=lookup_tokens
+        ),
         max_n=max_n,
     )
     if name:

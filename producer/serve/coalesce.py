@@ -4,8 +4,8 @@ redis-py's asyncio client gives each command in flight a connection of its own: 
 chat completions arriving at once open up to 64 Redis connections (a handshake each)
 and pay the client's per-command cost 64 times, one after the other, while every
 request waits. Here calls that come while a round trip is out wait for one sending
-task, which sends all that wait as one pipeline per round trip: one connection, one
-write and one read per round trip
+task, which sends all that wait as one pipeline per round trip: one write and one
+read per round trip, on at most two connections (a lone call's and the pipeline's)
 (OpenAI-style gateways see such bursts whenever a batch step ends many jobs at once
 and their clients send the next requests in the same instant). A call that comes
 while nothing is out is sent at once by its own request, with no hop through the

@@ -67,6 +67,11 @@ class TinySpec:
     # Any of ARCHS; ``window``: the sliding window of architectures that have one.
     arch: str = "llama"
     window: int = 16
+    # > 0: a "quoting" model (llama, one head, tied): its first layer's attention is a
+    # delay line, so its greedy token at position m is the token at m + 1 - quote; it
+    # replays its context from ``quote`` tokens back (the end of its prompt). What
+    # copy-heavy jobs do, built in (its other layers only cost their compute).
+    quote: int = 0
 
 
 def _corpus(seed: int, n_lines: int = 400) -> list[str]:
@@ -309,6 +314,8 @@ def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
                 weights[k] = v * 0.01
         if "lm_head.weight" in weights:  # its output layer is its embedding, as if tied
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    if spec.quote:
+        _make_quoting(weights, spec)
     if spec.copy_last_token:
         for k in weights:
             if k.endswith(("o_proj.weight", "down_proj.weight")):
@@ -317,6 +324,44 @@ def write_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def _make_quoting(weights: dict[str, mx.array], spec: TinySpec) -> None:
+    """Turn ``weights`` into a quoting model (``TinySpec.quote``), in place.
+
+    Every embedding has rms 1 and the same first coordinate, so after the first norm
+    that coordinate is a constant; layer 0's query and key read only it, placed on the
+    rotary frequencies so that q_m . k_n = c * sum_i cos((m - n - d) theta_i), which
+    peaks at m - n = d = quote - 1 (scaled so the next-best offset is 40 logits below).
+    Its values copy the attended token's embedding into the residual 16-fold (MLP and
+    every later layer write nothing), so the tied output layer picks that token.
+    """
+    if spec.arch != "llama" or not spec.tied or spec.heads != 1 or spec.kv_heads != 1:
+        raise ValueError("a quoting model is a tied llama with one attention head")
+    h, v, d = spec.hidden, spec.vocab, spec.quote - 1
+    first = 0.5
+    rest = mx.random.normal((v, h - 1), key=mx.random.key(spec.seed + 1))
+    rest = rest * mx.sqrt((h - first**2) / mx.sum(rest * rest, axis=1, keepdims=True))
+    weights["model.embed_tokens.weight"] = mx.concatenate([mx.full((v, 1), first), rest], 1)
+    theta = 10000.0 ** (-mx.arange(0, h, 2, dtype=mx.float32) / h)
+    offsets = mx.arange(1, spec.context, dtype=mx.float32)
+    peak, runner_up = h / 2, mx.max(mx.sum(mx.cos(offsets[:, None] * theta), axis=1)).item()
+    gain = (40.0 * h**0.5 / (peak - runner_up)) ** 0.5  # q and k share the scale
+    half = h // 2
+    wq = mx.zeros((h, h)).at[:half, 0].add(gain / first)
+    wk = mx.zeros((h, h))
+    wk = wk.at[:half, 0].add(mx.cos(d * theta) * gain / first)
+    wk = wk.at[half:, 0].add(mx.sin(d * theta) * gain / first)
+    for k in list(weights):
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[k] = mx.zeros_like(weights[k])
+    layer = "model.layers.0.self_attn."
+    weights[layer + "q_proj.weight"], weights[layer + "k_proj.weight"] = wq, wk
+    weights[layer + "v_proj.weight"] = mx.eye(h)
+    weights[layer + "o_proj.weight"] = 16.0 * mx.eye(h)
+    for k in list(weights):
+        if k.endswith("norm.weight"):
+            weights[k] = mx.ones_like(weights[k])
 
 
 def _scaled(arch: str, key: str) -> bool:

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from schemas import ChatRequest, MlxqError
 from worker.engine.batch import BatchEngine
 from worker.engine.layers import restore, snapshot
+from worker.engine.lookup import Lookup
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
 from worker.engine.prefix import PREFILL_STEP, starting_cache
@@ -91,17 +92,19 @@ class ChatGenerator:
         num_draft_tokens: int | None = None,
         use_draft: bool = True,
         deadline: Deadline | None = None,
+        lookup: Lookup | None = None,
     ) -> GenerationOutput:
         """Run ``request`` (its messages and sampling fields; or prepared) on these models.
 
-        ``use_draft=False`` decodes plainly even with a draft loaded;
+        ``use_draft=False`` decodes plainly even with a draft loaded; ``lookup``
+        speculates with prompt lookup instead (the draft is not used);
         ``num_draft_tokens`` overrides the request's draft length. Past
         ``deadline`` it raises :class:`schemas.JobTimeoutError`.
         """
         job = self._job(request, default_num_draft_tokens)
         if num_draft_tokens is not None:
             job = job.with_params(num_draft_tokens=num_draft_tokens)
-        draft = self.draft if self.draft is not None and use_draft else None
+        draft = self.draft if self.draft is not None and use_draft and not lookup else None
         # stream_generate's penalties see only what is prefilled: leave them their window.
         limit = len(job.prompt) - max(1, job.params.penalty_window)
         start = self.starting_cache(job, limit, draft)
@@ -116,6 +119,7 @@ class ChatGenerator:
             cache=start.cache,
             cached=start.cached,
             reused=start.reused,
+            lookup=lookup,
         )
 
     def generate_choices(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from schemas import ChatRequest, ContextLengthError, InvalidRequestError
 from worker.engine.constrain import Constraint, constraint_for
+from worker.engine.lookup import DEFAULT_LOOKUP, Lookup, lookup_for
 from worker.engine.prefix import common_prefix
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class GenerationParams:
     num_draft_tokens: int = 3
     constraint: Constraint | None = None  # response_format: the grammar the output follows
     logprobs: int | None = None  # None: no logprobs; else how many top alternatives (0-20)
+    lookup: Lookup = DEFAULT_LOOKUP  # prompt lookup's settings, should it speculate that way
 
     @property
     def penalty_window(self) -> int:
@@ -162,6 +164,7 @@ def params_for(
         frequency_penalty=request.frequency_penalty,
         logit_bias=bias,
         num_draft_tokens=request.num_draft_tokens or default_num_draft_tokens,
+        lookup=lookup_for(request.speculation),
         constraint=constraint,
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
     )

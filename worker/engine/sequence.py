@@ -89,6 +89,7 @@ class Sequence:
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_rejections: int = 0  # rounds that stopped before their last proposal
+    idle_rounds: int = 0  # speculative rounds with nothing proposed (a lookup's miss)
     cut: bool = False  # a stop string cut the text
     collector: LogprobCollector | None = field(init=False)
     _scan: StopScan = field(init=False)
@@ -187,6 +188,7 @@ class Sequence:
             draft_tokens_proposed=self.draft_proposed,
             draft_tokens_accepted=self.draft_accepted,
             draft_rejections=self.draft_rejections,
+            idle_rounds=self.idle_rounds,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             token_ids=tuple(self.tokens),
             cached_tokens=self.cached_tokens,

@@ -2,8 +2,9 @@
 
 Pure MLX and mlx-lm; knows nothing of Redis or jobs. Plain decoding is mlx-lm's
 own loop (``stream_generate``); speculative decoding is mlxq's
-(:mod:`worker.engine.speculate`), which is exact on every cache type where
-mlx-lm's is exact on plain KV caches only. Each token goes through the one
+(:mod:`worker.engine.speculate`), with a draft model or prompt lookup
+(:mod:`worker.engine.lookup`), exact on every cache type where mlx-lm's is exact
+on plain KV caches only. Each token goes through the one
 sequence type (``worker.engine.sequence``).
 """
 
@@ -18,11 +19,18 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import MlxqError
 from worker.engine.layers import count as cache_count
+from worker.engine.lookup import Lookup, NgramIndex
 from worker.engine.output import GenerationOutput
 from worker.engine.request import GenerationParams
 from worker.engine.sampling import logits_processors, plain_sampler
 from worker.engine.sequence import Deadline, OnText, Sequence
-from worker.engine.speculate import Tally, speculative_tokens
+from worker.engine.speculate import (
+    DraftProposer,
+    LookupProposer,
+    Proposer,
+    Tally,
+    speculative_tokens,
+)
 
 
 def generate(
@@ -36,10 +44,13 @@ def generate(
     cache: list[Any] | None = None,
     cached: int = 0,
     reused: int = 0,
+    lookup: Lookup | None = None,
 ) -> GenerationOutput:
-    """Generate a completion for ``prompt``; speculative when ``draft_model`` is given.
+    """Generate a completion for ``prompt``; speculative when ``draft_model`` is given
+    (proposing ``params.num_draft_tokens`` per round), or with prompt ``lookup`` (its
+    proposals capped the same way).
 
-    Greedy output (temperature 0) is the same with or without a draft. ``on_text``
+    Greedy output (temperature 0) is the same with or without speculation. ``on_text``
     receives the text as it is produced (see :class:`Sequence`). Past ``deadline``
     it raises :class:`JobTimeoutError` (checked at every token). ``cache`` (the
     target's layers, then the draft's) holds the KV state of the first ``cached``
@@ -50,9 +61,21 @@ def generate(
         mx.random.seed(params.seed)
     mx.reset_peak_memory()
     seq = Sequence(None, len(prompt), params, tokenizer.detokenizer, reused, on_text)
-    if draft_model is not None:
+    if draft_model is not None or lookup is not None:
         eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
-        finish = _speculative(model, draft_model, prompt, seq, eos, deadline, cache, cached)
+        n_t = cache_count(model)
+        if cache is None:
+            t_cache, cached = make_prompt_cache(model), 0
+        else:
+            t_cache = cache[:n_t]
+        proposer: Proposer
+        if draft_model is not None:
+            d_cache = cache[n_t:] if cache is not None else make_prompt_cache(draft_model)
+            proposer = DraftProposer(draft_model, d_cache, prompt, cached)
+        else:
+            assert lookup is not None
+            proposer = LookupProposer(NgramIndex(lookup, prompt))
+        finish = _speculative(model, proposer, prompt, seq, eos, deadline, t_cache, cached)
         out = seq.finish(finish)
     else:
         finish, last = "length", None
@@ -82,32 +105,26 @@ def generate(
 
 def _speculative(
     model: nn.Module,
-    draft: nn.Module,
+    proposer: Proposer,
     prompt: list[int],
     seq: Sequence,
     eos: frozenset[int],
     deadline: Deadline | None,
-    cache: list[Any] | None,
+    t_cache: list[Any],
     cached: int,
 ) -> str:
     """Decode ``seq`` speculatively to its end; its finish reason."""
     params = seq.params
-    n_t = cache_count(model)
-    if cache is None:
-        t_cache, d_cache, cached = make_prompt_cache(model), make_prompt_cache(draft), 0
-    else:
-        t_cache, d_cache = cache[:n_t], cache[n_t:]
     tally = Tally()
     tokens = speculative_tokens(
         model,
-        draft,
+        proposer,
         prompt,
         k=params.num_draft_tokens,
         max_tokens=params.max_tokens,
         sampler=plain_sampler(params),
         processors=logits_processors(params),
         target_cache=t_cache,
-        draft_cache=d_cache,
         cached=cached,
         tally=tally,
     )
@@ -117,7 +134,7 @@ def _speculative(
         reason = "stop" if t.token in eos else ("length" if at_limit else None)
         ended = seq.advance(t.token, reason, t.logprobs)
         seq.draft_proposed, seq.draft_accepted = tally.proposed, tally.accepted
-        seq.draft_rejections = tally.rejections
+        seq.draft_rejections, seq.idle_rounds = tally.rejections, tally.idle
         if ended is not None:
             finish = ended
             break

@@ -9,7 +9,10 @@ row by row uses mlx-lm's own ``BatchKVCache`` left padding: what every row rejec
 is trimmed off the end, and the rest of a row's rejected tail is rolled round to
 the left of its filled part, where the attention mask skips it. Sequences join
 (all that joined since the last round prefilled together, then appended) and
-leave between rounds, as in :class:`worker.engine.batch.BatchEngine`. A model with
+leave between rounds, as in :class:`worker.engine.batch.BatchEngine`. Without a
+draft model, each row proposes from its own text (prompt lookup,
+``worker.engine.lookup``): rows with no match this round propose nothing (their
+verify positions past their proposals are padding, dropped as rejected). A model with
 any layer that is not plain KV (sliding window, recurrent state) is rewound by
 replay instead: its caches go back to a checkpoint taken before the pass, and the
 target runs again over each row's kept tokens (right-padded; the draft sees its
@@ -33,6 +36,7 @@ from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
 from worker.engine import rewind
 from worker.engine.batch import UNPADDED_PREFILL
 from worker.engine.layers import count as cache_count
+from worker.engine.lookup import NgramIndex
 from worker.engine.models import LoadedModel
 from worker.engine.prefix import PREFILL_STEP
 from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished, Start, Step
@@ -51,6 +55,7 @@ class _Row(Sequence):
     sampler: Any = None
     history: list[int] = field(default_factory=list)  # prompt + generated
     pending: list[int] = field(default_factory=list)  # tokens the draft has not seen yet
+    index: NgramIndex | None = None  # prompt lookup's, without a draft model
 
 
 def _all_kv(model: Any) -> bool:
@@ -73,7 +78,7 @@ class _Joiner:
     row: _Row
     rest: list[int]  # prompt tokens still to prefill (all but the cached ones and the last)
     target: Cache
-    draft: Cache
+    draft: Cache  # [] without a draft model
 
 
 def _drop_tail(cache: Cache, tails: list[int]) -> None:
@@ -98,17 +103,18 @@ def _drop_tail(cache: Cache, tails: list[int]) -> None:
 class SpecBatchEngine:
     """A continuous batch on (target, draft) that decodes speculatively: k draft tokens
     per round, or, with a ``planner``, each round the k in 0..k it chooses for the rows
-    held (``worker.schedule.goodput``; k = 0 is a plain step)."""
+    held (``worker.schedule.goodput``; k = 0 is a plain step). ``draft`` None: each row
+    proposes up to k tokens by prompt lookup (its job's ``params.lookup``)."""
 
     def __init__(
         self,
         target: LoadedModel,
-        draft: LoadedModel,
+        draft: LoadedModel | None,
         k: int,
         planner: DraftPlanner | None = None,
     ) -> None:
         self.target, self.draft, self.k = target, draft, k
-        self.models = (target, draft)
+        self.models = (target,) if draft is None else (target, draft)
         self.planner = planner
         self.eos = frozenset(int(t) for t in target.tokenizer.eos_token_ids)
         self.rows: list[_Row] = []
@@ -119,7 +125,7 @@ class SpecBatchEngine:
         self.replays = 0  # target passes that re-ran kept tokens (recurrent state)
         # Layers that are not all plain KV are rewound by checkpoint and replay.
         self.t_replay = not _all_kv(target.model)
-        self.d_replay = not _all_kv(draft.model)
+        self.d_replay = draft is not None and not _all_kv(draft.model)
 
     # -- the Engine interface ------------------------------------------------
     @property
@@ -152,13 +158,14 @@ class SpecBatchEngine:
         else:
             t_layers, d_layers, cached = start.cache[:n_t], start.cache[n_t:], start.cached
         t_layers = t_layers or make_prompt_cache(self.target.model)
-        d_layers = d_layers or make_prompt_cache(self.draft.model)
+        d_layers = (d_layers or make_prompt_cache(self.draft.model)) if self.draft else []
         why = rewind.unsupported(t_layers + d_layers, batch=True)
         for m in self.models:
             if m.config.get("model_type") in UNPADDED_PREFILL:
                 why = f"{m.config['model_type']} cannot prefill padded rows exactly"
         if why:
-            raise CannotTake(f"a speculative batch cannot hold this pair: {why}")
+            what = "this pair" if self.draft is not None else "this model"
+            raise CannotTake(f"a speculative batch cannot hold {what}: {why}")
         row = _Row(
             tag,
             len(prompt),
@@ -170,6 +177,7 @@ class SpecBatchEngine:
             sampler=sampler_for(params),
             history=list(prompt),
             pending=[prompt[-1]],
+            index=NgramIndex(params.lookup, prompt) if self.draft is None else None,
         )
         self.joining.append(_Joiner(row, prompt[cached:-1], t_layers, d_layers))
 
@@ -181,11 +189,11 @@ class SpecBatchEngine:
         width = max(len(r) for r in rests)
         tokens = mx.array([r + [0] * (width - len(r)) for r in rests])
         pad = [width - len(r) for r in rests]
-        caches = []
-        for model, layers in (
-            (self.target.model, [j.target for j in joiners]),
-            (self.draft.model, [j.draft for j in joiners]),  # (the same model may be both)
-        ):
+        caches: list[Cache | None] = [None, None]
+        models = [(self.target.model, [j.target for j in joiners])]
+        if self.draft is not None:  # (the same model may be both)
+            models.append((self.draft.model, [j.draft for j in joiners]))
+        for which, (model, layers) in enumerate(models):
             batch = [first.merge([row[i] for row in layers]) for i, first in enumerate(layers[0])]
             if width:
                 for c in batch:
@@ -195,9 +203,10 @@ class SpecBatchEngine:
                     mx.eval([c.state for c in batch])
                 for c in batch:
                     c.finalize()
-            caches.append(batch)
-        self.t_cache = _extend(self.t_cache, caches[0])
-        self.d_cache = _extend(self.d_cache, caches[1])
+            caches[which] = batch
+        self.t_cache = _extend(self.t_cache, caches[0] or [])
+        if caches[1] is not None:
+            self.d_cache = _extend(self.d_cache, caches[1])
         self.rows.extend(j.row for j in joiners)
 
     def remove(self, tag: Hashable) -> None:
@@ -219,14 +228,19 @@ class SpecBatchEngine:
         rows = self.rows
         if not rows:
             return Step(0, [], joined, decoding=0)
-        assert self.t_cache is not None and self.d_cache is not None
+        assert self.t_cache is not None
         now = time.perf_counter()
         left = [r.left for r in rows]
         tags = [r.tag for r in rows]
         k = self.planner.plan(tags, left) if self.planner else self.k
         ks = [min(k, n) for n in left]
-        kr = max(ks)
-        drafts, d_mark = self._draft(kr) if kr else ([[] for _ in rows], None)  # [rows][kr]
+        d_mark, caps = None, ks
+        if self.draft is None:  # each row's own lookup; padded to the longest
+            drafts, ks = self._lookup(ks)
+            kr = max(ks)
+        else:
+            kr = max(ks)
+            drafts, d_mark = self._draft(kr) if kr else ([[] for _ in rows], None)  # [rows][kr]
         drafted = time.perf_counter()
         ys = [r.history[-1] for r in rows]
         verify_in = mx.array([[y, *d] for y, d in zip(ys, drafts, strict=True)])
@@ -259,7 +273,10 @@ class SpecBatchEngine:
                 finish = row.advance(token, reason, vectors(i, j))
                 if finish is not None:
                     break
-            if kr == 0:  # the draft did not run: it has this token to see as well
+            row.idle_rounds += caps[i] > 0 and ks[i] == 0  # (a lookup that found nothing)
+            if self.draft is None:
+                pass
+            elif kr == 0:  # the draft did not run: it has this token to see as well
                 row.pending.append(row.history[-1])
             elif d_mark is not None:  # the draft goes back to after its first pass
                 row.pending = chosen[i][: a + 1]
@@ -274,8 +291,9 @@ class SpecBatchEngine:
         elif max(t_tail) > 0:
             self._replay(t_mark, verify_in, accepts)
         if d_mark is not None:
+            assert self.d_cache is not None
             rewind.batch_restore(self.d_cache, d_mark)  # (all rows: kept tokens are pending)
-        else:
+        elif self.d_cache is not None:
             _drop_tail(self.d_cache, d_tail)
         if len(keep) < len(rows):
             self._keep(keep)
@@ -304,12 +322,23 @@ class SpecBatchEngine:
         mx.eval([c.state for c in self.t_cache])
         self.replays += 1
 
+    def _lookup(self, ks: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Each row's prompt-lookup proposal (up to ``ks[i]`` tokens), padded to the longest,
+        and each one's length."""
+        found = []
+        for row, n in zip(self.rows, ks, strict=True):
+            assert row.index is not None
+            row.index.sync(row.history)
+            found.append(row.index.propose(n))
+        width = max((len(f) for f in found), default=0)
+        return [f + [0] * (width - len(f)) for f in found], [len(f) for f in found]
+
     def _draft(self, kr: int) -> tuple[list[list[int]], list[Any] | None]:
         """``kr`` draft tokens for every row (the draft's passes batched), and, for a draft
         rewound by replay, its checkpoint after the first pass (which takes what the rows'
         drafts had not seen yet, for good)."""
         rows = self.rows
-        assert self.d_cache is not None
+        assert self.d_cache is not None and self.draft is not None
         lens = [len(r.pending) for r in rows]
         width = max(lens)
         if width > min(lens):

@@ -1,13 +1,15 @@
 """Speculative decoding of one sequence, exact on every cache type.
 
-Each round the draft proposes up to k tokens (one pass each), the target
-verifies them in one pass of k + 1 tokens, the sequence keeps the draft's
+Each round a proposer offers up to k tokens: a draft model (one pass each,
+:class:`DraftProposer`) or the sequence's own text (prompt lookup,
+:class:`LookupProposer`, no model at all); the target verifies them in one pass
+of k + 1 tokens, the sequence keeps the draft's
 tokens while they equal the target's own (greedy: exactly what the target
 alone would write) and then the target's token, and both caches are rewound
 past the rejected tokens with :mod:`worker.engine.rewind`: cut off for KV and
 sliding-window layers, restored and replayed over the kept tokens for
-recurrent layers. mlx-lm's own loop (``speculative_generate_step``) does this
-for plain KV caches only.
+recurrent layers (a lookup has no cache to rewind). mlx-lm's own loop
+(``speculative_generate_step``) does this for plain KV caches only.
 
 Counting is honest: a draft token counts as proposed only once the sequence
 reaches its position (tokens drafted past the end of a sequence count as
@@ -21,16 +23,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from worker.engine import rewind
+from worker.engine.lookup import NgramIndex
 from worker.engine.prefix import PREFILL_STEP
 
 Cache = list[Any]
 Sampler = Callable[[mx.array], mx.array]
+#: A token (sampled, with its log-probability vector) from logits, given the context.
+Pick = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Tally:
     accepted: int = 0
     rejections: int = 0
     rounds: int = 0
+    idle: int = 0  # rounds with nothing to propose (prompt lookup found no match)
     replays: int = 0
     replay_s: float = 0.0
     verify_s: float = 0.0
@@ -64,9 +70,79 @@ def _prefill(model: nn.Module, cache: Cache, tokens: list[int]) -> None:
         mx.eval([c.state for c in cache])
 
 
+class Proposer(Protocol):
+    """What offers each round's tokens for the target to verify."""
+
+    def propose(self, num: int, history: list[int], pick: Pick) -> mx.array | None:
+        """Up to ``num`` tokens to follow ``history`` (prompt + emitted), lazily evaluated,
+        or None for none this round."""
+        ...
+
+    def settle(self, proposed: list[int], chosen: list[int], a: int) -> None:
+        """After verification: ``a`` of ``proposed`` were kept, then ``chosen[a]``."""
+        ...
+
+
+class DraftProposer:
+    """A draft model, one pass per proposed token, its cache rewound past rejections."""
+
+    def __init__(self, model: nn.Module, cache: Cache, prompt: list[int], cached: int) -> None:
+        self.model, self.cache = model, cache
+        _prefill(model, cache, prompt[cached:-1])
+        self.unseen = [prompt[-1]]  # what the draft has not seen yet
+        self.replay = rewind.needs_replay(cache)
+        self.mark: list[Any] | None = None
+
+    def propose(self, num: int, history: list[int], pick: Pick) -> mx.array | None:
+        # The first pass takes what the draft has not seen (kept for good); a cache that
+        # its next passes cannot be trimmed back from is checkpointed after it.
+        restore = self.replay or rewind.wraps(self.cache, len(self.unseen) + num)
+        self.mark = None
+        drafts: list[mx.array] = []
+        base = mx.array(history, mx.uint32)
+        inp = mx.array(self.unseen, mx.uint32)
+        for step in range(num):
+            logits = self.model(inp[None], cache=self.cache)[:, -1, :]
+            if step == 0 and restore and num > 1:
+                self.mark = rewind.checkpoint(self.cache, copy=True)
+            tok, _ = pick(logits, mx.concatenate([base, *drafts]) if drafts else base)
+            mx.async_eval(tok)
+            drafts.append(tok)
+            inp = tok
+        return mx.concatenate(drafts) if drafts else None
+
+    def settle(self, proposed: list[int], chosen: list[int], a: int) -> None:
+        num = len(proposed)
+        if num == 0:  # it did not run: this token is unseen as well
+            self.unseen = [*self.unseen, chosen[0]]
+        elif a == num:  # it saw all but its last token
+            self.unseen = [proposed[-1], chosen[a]]
+        elif self.mark is not None:  # back to after its first pass; the kept tokens go next
+            rewind.restore(self.cache, self.mark)
+            self.unseen = chosen[: a + 1]
+        else:
+            rewind.trim(self.cache, num - 1 - a)  # (it never saw its last token)
+            self.unseen = [chosen[a]]
+
+
+class LookupProposer:
+    """Prompt lookup (``worker.engine.lookup``): no model, nothing to rewind."""
+
+    def __init__(self, index: NgramIndex) -> None:
+        self.index = index
+
+    def propose(self, num: int, history: list[int], pick: Pick) -> mx.array | None:
+        self.index.sync(history)
+        got = self.index.propose(num)
+        return mx.array(got, mx.uint32) if got else None
+
+    def settle(self, proposed: list[int], chosen: list[int], a: int) -> None:
+        return None
+
+
 def speculative_tokens(
     model: nn.Module,
-    draft: nn.Module,
+    proposer: Proposer,
     prompt: list[int],
     *,
     k: int,
@@ -74,19 +150,17 @@ def speculative_tokens(
     sampler: Sampler,
     processors: list[Any],
     target_cache: Cache,
-    draft_cache: Cache,
     cached: int = 0,
     tally: Tally | None = None,
 ) -> Iterator[Token]:
     """The tokens of ``prompt``'s continuation, ``max_tokens`` at most, decoded with
-    ``draft`` proposing ``k`` per round. Both caches hold the first ``cached`` prompt
-    tokens (the rest is prefilled here). Stop iterating to end the sequence early."""
+    ``proposer`` offering up to ``k`` per round. The target's cache holds the first
+    ``cached`` prompt tokens (the rest is prefilled here). Stop iterating to end the
+    sequence early."""
     tally = tally if tally is not None else Tally()
     _prefill(model, target_cache, prompt[cached:-1])
-    _prefill(draft, draft_cache, prompt[cached:-1])
     history = list(prompt)  # prompt + tokens emitted
     replay = rewind.needs_replay(target_cache)
-    draft_replay = rewind.needs_replay(draft_cache)
 
     def pick(logits: mx.array, context: list[int] | mx.array) -> tuple[mx.array, mx.array]:
         if processors:
@@ -97,34 +171,21 @@ def speculative_tokens(
         return sampler(logprobs), logprobs
 
     y = [prompt[-1]]  # what the target has not seen yet
-    dy = [prompt[-1]]  # what the draft has not seen yet
     emitted = 0
     while emitted < max_tokens:
-        num = min(k, max_tokens - emitted)
-        # -- draft: num tokens, one pass each -------------------------------------
-        # The draft's first pass takes what it has not seen (kept for good); a cache that
-        # its next passes cannot be trimmed back from is checkpointed after it.
-        restore_draft = draft_replay or rewind.wraps(draft_cache, len(dy) + num)
-        d_mark = None
-        drafts: list[mx.array] = []
+        # -- propose: up to k tokens ------------------------------------------------
+        drafts = proposer.propose(min(k, max_tokens - emitted), history, pick)
+        num = 0 if drafts is None else drafts.size
+        # -- verify: one target pass over y and the proposals ----------------------
         base = mx.array(history, mx.uint32)
-        inp = mx.array(dy, mx.uint32)
-        for step in range(num):
-            logits = draft(inp[None], cache=draft_cache)[:, -1, :]
-            if step == 0 and restore_draft and num > 1:
-                d_mark = rewind.checkpoint(draft_cache, copy=True)
-            tok, _ = pick(logits, mx.concatenate([base, *drafts]) if drafts else base)
-            mx.async_eval(tok)
-            drafts.append(tok)
-            inp = tok
-        # -- verify: one target pass over y and the drafts -------------------------
         t_mark = rewind.checkpoint(target_cache) if replay and num else None
         started = time.perf_counter()
-        verify_in = mx.concatenate([mx.array(y, mx.uint32), *drafts]) if drafts else mx.array(y)
+        y_in = mx.array(y, mx.uint32)
+        verify_in = y_in if drafts is None else mx.concatenate([y_in, drafts])
         logits = model(verify_in[None], cache=target_cache)[0, -(num + 1) :, :]
         if processors:
             picks = [
-                pick(logits[j : j + 1], mx.concatenate([base, *drafts[:j]]) if j else base)
+                pick(logits[j : j + 1], mx.concatenate([base, drafts[:j]]) if j else base)
                 for j in range(num + 1)
             ]
             chosen_arr = mx.concatenate([t for t, _ in picks])
@@ -132,15 +193,16 @@ def speculative_tokens(
         else:
             chosen_arr, lp_all = pick(logits, base)
             lps = [lp_all[j] for j in range(num + 1)]
-        mx.eval(chosen_arr, *drafts)
+        mx.eval(chosen_arr, *([] if drafts is None else [drafts]))
         tally.verify_s += time.perf_counter() - started
         tally.rounds += 1
+        tally.idle += num == 0
         chosen = chosen_arr.tolist()
-        proposed = [int(d.item()) for d in drafts]
+        proposed = drafts.tolist() if drafts is not None else []
         a = 0
         while a < num and chosen[a] == proposed[a]:
             a += 1
-        # -- emit: accepted drafts, then the target's token ------------------------
+        # -- emit: accepted proposals, then the target's token ---------------------
         for j in range(a + 1):
             if emitted >= max_tokens:
                 break
@@ -155,7 +217,7 @@ def speculative_tokens(
             yield Token(chosen[j], lps[j], j < a)
         if emitted >= max_tokens:
             return
-        # -- rewind both caches past what was rejected ------------------------------
+        # -- rewind the target past what was rejected; the proposer settles --------
         if a < num:
             if t_mark is not None:
                 started = time.perf_counter()
@@ -167,11 +229,4 @@ def speculative_tokens(
             else:
                 rewind.cut(target_cache, num - a)
         y = [chosen[a]]
-        if a == num:  # the draft saw all but its last token
-            dy = [proposed[-1], chosen[a]] if num else [chosen[a]]
-        elif d_mark is not None:  # back to after its first pass; the kept tokens go next
-            rewind.restore(draft_cache, d_mark)
-            dy = chosen[: a + 1]
-        else:
-            rewind.trim(draft_cache, num - 1 - a)  # (it never saw its last token)
-            dy = [chosen[a]]
+        proposer.settle(proposed, chosen, a)

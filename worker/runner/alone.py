@@ -26,7 +26,7 @@ from worker.lifecycle.streaming import ChunkWriter
 from worker.runner import records
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
-from worker.schedule.policy import Decision, JobSpeed
+from worker.schedule.policy import LOOKUP, Decision, JobSpeed
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,11 @@ def deadline_of(job: Job) -> Deadline | None:
 
 
 def speed_of(out: GenerationOutput) -> JobSpeed:
-    """What the speculation policy learns from a finished job."""
-    return JobSpeed(
-        out.completion_tokens, out.decode_s, out.draft_tokens_accepted, out.draft_rejections
-    )
+    """What the speculation policy learns from a finished job. A round that proposed
+    nothing (a lookup's miss) counts as a rejection: like one, it emitted one token, so
+    the policy's tokens per round stay what the job measured."""
+    rejections = out.draft_rejections + out.idle_rounds
+    return JobSpeed(out.completion_tokens, out.decode_s, out.draft_tokens_accepted, rejections)
 
 
 def generate_reserved(
@@ -51,15 +52,22 @@ def generate_reserved(
     speculative: bool = False,
     on_text: OnText | None = None,
     deadline: Deadline | None = None,
+    lookup: bool = False,
 ) -> GenerationOutput:
-    """``job`` alone (with the draft when ``speculative``), its KV caches reserved in the
-    model cache while it runs: they must fit, or it fails naming the numbers, and kept
-    prefixes keep out of that room."""
+    """``job`` alone (with the draft when ``speculative``; by prompt lookup instead with
+    ``lookup``), its KV caches reserved in the model cache while it runs: they must fit,
+    or it fails naming the numbers, and kept prefixes keep out of that room."""
     models = [generator.target]
-    if speculative and generator.draft is not None:
+    if speculative and generator.draft is not None and not lookup:
         models.append(generator.draft)
     with generator.models.reserving(projected(models, [job.length()]), job.label):
-        return generator.generate(job, on_text=on_text, use_draft=speculative, deadline=deadline)
+        return generator.generate(
+            job,
+            on_text=on_text,
+            use_draft=speculative,
+            deadline=deadline,
+            lookup=job.params.lookup if speculative and lookup else None,
+        )
 
 
 def _streamer(writer: ChunkWriter, target: LoadedModel, logprobs: bool) -> OnText:
@@ -88,6 +96,7 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
     writer = None
     try:
         rt.check_request(req)
+        proposer = rt.policy.proposer(req)  # a draft, prompt lookup, or nothing
         generator = ChatGenerator.get_or_create(
             req.model, req.draft_model, req.adapter, cache=rt.cache
         )
@@ -98,7 +107,7 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
         prepared = generator.prepare(req, rt.default_num_draft_tokens)
         if req.n > 1:
             decision = None
-            if req.draft_model:
+            if proposer is not None:
                 decision = Decision(0, f"n={req.n}: the choices decode as one batch, plainly")
             need = projected([target], [prepared.length()] * req.n)
             with rt.cache.reserving(need, f"{req.n} x {prepared.label}"):
@@ -113,8 +122,8 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
                 decision=decision,
             )
         decision = None
-        if req.draft_model:
-            decision = rt.policy.choose(req.model, req.draft_model, req.num_draft_tokens)
+        if proposer is not None:
+            decision = rt.policy.choose(req.model, proposer, rt.policy.fixed_k(req))
             if req.stream:  # say why a streamed job never shares a speculative batch
                 reason = f"{decision.reason}; streamed, so alone (streams are not batched)"
                 decision = dataclasses.replace(decision, reason=reason)
@@ -127,9 +136,10 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
             speculative,
             on_text=_streamer(writer, target, bool(req.logprobs)) if writer else None,
             deadline=deadline_of(job),
+            lookup=proposer == LOOKUP,
         )
-        if decision is not None and req.draft_model:
-            rt.policy.record(req.model, req.draft_model, decision, speed_of(out))
+        if decision is not None and proposer is not None:
+            rt.policy.record(req.model, proposer, decision, speed_of(out))
         record = records.success(
             job, rt, out, generator, completion_id=completion_id, decision=decision
         )

@@ -54,7 +54,7 @@ from worker.runner.runtime import WorkerRuntime
 from worker.schedule.goodput import Goodput
 from worker.schedule.grouping import BatchKey, batch_key, batchable
 from worker.schedule.meter import BatchMeter
-from worker.schedule.policy import Decision
+from worker.schedule.policy import LOOKUP, Decision
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ class ContinuousBatch:
         req = first.envelope.request
         self.decision = decision
         # jobs like the first join on its terms when the policy (not the job) chose them
-        self.draft_named = req.draft_model if req.num_draft_tokens is None else None
+        fixed = self.rt.policy.fixed_k(req) is not None
+        self.draft_named = self.rt.policy.proposer(req) if not fixed else None
         try:
             self._admit(first, decision)
             self._fill()  # the queued companions join before the first step
@@ -212,11 +213,12 @@ class ContinuousBatch:
         on the batch's terms until the queue runs dry, so a batch (and what the policy
         measures of it) is not starved when the policy changes its mind mid-batch."""
         req = job.envelope.request
+        policy = self.rt.policy
         return (
             self.decision is not None
-            and req.draft_model is not None
-            and req.draft_model == self.draft_named
-            and req.num_draft_tokens is None
+            and self.draft_named is not None
+            and policy.proposer(req) == self.draft_named
+            and policy.fixed_k(req) is None
             and (req.model, req.adapter) == (self.key.model, self.key.adapter)
             and batchable(req)
         )
@@ -312,8 +314,9 @@ class ContinuousBatch:
     def _engine(self) -> Engine:
         if self.engine is None:
             model, adapter, draft, k, adaptive = self.key
-            self.generator = ChatGenerator.get_or_create(model, draft, adapter, cache=self.rt.cache)
-            if draft is not None and self.generator.draft is not None:
+            named = draft if draft != LOOKUP else None  # a draft model to load
+            self.generator = ChatGenerator.get_or_create(model, named, adapter, cache=self.rt.cache)
+            if draft is not None:
                 target, draft_model = self.generator.target, self.generator.draft
                 planner = None
                 if adaptive:

@@ -135,7 +135,7 @@ class Worker:
         self.state, self.current = "busy", job.id
         depth, taken = 1, None
         if self.max_batch != 1:
-            if job.envelope.request.draft_model:  # batch or speculate: how many wait?
+            if self.rt.policy.proposer(job.envelope.request):  # batch or speculate: how many wait?
                 waiting = self.lifecycle.waiting(job.queue)
                 depth += min(waiting, (self.max_batch or AUTO_CAP) - 1)
             taken = batch_key(job.envelope.request, self.rt.policy, depth)

@@ -23,7 +23,7 @@ from worker.engine.generator import ChatGenerator
 from worker.engine.logprobs import render
 from worker.lifecycle.held import Job
 from worker.runner.runtime import WorkerRuntime
-from worker.schedule.policy import Decision
+from worker.schedule.policy import LOOKUP, Decision
 
 
 @functools.cache
@@ -105,6 +105,7 @@ def success(
             "generation_tokens_per_s": out.generation_tokens_per_s,
             "num_draft_tokens": decision.k if decision and speculative else None,
             "speculative": speculative,
+            "speculation_method": _method(job, rt) if speculative else None,
             "speculation_reason": decision.reason if decision else None,
             "draft_tokens_proposed": out.draft_tokens_proposed,
             "draft_tokens_accepted": out.draft_tokens_accepted,
@@ -123,6 +124,11 @@ def success(
         metrics=metrics,
         finished_at=time.time(),
     )
+
+
+def _method(job: Job, rt: WorkerRuntime) -> str:
+    """How a speculative job's tokens were proposed: "draft" or "prompt_lookup"."""
+    return "prompt_lookup" if rt.policy.proposer(job.envelope.request) == LOOKUP else "draft"
 
 
 def failure(job: Job, rt: WorkerRuntime, error: MlxqError) -> ResultRecord:

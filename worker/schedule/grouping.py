@@ -20,7 +20,7 @@ class BatchKey(NamedTuple):
 
     model: str
     adapter: str | None
-    draft: str | None  # None: no draft (a plain batch)
+    draft: str | None  # None: no draft (a plain batch); policy.LOOKUP: prompt lookup
     k: int  # draft tokens per round (0: plain); with ``adaptive``, the most per round
     adaptive: bool = False  # k chosen each round (``worker.schedule.goodput``)
 
@@ -36,18 +36,18 @@ def batch_key(
 ) -> tuple[BatchKey, Decision | None] | None:
     """The batch a job may join, or None if it runs alone.
 
-    A job naming a draft joins a batch when the speculation policy says so: without
+    A job naming a draft (or speculating by prompt lookup) joins a batch when the
+    speculation policy says so: without
     the draft (k 0) or in a speculative batch with it at k; the policy's decision
     (and why) comes along for its metrics.
     """
     if not batchable(req):
         return None
-    if not req.draft_model:
+    proposer = policy.proposer(req)  # a draft, prompt lookup, or nothing
+    if proposer is None:
         return BatchKey(req.model, req.adapter, None, 0), None
-    decision = policy.batch_instead(
-        req.model, req.draft_model, req.adapter, depth, req.num_draft_tokens
-    )
+    decision = policy.batch_instead(req.model, proposer, req.adapter, depth, policy.fixed_k(req))
     if decision is None:
         return None
-    draft = req.draft_model if decision.speculative else None
+    draft = proposer if decision.speculative else None
     return BatchKey(req.model, req.adapter, draft, decision.k, decision.adaptive), decision

@@ -40,12 +40,22 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from schemas import ChatRequest
 from worker.schedule.batchsize import BatchRates
 from worker.schedule.estimators import Acceptance, AffineCost, Running, expected_tokens
 
 PLAIN = 0
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8)
 MODES = ("auto", "always", "never")
+#: The "draft" of jobs that speculate by prompt lookup (``worker.engine.lookup``), in the
+#: policy's measurements and a batch's key: measured per target like any draft.
+LOOKUP = "<prompt lookup>"
+#: What ``--lookup`` does for jobs that name no draft: ``never`` (prompt lookup only for
+#: jobs that ask for it), ``auto`` (prompt lookup, run as ``--speculative`` decides),
+#: ``always`` (prompt lookup speculates whenever it is used).
+LOOKUP_MODES = ("never", "auto", "always")
+#: Proposal lengths auto predicts for prompt lookup (its proposals cost no draft pass).
+LOOKUP_KS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 @dataclass(frozen=True)
@@ -116,10 +126,15 @@ class SpeculationPolicy:
         default_k: int = 3,
         ks: tuple[int, ...] = DEFAULT_KS,
         probe_every: int = 10,
+        lookup: str = "never",
+        lookup_k: int = 4,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
+        if lookup not in LOOKUP_MODES:
+            raise ValueError(f"lookup mode must be one of {LOOKUP_MODES}, not {lookup!r}")
         self.mode, self.default_k, self.ks, self.probe_every = mode, default_k, ks, probe_every
+        self.lookup, self.lookup_k = lookup, lookup_k
         self.pairs: dict[tuple[str, str], PairStats] = {}
         self.batches: dict[tuple[str, str | None], BatchRates] = {}
         # speculative batches: (target, adapter, draft, k) -> their measured speeds
@@ -130,6 +145,36 @@ class SpeculationPolicy:
         # (target, draft) pairs a speculative batch cannot hold, and why
         self.no_spec_batch: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
+
+    def proposer(self, req: ChatRequest) -> str | None:
+        """What proposes a job's speculative tokens, as the policy names it: the draft it
+        names, :data:`LOOKUP`, or None (it never speculates)."""
+        method = req.speculation_method
+        if method == "draft":
+            return req.draft_model
+        if method == "prompt_lookup" or (method is None and self.lookup != "never"):
+            return LOOKUP
+        return None
+
+    def fixed_k(self, req: ChatRequest) -> int | None:
+        """The k a job fixes for itself (``num_draft_tokens``, or prompt lookup's
+        ``num_tokens``), if it does."""
+        if req.speculation is not None and req.speculation.num_tokens is not None:
+            return req.speculation.num_tokens
+        return req.num_draft_tokens
+
+    def _mode(self, draft: str) -> str:
+        """``--speculative`` for this proposer (``--lookup always`` makes prompt lookup's
+        always, unless speculation is off)."""
+        if draft == LOOKUP and self.lookup == "always" and self.mode != "never":
+            return "always"
+        return self.mode
+
+    def _k(self, draft: str) -> int:
+        return self.lookup_k if draft == LOOKUP else self.default_k
+
+    def _ks(self, draft: str) -> tuple[int, ...]:
+        return LOOKUP_KS if draft == LOOKUP else self.ks
 
     def refuse_spec_batch(self, target: str, draft: str, reason: str) -> None:
         """A speculative batch could not take a job of this pair (``reason``): its jobs
@@ -156,21 +201,22 @@ class SpeculationPolicy:
         """
         if depth < 2:
             return None
-        if self.mode == "never":
+        mode = self._mode(draft)
+        if mode == "never":
             return Decision(PLAIN, "policy never: draft ignored, batched")
         refused = self.no_spec_batch.get((target, draft))
-        if refused is not None and (fixed_k is not None or self.mode == "always"):
+        if refused is not None and (fixed_k is not None or mode == "always"):
             return None  # speculative, then, but alone
         if fixed_k is not None:
-            return Decision(fixed_k, f"num_draft_tokens fixed by the job: batched at k={fixed_k}")
-        if self.mode == "always":
-            k = self.default_k
+            return Decision(fixed_k, f"{_fixed(draft)} fixed by the job: batched at k={fixed_k}")
+        if mode == "always":
+            k = self._k(draft)
             return Decision(k, f"policy always: speculative batch at k={k}")
         with self._lock:
             pair = self.pairs.get((target, draft))
-            if pair is None or self._to_measure(pair) is not None:
+            if pair is None or self._to_measure(pair, draft) is not None:
                 return None  # measure the pair one job at a time first
-            alone = max(pair.arms[PLAIN].value, *pair.predicted(self.ks).values())
+            alone = max(pair.arms[PLAIN].value, *pair.predicted(self._ks(draft)).values())
             rates = self.batches.get((target, adapter))
             batched = rates.rate(depth) if rates else None
             if batched is None:
@@ -179,7 +225,7 @@ class SpeculationPolicy:
                 if batched >= alone:
                     return Decision(PLAIN, f"auto: {refused}; batched without the draft")
                 return None
-            cap = self._explore()[-1]
+            cap = self._explore(draft)[-1]
             rates_k = self.spec_batches.get((target, adapter, draft, ADAPTIVE))
             spec_rate = rates_k.rate(depth) if rates_k else None
             if spec_rate is None:
@@ -267,16 +313,17 @@ class SpeculationPolicy:
             return self.batches.setdefault((target, adapter), BatchRates())
         return self.spec_batches.setdefault((target, adapter, draft, k), BatchRates())
 
-    def _explore(self) -> tuple[int, ...]:
-        second = min((k for k in self.ks if k >= 2 * self.default_k), default=max(self.ks))
-        return (PLAIN, self.default_k, second)
+    def _explore(self, draft: str) -> tuple[int, ...]:
+        ks, k = self._ks(draft), self._k(draft)
+        second = min((j for j in ks if j >= 2 * k), default=max(ks))
+        return (PLAIN, k, second)
 
-    def _to_measure(self, pair: PairStats) -> int | None:
+    def _to_measure(self, pair: PairStats, draft: str) -> int | None:
         """The next arm auto measures for ``pair`` (plain, k, then 2k), or None when done.
         An arm its own measurements already say loses is skipped: a round at k costs at
         least what a measured round at a smaller k did, so k can emit at most
         ``expected_tokens(p, k)`` tokens in that time; below plain's speed, it loses."""
-        for k in self._explore():
+        for k in self._explore(draft):
             if pair.arms.get(k, Running()).runs:
                 continue
             shorter = [j for j, a in pair.arms.items() if PLAIN < j < k and a.runs]
@@ -288,21 +335,22 @@ class SpeculationPolicy:
         return None
 
     def choose(self, target: str, draft: str, fixed_k: int | None = None) -> Decision:
-        if self.mode == "never":
+        mode = self._mode(draft)
+        if mode == "never":
             return Decision(PLAIN, "policy never: draft ignored")
         alone = f"; alone: {r}" if (r := self.no_spec_batch.get((target, draft))) else ""
         if fixed_k is not None:
-            return Decision(fixed_k, f"num_draft_tokens fixed by the job{alone}")
-        if self.mode == "always":
-            return Decision(self.default_k, f"policy always: worker default k{alone}")
+            return Decision(fixed_k, f"{_fixed(draft)} fixed by the job{alone}")
+        if mode == "always":
+            return Decision(self._k(draft), f"policy always: worker default k{alone}")
         with self._lock:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1
-            k = self._to_measure(pair)
+            k = self._to_measure(pair, draft)
             if k is not None:
                 return Decision(k, f"auto: measuring {_name(k)}")
             plain = pair.arms[PLAIN].value
-            predicted = pair.predicted(self.ks)
+            predicted = pair.predicted(self._ks(draft))
             best_k = max(predicted, key=predicted.__getitem__)
             best = best_k if predicted[best_k] > plain else PLAIN
             # Re-measure what is not running. While plain wins: the draft at the
@@ -313,7 +361,7 @@ class SpeculationPolicy:
             # wins: plain every 10 * probe_every jobs (plain speed hardly drifts,
             # and each speculative job keeps measuring acceptance).
             if best == PLAIN:
-                probe, every = min(self.ks), pair.probe_interval or self.probe_every
+                probe, every = min(self._ks(draft)), pair.probe_interval or self.probe_every
             else:
                 probe, every = PLAIN, 10 * self.probe_every
                 pair.probe_interval = self.probe_every
@@ -364,7 +412,7 @@ class SpeculationPolicy:
                 row["plain decoding"] = round(p.arms[PLAIN].value, 2)
             if any(k != PLAIN for k in p.arms):
                 row["acceptance"] = round(p.acceptance, 3)
-                row |= {f"k={k}": round(v, 2) for k, v in p.predicted(self.ks).items()}
+                row |= {f"k={k}": round(v, 2) for k, v in p.predicted(self._ks(d)).items()}
             out[f"{t} + {d}"] = row
         return out
 
@@ -375,6 +423,11 @@ def _kind(draft: str | None, k: int, adaptive: bool) -> tuple[str | None, int]:
     if draft is None or k == PLAIN:
         return None, PLAIN
     return draft, ADAPTIVE if adaptive else k
+
+
+def _fixed(draft: str) -> str:
+    """What a job fixes its k with, for this proposer."""
+    return "speculation.num_tokens" if draft == LOOKUP else "num_draft_tokens"
 
 
 def _name(k: int) -> str:
