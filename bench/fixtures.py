@@ -11,7 +11,8 @@ All synthetic: random weights, one shared BPE tokenizer (vocab 512) but for ``wi
 - ``unrelated``: 1 x 128 random: the same tokenizer, ~0% acceptance.
 - ``medium``: 8 x 512, for the quicker worker-overhead benchmark.
 - ``quote32k``: ``wide32k``'s size, one attention head, built to quote: its greedy
-  answer replays the end of its prompt (``TinySpec.quote``), as extraction jobs do.
+  answer replays the end of its prompt (``TinySpec.quote``), as extraction jobs do;
+  ``free32k``: ``wide32k`` scaled up, so its text varies and copies nothing.
 - ``wide-gemma3``: ``wide``'s size in Gemma 3's shape (``gemma3_text``: 5 sliding-window
   layers of window 512 to 1 global, head_dim 64); ``wide-qwen35``: in Qwen3.5's
   (``qwen3_5``: 3 gated delta-net linear-attention layers to 1 full attention). Both
@@ -105,6 +106,21 @@ SPECS: dict[str, TinySpec] = {
         vocab=32000,
         tokenizer="bpe32k",
         quote=96,
+    ),
+    # ``wide32k`` with projections scaled 2.5x: its greedy text varies with context and
+    # repeats nothing (prompt lookup's free-text workload: nothing to copy).
+    "free32k": TinySpec(
+        layers=12,
+        hidden=1024,
+        intermediate=2816,
+        heads=16,
+        kv_heads=16,
+        context=4096,
+        seed=107,
+        tied=False,
+        weight_scale=2.5,
+        vocab=32000,
+        tokenizer="bpe32k",
     ),
     "medium": TinySpec(
         layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=8, context=4096, seed=11

@@ -5,8 +5,10 @@ Two workloads of ``--jobs`` greedy jobs each (synthetic models, ``bench.fixtures
 - **copy-heavy**: extraction jobs on ``quote32k`` (12 x 1024, fp32, 32k byte-level
   BPE) whose answers quote 60-80% of their prompts (the model replays the end of
   its prompt: ``TinySpec.quote``);
-- **free text**: the same jobs on ``wide32k`` (same size and tokenizer, random
-  weights: it copies nothing from its prompt, only its own repeats).
+- **free text**: the same prompts on ``free32k`` (same size and tokenizer, random
+  weights scaled so that its text varies: nothing in it repeats or copies);
+- with ``--real``, both kinds on Gemma 3 270M (``worker.gguf.bundled``): extraction
+  prompts it answers by quoting, and story prompts.
 
 Per workload, every job runs plainly and by prompt lookup (fixed ``--k``) one at a
 time, the arms alternating job by job (noise hits both alike), and through auto
@@ -69,6 +71,24 @@ def extraction_jobs(gen: ChatGenerator, n: int, quote: int, seed: int = 0) -> li
             words += 4
         reqs.append(_req(gen, text, 2 * quote))
     return reqs
+
+
+TOPICS = ["a lighthouse keeper", "a lost map", "a robot gardener", "the last train"]
+
+
+def real_jobs(gen: ChatGenerator, kind: str, n: int, max_tokens: int) -> list[ChatRequest]:
+    """Prompts for a real model: logs to rewrite keeping every word (copy-heavy), or
+    stories (free text)."""
+    rng = random.Random(1)
+    if kind == "copy-heavy":
+        contents = [
+            "Rewrite this shipping log as a list, one order per line, keeping every word:\n"
+            + record_text(rng, 50).replace("; ", ";\n")
+            for _ in range(n)
+        ]
+    else:
+        contents = [f"Write a short story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+    return [_req(gen, c, max_tokens) for c in contents]
 
 
 def _req(gen: ChatGenerator, content: str, max_tokens: int) -> ChatRequest:
@@ -188,7 +208,9 @@ def lookup_cost_us(gen: ChatGenerator, req: ChatRequest, steps: int = 2000) -> f
 
 def workload(name: str, target: str, args: argparse.Namespace) -> dict[str, Any]:
     gen = ChatGenerator.get_or_create(target, cache=ModelCache(prefix_bytes=0))
-    if name == "copy-heavy":
+    if name.startswith("real "):
+        reqs = real_jobs(gen, name.removeprefix("real "), args.real_jobs, args.real_tokens)
+    elif name == "copy-heavy":
         reqs = extraction_jobs(gen, args.jobs, args.quote)
     else:  # free text: the same prompts, a model with nothing to copy from them
         quote_gen = ChatGenerator.get_or_create(model("quote32k"), cache=ModelCache())
@@ -220,10 +242,20 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="lookup's fixed proposal length alone")
     ap.add_argument("--quote", type=int, default=96, help="quote32k's quoted span (tokens)")
     ap.add_argument("--workloads", default="copy-heavy,free-text")
+    ap.add_argument("--real", action="store_true", help="also Gemma 3 270M (worker.gguf)")
+    ap.add_argument("--real-jobs", type=int, default=6)
+    ap.add_argument("--real-tokens", type=int, default=96)
     args = ap.parse_args()
-    targets = {"copy-heavy": model("quote32k"), "free-text": model("wide32k")}
+    targets = {"copy-heavy": model("quote32k"), "free-text": model("free32k")}
+    names = args.workloads.split(",")
+    if args.real:
+        from worker.gguf.bundled import ensure
+
+        real = str(ensure(Path(".mlxq/models")).target)
+        targets |= {"real copy-heavy": real, "real free-text": real}
+        names += ["real copy-heavy", "real free-text"]
     results = {}
-    for name in args.workloads.split(","):
+    for name in names:
         results[name] = workload(name, targets[name], args)
         print(name, json.dumps(results[name], indent=1), flush=True)
     OUT.mkdir(exist_ok=True)

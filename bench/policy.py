@@ -21,6 +21,7 @@ from bench.plots import grouped_bars
 from schemas import ChatRequest
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
+from worker.engine.output import GenerationOutput
 from worker.runner.alone import speed_of
 from worker.schedule.policy import DEFAULT_KS, PLAIN, Decision, SpeculationPolicy
 
@@ -45,23 +46,36 @@ def jobs(
     ]
 
 
-def one(gen: ChatGenerator, req: ChatRequest, decision: Decision) -> tuple[int, float, object]:
+def one(
+    gen: ChatGenerator, req: ChatRequest, decision: Decision
+) -> tuple[int, float, GenerationOutput]:
     """(tokens, seconds, output) of one job run as ``decision`` says."""
     start = time.perf_counter()
-    out = gen.generate(req, num_draft_tokens=decision.k or None, use_draft=decision.speculative)
+    out = gen.generate(
+        req,
+        num_draft_tokens=decision.k or None,
+        use_draft=decision.speculative,
+        give_up_below=decision.give_up_below,
+    )
     return out.completion_tokens, time.perf_counter() - start, out
 
 
-def run(gen: ChatGenerator, reqs: list[ChatRequest], choose) -> list[tuple[int, float]]:
-    """(tokens, seconds) per job, choosing each job's arm with ``choose(out_or_None)``."""
-    timings = []
+def run(
+    gen: ChatGenerator, reqs: list[ChatRequest], choose
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]], list[tuple[Decision, bool]]]:
+    """(tokens, seconds) per job, choosing each job's arm with ``choose(out_or_None)``;
+    of the same job decoded plainly right after it (noise hits both alike); and each
+    job's decision and whether it gave up speculating."""
+    timings, plain, arms = [], [], []
     last = None
     for req in reqs:
         decision: Decision = choose(last)
         tokens, seconds, out = one(gen, req, decision)
         timings.append((tokens, seconds))
+        plain.append(one(gen, req, Decision(PLAIN, "plain"))[:2])
         last = (decision, speed_of(out))
-    return timings
+        arms.append((decision, bool(out.gave_up_after)))
+    return timings, plain, arms
 
 
 def rate(timings: list[tuple[int, float]]) -> float:
@@ -77,12 +91,14 @@ def main() -> None:
         action="store_true",
         help="also the pair trained on CPython sources (bench/trained.py; ~10 min once)",
     )
+    ap.add_argument("--pairs", default="copy,unrelated", help="of: copy, unrelated")
     args = ap.parse_args()
     wide = model("wide")
     pairs: dict[str, tuple[str, str, tuple[int, ...], list[str] | None]] = {
         "copy (synthetic)": (wide, model("copy"), (2, 4, 6, 8), None),
         "unrelated (synthetic)": (wide, model("unrelated"), (1, 2), None),
     }
+    pairs = {n: v for n, v in pairs.items() if n.split()[0] in args.pairs.split(",")}
     if args.trained:
         from bench.trained import ensure_pair, prompts
 
@@ -106,7 +122,7 @@ def main() -> None:
                 policy.record(target, draft, *last)
             return policy.choose(target, draft)
 
-        auto = run(gen, reqs, choose)  # from scratch: includes its exploring
+        auto, cold_plain, arms = run(gen, reqs, choose)  # from scratch: with its exploring
         # Warm: the same jobs again, each run by auto (policy already measured) and
         # by every fixed arm back to back, so machine noise hits all of them alike.
         fixed: dict[int, list[tuple[int, float]]] = {k: [] for k in (PLAIN, *fixed_ks)}
@@ -128,6 +144,11 @@ def main() -> None:
             "best_fixed": "plain" if best_k == PLAIN else f"k={best_k}",
             "auto_warm_tok_s": round(rate(warm), 2),
             "auto_cold_over_best_fixed": round(rate(auto) / rate(fixed[best_k]), 3),
+            "auto_cold_over_plain_beside_it": round(rate(auto) / rate(cold_plain), 3),
+            "auto_cold_arms": [
+                ("plain" if d.k == PLAIN else f"k={d.k}") + (" (gave up)" if g else "")
+                for d, g in arms
+            ],
             "auto_warm_over_best_fixed": round(rate(warm) / rate(fixed[best_k]), 3),
             "auto_warm_over_plain": round(rate(warm) / rate(fixed[PLAIN]), 3),
             "auto_choices": policy.summary(),

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from producer import Client
+from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from worker.engine.models import ModelCache
@@ -199,3 +200,39 @@ def test_whole_batches_decide_which_kind_of_batch():
         policy.record_whole_batch("t", None, int(40 * alone), 10.0, "d", 6, adaptive=True)
     spec = policy.batch_instead("t", "d", None, depth=8)
     assert spec.adaptive and "beats batching without the draft" in spec.reason
+
+
+def test_a_measuring_decision_carries_plain_speed_to_give_up_below():
+    policy = SpeculationPolicy("auto", default_k=3, probe_every=5)
+    first = policy.choose("t", "d")
+    assert first.k == PLAIN and first.give_up_below is None  # nothing to compare with yet
+    policy.record("t", "d", first, synthetic(PLAIN, 0.0))
+    measuring = policy.choose("t", "d")
+    assert measuring.k == 3 and measuring.give_up_below == pytest.approx(1 / STEP)
+    policy.record("t", "d", measuring, synthetic(3, 0.0))
+    chosen = [policy.choose("t", "d") for _ in range(6)]
+    probes = [d for d in chosen if d.probe]
+    assert probes and all(d.give_up_below == pytest.approx(1 / STEP) for d in probes)
+    assert all(d.give_up_below is None for d in chosen if not d.probe)  # plain: nothing to stop
+
+
+def test_a_measuring_job_stops_speculating_once_it_measures_slower(tiny):
+    """A job told to give up below an unreachable speed speculates its first tokens only
+    (what the policy then learns is those), and its text is still the plain text."""
+    from worker.engine.generator import ChatGenerator
+    from worker.engine.speculate import GIVE_UP_AFTER
+    from worker.runner.alone import speed_of
+
+    gen = ChatGenerator.get_or_create(tiny.target, tiny.draft, cache=ModelCache(prefix_bytes=0))
+    req = ChatRequest.model_validate(chat(tiny.target, max_tokens=48, temperature=0))
+    plain = gen.generate(req, use_draft=False)
+    assert plain.completion_tokens == 48
+    stopped = gen.generate(req, num_draft_tokens=3, give_up_below=1e9)
+    assert stopped.token_ids == plain.token_ids
+    assert GIVE_UP_AFTER <= stopped.gave_up_after < GIVE_UP_AFTER + 4
+    assert stopped.draft_tokens_proposed <= 3 * stopped.gave_up_after  # none after it
+    learned = speed_of(stopped)
+    assert (learned.tokens, learned.decode_s) == (stopped.gave_up_after, stopped.speculated_s)
+    kept = gen.generate(req, num_draft_tokens=3, give_up_below=0.0)
+    assert kept.token_ids == plain.token_ids and kept.gave_up_after == 0
+    assert kept.draft_tokens_proposed > stopped.draft_tokens_proposed

@@ -93,11 +93,13 @@ class ChatGenerator:
         use_draft: bool = True,
         deadline: Deadline | None = None,
         lookup: Lookup | None = None,
+        give_up_below: float | None = None,
     ) -> GenerationOutput:
         """Run ``request`` (its messages and sampling fields; or prepared) on these models.
 
         ``use_draft=False`` decodes plainly even with a draft loaded; ``lookup``
-        speculates with prompt lookup instead (the draft is not used);
+        speculates with prompt lookup instead (the draft is not used); ``give_up_below``
+        (tokens/s): stop speculating once it measures slower (a measuring job's rule);
         ``num_draft_tokens`` overrides the request's draft length. Past
         ``deadline`` it raises :class:`schemas.JobTimeoutError`.
         """
@@ -120,6 +122,7 @@ class ChatGenerator:
             cached=start.cached,
             reused=start.reused,
             lookup=lookup,
+            give_up_below=give_up_below,
         )
 
     def generate_choices(

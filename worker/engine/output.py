@@ -25,6 +25,8 @@ class GenerationOutput:
     token_ids: tuple[int, ...]
     draft_rejections: int = 0  # speculative rounds that stopped before their last proposal
     idle_rounds: int = 0  # speculative rounds that proposed nothing (a lookup's miss)
+    gave_up_after: int = 0  # > 0: tokens speculated before it measured slower than plain
+    speculated_s: float = 0.0  # seconds of those (or of all speculative rounds)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
     logprobs: tuple[LogprobEntry, ...] | None = None  # per token of the text, if asked
     # n > 1: choices 1..n-1 (this one is choice 0; completion_tokens counts them all)

@@ -90,6 +90,8 @@ class Sequence:
     draft_accepted: int = 0
     draft_rejections: int = 0  # rounds that stopped before their last proposal
     idle_rounds: int = 0  # speculative rounds with nothing proposed (a lookup's miss)
+    gave_up: bool = False  # speculation stopped mid-job: it measured slower than plain
+    speculated: tuple[int, float] = (0, 0.0)  # (tokens, seconds) while speculating
     cut: bool = False  # a stop string cut the text
     collector: LogprobCollector | None = field(init=False)
     _scan: StopScan = field(init=False)
@@ -189,6 +191,8 @@ class Sequence:
             draft_tokens_accepted=self.draft_accepted,
             draft_rejections=self.draft_rejections,
             idle_rounds=self.idle_rounds,
+            gave_up_after=self.speculated[0] if self.gave_up else 0,
+            speculated_s=self.speculated[1],
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             token_ids=tuple(self.tokens),
             cached_tokens=self.cached_tokens,

@@ -26,6 +26,7 @@ from worker.engine.sampling import logits_processors, plain_sampler
 from worker.engine.sequence import Deadline, OnText, Sequence
 from worker.engine.speculate import (
     DraftProposer,
+    GiveUp,
     LookupProposer,
     Proposer,
     Tally,
@@ -45,12 +46,15 @@ def generate(
     cached: int = 0,
     reused: int = 0,
     lookup: Lookup | None = None,
+    give_up_below: float | None = None,
 ) -> GenerationOutput:
     """Generate a completion for ``prompt``; speculative when ``draft_model`` is given
     (proposing ``params.num_draft_tokens`` per round), or with prompt ``lookup`` (its
     proposals capped the same way).
 
-    Greedy output (temperature 0) is the same with or without speculation. ``on_text``
+    Greedy output (temperature 0) is the same with or without speculation. With
+    ``give_up_below`` (tokens/s), speculation stops for the rest of the job once it
+    measures slower than that (:class:`~worker.engine.speculate.GiveUp`). ``on_text``
     receives the text as it is produced (see :class:`Sequence`). Past ``deadline``
     it raises :class:`JobTimeoutError` (checked at every token). ``cache`` (the
     target's layers, then the draft's) holds the KV state of the first ``cached``
@@ -75,7 +79,9 @@ def generate(
         else:
             assert lookup is not None
             proposer = LookupProposer(NgramIndex(lookup, prompt))
-        finish = _speculative(model, proposer, prompt, seq, eos, deadline, t_cache, cached)
+        finish = _speculative(
+            model, proposer, prompt, seq, eos, deadline, t_cache, cached, give_up_below
+        )
         out = seq.finish(finish)
     else:
         finish, last = "length", None
@@ -112,10 +118,13 @@ def _speculative(
     deadline: Deadline | None,
     t_cache: list[Any],
     cached: int,
+    give_up_below: float | None = None,
 ) -> str:
     """Decode ``seq`` speculatively to its end; its finish reason."""
     params = seq.params
     tally = Tally()
+    if give_up_below is not None:
+        proposer = GiveUp(proposer, tally, give_up_below)
     tokens = speculative_tokens(
         model,
         proposer,
@@ -135,10 +144,12 @@ def _speculative(
         ended = seq.advance(t.token, reason, t.logprobs)
         seq.draft_proposed, seq.draft_accepted = tally.proposed, tally.accepted
         seq.draft_rejections, seq.idle_rounds = tally.rejections, tally.idle
+        seq.gave_up = tally.gave_up
         if ended is not None:
             finish = ended
             break
         if deadline is not None:
             deadline.check()
     tokens.close()
+    seq.speculated = (tally.spec_tokens, tally.spec_s)
     return finish

@@ -49,6 +49,9 @@ class Tally:
     rejections: int = 0
     rounds: int = 0
     idle: int = 0  # rounds with nothing to propose (prompt lookup found no match)
+    spec_tokens: int = 0  # tokens emitted, and seconds, while speculating (not given up)
+    spec_s: float = 0.0
+    gave_up: bool = False  # it stopped proposing for good (:class:`GiveUp`)
     replays: int = 0
     replay_s: float = 0.0
     verify_s: float = 0.0
@@ -140,6 +143,30 @@ class LookupProposer:
         return None
 
 
+#: Tokens a measuring job speculates before :class:`GiveUp` may judge it.
+GIVE_UP_AFTER = 16
+
+
+class GiveUp:
+    """Stops proposing for good once the sequence, ``after`` tokens in, measures slower
+    speculating than ``plain_tps`` (tokens/s): a measurement that already says its arm
+    loses is not paid to the end of the job. What was measured until then stands."""
+
+    def __init__(
+        self, inner: Proposer, tally: Tally, plain_tps: float, after: int = GIVE_UP_AFTER
+    ) -> None:
+        self.inner, self.tally, self.plain_tps, self.after = inner, tally, plain_tps, after
+
+    def propose(self, num: int, history: list[int], pick: Pick) -> mx.array | None:
+        t = self.tally
+        if not t.gave_up and t.spec_tokens >= self.after:
+            t.gave_up = t.spec_tokens < self.plain_tps * t.spec_s
+        return None if t.gave_up else self.inner.propose(num, history, pick)
+
+    def settle(self, proposed: list[int], chosen: list[int], a: int) -> None:
+        self.inner.settle(proposed, chosen, a)
+
+
 def speculative_tokens(
     model: nn.Module,
     proposer: Proposer,
@@ -172,8 +199,18 @@ def speculative_tokens(
 
     y = [prompt[-1]]  # what the target has not seen yet
     emitted = 0
+    round_at = 0.0  # when the last round started (its tokens: since ``before``)
+    before = 0
+
+    def count_round() -> None:  # a round's tokens and seconds, rewinding included
+        if round_at and not tally.gave_up:
+            tally.spec_tokens += emitted - before
+            tally.spec_s += time.perf_counter() - round_at
+
     while emitted < max_tokens:
+        count_round()
         # -- propose: up to k tokens ------------------------------------------------
+        round_at, before = time.perf_counter(), emitted
         drafts = proposer.propose(min(k, max_tokens - emitted), history, pick)
         num = 0 if drafts is None else drafts.size
         # -- verify: one target pass over y and the proposals ----------------------
@@ -196,7 +233,7 @@ def speculative_tokens(
         mx.eval(chosen_arr, *([] if drafts is None else [drafts]))
         tally.verify_s += time.perf_counter() - started
         tally.rounds += 1
-        tally.idle += num == 0
+        tally.idle += num == 0 and not tally.gave_up
         chosen = chosen_arr.tolist()
         proposed = drafts.tolist() if drafts is not None else []
         a = 0
@@ -216,6 +253,7 @@ def speculative_tokens(
                 tally.rejections += a < num
             yield Token(chosen[j], lps[j], j < a)
         if emitted >= max_tokens:
+            count_round()
             return
         # -- rewind the target past what was rejected; the proposer settles --------
         if a < num:

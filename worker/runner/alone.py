@@ -43,7 +43,10 @@ def speed_of(out: GenerationOutput) -> JobSpeed:
     nothing (a lookup's miss) counts as a rejection: like one, it emitted one token, so
     the policy's tokens per round stay what the job measured."""
     rejections = out.draft_rejections + out.idle_rounds
-    return JobSpeed(out.completion_tokens, out.decode_s, out.draft_tokens_accepted, rejections)
+    accepted = out.draft_tokens_accepted
+    if out.gave_up_after:  # what it measured while speculating (the rest ran plainly)
+        return JobSpeed(out.gave_up_after, out.speculated_s, accepted, rejections)
+    return JobSpeed(out.completion_tokens, out.decode_s, accepted, rejections)
 
 
 def generate_reserved(
@@ -53,6 +56,7 @@ def generate_reserved(
     on_text: OnText | None = None,
     deadline: Deadline | None = None,
     lookup: bool = False,
+    give_up_below: float | None = None,
 ) -> GenerationOutput:
     """``job`` alone (with the draft when ``speculative``; by prompt lookup instead with
     ``lookup``), its KV caches reserved in the model cache while it runs: they must fit,
@@ -67,7 +71,16 @@ def generate_reserved(
             use_draft=speculative,
             deadline=deadline,
             lookup=job.params.lookup if speculative and lookup else None,
+            give_up_below=give_up_below,
         )
+
+
+def _gave_up(decision: Decision, out: GenerationOutput) -> str:
+    rate = out.gave_up_after / max(out.speculated_s, 1e-9)
+    return (
+        f"{decision.reason}; plain after {out.gave_up_after} tokens: speculating measured "
+        f"{rate:.1f} tok/s, plain {decision.give_up_below:.1f}"
+    )
 
 
 def _streamer(writer: ChunkWriter, target: LoadedModel, logprobs: bool) -> OnText:
@@ -137,9 +150,12 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
             on_text=_streamer(writer, target, bool(req.logprobs)) if writer else None,
             deadline=deadline_of(job),
             lookup=proposer == LOOKUP,
+            give_up_below=decision.give_up_below if decision is not None else None,
         )
         if decision is not None and proposer is not None:
             rt.policy.record(req.model, proposer, decision, speed_of(out))
+            if out.gave_up_after:
+                decision = dataclasses.replace(decision, reason=_gave_up(decision, out))
         record = records.success(
             job, rt, out, generator, completion_id=completion_id, decision=decision
         )

@@ -66,6 +66,9 @@ class Decision:
     reason: str
     probe: bool = False  # a re-measurement of an arm that is not winning
     adaptive: bool = False  # a speculative batch choosing each round's k, up to k
+    # A measuring job stops speculating once it measures slower than this (plain's
+    # tokens/s, known by then): what loses need not be paid to the job's end.
+    give_up_below: float | None = None
 
     @property
     def speculative(self) -> bool:
@@ -347,8 +350,10 @@ class SpeculationPolicy:
             pair = self.pairs.setdefault((target, draft), PairStats())
             pair.jobs += 1
             k = self._to_measure(pair, draft)
+            plain_arm = pair.arms.get(PLAIN)
+            plain_tps = plain_arm.value if plain_arm is not None and plain_arm.runs else None
             if k is not None:
-                return Decision(k, f"auto: measuring {_name(k)}")
+                return Decision(k, f"auto: measuring {_name(k)}", give_up_below=plain_tps)
             plain = pair.arms[PLAIN].value
             predicted = pair.predicted(self._ks(draft))
             best_k = max(predicted, key=predicted.__getitem__)
@@ -369,7 +374,12 @@ class SpeculationPolicy:
                 pair.last_probe = pair.jobs
                 if best == PLAIN:
                     pair.probe_interval = min(2 * every, 16 * self.probe_every)
-                return Decision(probe, f"auto: re-measuring {_name(probe)}", probe=True)
+                return Decision(
+                    probe,
+                    f"auto: re-measuring {_name(probe)}",
+                    probe=True,
+                    give_up_below=plain_tps if probe != PLAIN else None,
+                )
             return Decision(
                 best,
                 f"auto: {_name(best)} fastest (predicted k={best_k} "
