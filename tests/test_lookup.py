@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from producer import Client
 from schemas import ChatRequest, keys
+from schemas.request import MAX_PROPOSAL
 from schemas.store import read_result
 from tests.conftest import chat, run_jobs, run_worker
 from tests.test_structured import SCHEMA, schema_format
@@ -111,7 +112,7 @@ def test_the_field_in_extra_params_and_what_contradicts_it():
         ChatRequest.model_validate(
             chat("m") | {"speculation": {"method": "prompt_lookup", "ngram_max": 1}}
         ).speculation
-    ) == Lookup(1, 1, 8)
+    ) == Lookup(1, 1, MAX_PROPOSAL)
     with pytest.raises(ValidationError, match="contradict"):
         ChatRequest.model_validate(chat("m", draft_model="d") | {"speculation": LOOKUP_JOB})
     with pytest.raises(ValidationError, match="no draft_model"):

@@ -33,7 +33,7 @@ class Lookup:
 
     ngram_min: int = 2
     ngram_max: int = 4
-    num_tokens: int = 8
+    num_tokens: int = MAX_PROPOSAL  # (the round's k caps it too: the policy's, or this)
 
     def __post_init__(self) -> None:
         for name in ("ngram_min", "ngram_max"):

@@ -189,11 +189,11 @@ class SpecBatchEngine:
         width = max(len(r) for r in rests)
         tokens = mx.array([r + [0] * (width - len(r)) for r in rests])
         pad = [width - len(r) for r in rests]
-        caches: list[Cache | None] = [None, None]
+        batches: list[Cache] = []
         models = [(self.target.model, [j.target for j in joiners])]
         if self.draft is not None:  # (the same model may be both)
             models.append((self.draft.model, [j.draft for j in joiners]))
-        for which, (model, layers) in enumerate(models):
+        for model, layers in models:
             batch = [first.merge([row[i] for row in layers]) for i, first in enumerate(layers[0])]
             if width:
                 for c in batch:
@@ -203,10 +203,10 @@ class SpecBatchEngine:
                     mx.eval([c.state for c in batch])
                 for c in batch:
                     c.finalize()
-            caches[which] = batch
-        self.t_cache = _extend(self.t_cache, caches[0] or [])
-        if caches[1] is not None:
-            self.d_cache = _extend(self.d_cache, caches[1])
+            batches.append(batch)
+        self.t_cache = _extend(self.t_cache, batches[0])
+        if self.draft is not None:
+            self.d_cache = _extend(self.d_cache, batches[1])
         self.rows.extend(j.row for j in joiners)
 
     def remove(self, tag: Hashable) -> None:
@@ -274,14 +274,8 @@ class SpecBatchEngine:
                 if finish is not None:
                     break
             row.idle_rounds += caps[i] > 0 and ks[i] == 0  # (a lookup that found nothing)
-            if self.draft is None:
-                pass
-            elif kr == 0:  # the draft did not run: it has this token to see as well
-                row.pending.append(row.history[-1])
-            elif d_mark is not None:  # the draft goes back to after its first pass
-                row.pending = chosen[i][: a + 1]
-            else:
-                row.pending = [drafts[i][-1], row.history[-1]] if a == kr else [row.history[-1]]
+            if self.draft is not None:
+                self._settle_draft(row, drafts[i], chosen[i], a, kr, d_mark is not None)
             if finish is None:
                 keep.append(i)
             else:
@@ -321,6 +315,18 @@ class SpecBatchEngine:
                 c.finalize()
         mx.eval([c.state for c in self.t_cache])
         self.replays += 1
+
+    @staticmethod
+    def _settle_draft(
+        row: _Row, drafts: list[int], chosen: list[int], a: int, kr: int, restored: bool
+    ) -> None:
+        """What the draft has still to see of ``row`` after a round that kept ``a``."""
+        if kr == 0:  # the draft did not run: it has this token to see as well
+            row.pending.append(row.history[-1])
+        elif restored:  # the draft goes back to after its first pass
+            row.pending = chosen[: a + 1]
+        else:
+            row.pending = [drafts[-1], row.history[-1]] if a == kr else [row.history[-1]]
 
     def _lookup(self, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """Each row's prompt-lookup proposal (up to ``ks[i]`` tokens), padded to the longest,
