@@ -32,7 +32,7 @@ OUT = Path(__file__).parent / "out"
 
 def start_worker(url: str, name: str, lease: int, max_batch: int) -> subprocess.Popen:
     exe = str(Path(sys.executable).with_name("worker"))
-    env = os.environ | {"MLXQ_REDIS_URL": url}
+    env = os.environ | {"MLXQ_REDIS_URL": url, "MLXQ_MODEL_DIRS": str(OUT)}
     args = ["--name", name, "--lease-seconds", str(lease), "--max-crashes", "5"]
     return subprocess.Popen(
         [exe, *args, "--max-batch", str(max_batch)],

@@ -145,7 +145,11 @@ def main() -> None:
             env=env,
         ).strip()
         say(f"submitted {jobs.name} as batch {batch}; running the worker in burst mode")
-        run(str(BIN / "worker"), "--burst", "--name", "demo-worker", env=env)
+        # The worker serves local models only from its model directories (--model-dir).
+        dirs = {str(ROOT / ".mlxq" / "models")}
+        dirs |= {str(Path(m).resolve().parent) for m in (target, draft) if Path(m).is_dir()}
+        dir_args = [a for d in sorted(dirs) for a in ("--model-dir", d)]
+        run(str(BIN / "worker"), "--burst", "--name", "demo-worker", *dir_args, env=env)
         out = ROOT / ".mlxq" / "demo-results.jsonl"
         out.parent.mkdir(exist_ok=True)
         run(str(BIN / "producer"), "results", batch, "-o", str(out), env=env)

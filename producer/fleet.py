@@ -34,6 +34,8 @@ def fleet_table(workers: list[WorkerInfo]) -> str:
             f"{w.name[:19]:<20}{w.host[:15]:<16}{w.state[:7]:<8}{w.jobs_done:>6}"
             f"{w.cache_used_gb:>6.2f}{budget:<4}  {models}"
         )
+        if w.serves:
+            lines.append(f"{'':<20}  serves: {'; '.join(w.serves)}")
         if (b := w.batch) is not None:
             lines.append(
                 f"{'':<20}  batch: {b.size} job(s) on {_short(b.model)}, limit {b.limit} "

@@ -77,4 +77,6 @@ class WorkerInfo(BaseModel):
     max_batch: str = "auto"
     peak_batch: int = 0  # the most jobs one batch held since the worker started
     peak_kv_mb: float = 0.0  # the most KV cache one batch held
+    # What jobs may name here: model directories, --model names, --allow-model globs.
+    serves: list[str] = []
     updated_at: float

@@ -158,8 +158,11 @@ class WorkerProc:
 
 
 @pytest.fixture
-def workers(redis_url, tmp_path):
+def workers(redis_url, tmp_path, tmp_path_factory):
+    """Start real worker processes. Their model directory is this test run's temporary
+    root (every test model lives under it), unless ``env`` sets ``MLXQ_MODEL_DIRS``."""
     started: list[WorkerProc] = []
+    dirs = {"MLXQ_MODEL_DIRS": str(tmp_path_factory.getbasetemp())}
 
     def start(
         *args: str,
@@ -168,6 +171,7 @@ def workers(redis_url, tmp_path):
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> WorkerProc:
+        env = dirs | (env or {})
         w = WorkerProc(url or redis_url, tmp_path, *args, name=name, command=command, env=env)
         started.append(w)
         return w

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -41,6 +42,12 @@ def test_two_workers_serve_their_own_models_and_show_in_the_registry(conn, tiny,
     assert pair.jobs == 3 and pair.tokens == 12 and pair.tokens_per_s > 0
     table = CliRunner().invoke(producer_main, ["fleet", "--redis-url", _url(conn)]).output
     assert "serves-t" in table and "serves-w" in table and "tok/s" in table
+    # Each worker's model rules: its model directory, its own --model, any hub id.
+    real = str(Path(tiny.target).resolve())
+    assert f"--model {real}" in fleet["serves-t"].serves
+    assert f"--model {real}" not in fleet["serves-w"].serves
+    assert "hub: any repository" in fleet["serves-t"].serves
+    assert f"serves: dir {Path(tiny.root).resolve().parent}" in table
     b.signal(signal.SIGKILL)
     b.wait()
     wait_for(lambda: [w.name for w in client.fleet()] == ["serves-t"], timeout=20)

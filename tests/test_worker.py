@@ -46,7 +46,7 @@ def test_end_to_end_through_producer_cli_and_worker_process(tmp_path, conn, redi
     submitted = CliRunner().invoke(producer_main, ["submit", str(path), "--redis-url", redis_url])
     assert submitted.exit_code == 0, submitted.output
     batch = submitted.stdout.strip()
-    env = os.environ | {"MLXQ_REDIS_URL": redis_url}
+    env = os.environ | {"MLXQ_REDIS_URL": redis_url, "MLXQ_MODEL_DIRS": str(tiny.root)}
     proc = subprocess.run(
         [bin_path("worker"), "--burst", "--name", "e2e", "--speculative", "always"],
         env=env,

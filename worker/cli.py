@@ -111,7 +111,17 @@ class BatchSize(click.ParamType):
     "allow_models",
     envvar="MLXQ_ALLOW_MODELS",
     multiple=True,
-    help="Glob of models jobs may name (repeatable) [default: any].",
+    help="Glob of hub repositories, or of absolute local paths outside --model-dir, that "
+    "jobs may name (repeatable) [default: any hub repository, no other local path].",
+)
+@click.option(
+    "--model-dir",
+    "model_dirs",
+    envvar="MLXQ_MODEL_DIRS",
+    multiple=True,
+    type=click.Path(file_okay=False, path_type=str),
+    help="Directory of local models jobs may name, by path or by name inside it "
+    "(repeatable; env: paths separated by ':') [default: .mlxq/models].",
 )
 @click.option(
     "--num-draft-tokens",
@@ -200,6 +210,7 @@ def main(
     cache_gb: float | None,
     prefix_cache_gb: float,
     allow_models: tuple[str, ...],
+    model_dirs: tuple[str, ...],
     num_draft_tokens: int,
     speculative: str,
     lookup: str,
@@ -221,6 +232,7 @@ def main(
     # the first job does not pay for it and "registered" means "ready".
     from worker.engine.models import ModelCache
     from worker.runner import runtime
+    from worker.runner.access import DEFAULT_MODEL_DIR, ModelAccess
     from worker.runner.loop import Worker
     from worker.schedule.policy import SpeculationPolicy
 
@@ -230,9 +242,15 @@ def main(
         raise click.ClickException(f"cannot reach Redis at {redact_url(redis_url)}: {e}") from None
     conn = connect(redis_url)
     budget = int(cache_gb * 1e9) if cache_gb else None
+    access = ModelAccess.build(model_dirs or (DEFAULT_MODEL_DIR,), allow_models)
+    for model in models:  # the operator's own names are served wherever they are
+        try:
+            access = access.with_named(model)
+        except MlxqError as e:
+            raise click.ClickException(f"--model {model}: {e}") from None
     rt = runtime.WorkerRuntime(
-        cache=ModelCache(budget, prefix_bytes=int(prefix_cache_gb * 1e9)),
-        allow_models=allow_models,
+        cache=ModelCache(budget, prefix_bytes=int(prefix_cache_gb * 1e9), locate=access.locate),
+        access=access,
         default_num_draft_tokens=num_draft_tokens,
         policy=SpeculationPolicy(
             speculative, default_k=num_draft_tokens, lookup=lookup, lookup_k=lookup_tokens

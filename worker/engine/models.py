@@ -16,7 +16,7 @@ import gc
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +124,11 @@ def resolve_path(name: str) -> Path:
         return path
     if name.startswith(("/", "./", "../", "~")):
         raise ModelNotFoundError(f"model {name!r}: no such local directory")
+    return hub_snapshot(name)
+
+
+def hub_snapshot(name: str) -> Path:
+    """The local snapshot of hub repository ``name`` (fetched once into the HF cache)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
@@ -135,7 +140,7 @@ def resolve_path(name: str) -> Path:
         ) from None
     except Exception as e:
         raise ModelNotFoundError(
-            f"model {name!r} is not a local directory and could not be fetched from the hub "
+            f"model {name!r} could not be fetched from the hub "
             f"({type(e).__name__}; offline or unknown repository?)"
         ) from None
 
@@ -159,9 +164,14 @@ class ModelCache:
     """Loaded models keyed by (name, adapter), with an LRU memory budget."""
 
     def __init__(
-        self, budget_bytes: int | None = None, prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+        self,
+        budget_bytes: int | None = None,
+        prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        locate: Callable[[str], Path] = resolve_path,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: Name -> directory to load from (``worker.runner.access`` restricts it).
+        self.locate = locate
         self.prefixes = PrefixCache(prefix_bytes)
         self._entries: OrderedDict[CacheKey, LoadedModel] = OrderedDict()
         self._compatible: dict[tuple[CacheKey, CacheKey], bool] = {}
@@ -323,7 +333,7 @@ class ModelCache:
     def _load_base(self, name: str, keep: tuple[CacheKey, ...]) -> LoadedModel:
         from mlx_lm.utils import load
 
-        path = resolve_path(name)
+        path = self.locate(name)
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"model {name!r}: {path} has no config.json")
         self._make_room(weight_bytes(path), keep, f"model {name!r}")
@@ -343,14 +353,14 @@ class ModelCache:
         from mlx_lm.tuner.utils import load_adapters
         from mlx_lm.utils import load_model
 
-        path = resolve_path(adapter)
+        path = self.locate(adapter)
         if not (path / "adapter_config.json").exists():
             raise ModelNotFoundError(f"adapter {adapter!r}: {path} has no adapter_config.json")
         self._make_room(weight_bytes(path), keep, f"adapter {adapter!r}")
         start = time.perf_counter()
         try:
             # A lazy skeleton of the base, given the base's (already loaded, shared) arrays.
-            model, _ = load_model(resolve_path(base.name), lazy=True)
+            model, _ = load_model(self.locate(base.name), lazy=True)
             model.update(tree_unflatten(tree_flatten(base.model.parameters())))
             before = {k for k, _ in tree_flatten(model.parameters())}
             model = load_adapters(model, str(path))

@@ -43,8 +43,14 @@ def worker_info(
         max_batch=str(max_batch or "auto"),
         peak_batch=rt.stats.peak_batch,
         peak_kv_mb=round(rt.stats.peak_kv_bytes / 1e6, 1),
+        serves=rt.access.describe() if rt.access else _open(rt),
         updated_at=time.time(),
     )
+
+
+def _open(rt: WorkerRuntime) -> list[str]:
+    """A runtime without model access rules (embedded): any local path."""
+    return ["any local path", *(f"--allow-model {p}" for p in rt.allow_models)]
 
 
 def _prefix_info(rt: WorkerRuntime) -> PrefixCacheInfo | None:

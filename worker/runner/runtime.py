@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
 from worker.engine.models import ModelCache
+from worker.runner.access import ModelAccess
 from worker.runner.stats import WorkerStats
 from worker.schedule.policy import SpeculationPolicy
 
@@ -19,14 +20,20 @@ class WorkerRuntime:
 
     cache: ModelCache = field(default_factory=ModelCache)
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}.{os.getpid()}")
-    allow_models: tuple[str, ...] = ()
+    allow_models: tuple[str, ...] = ()  # without ``access``: globs over names as written
+    # Model directories, globs and --model names (the worker command's rules), if any.
+    access: ModelAccess | None = None
     default_num_draft_tokens: int = 3
     stats: WorkerStats = field(default_factory=WorkerStats)
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     max_n: int = 16  # the most choices (``n``) one job may ask for here (``--max-n``)
 
     def check_allowed(self, name: str, what: str = "model") -> None:
-        """Raise :class:`ModelNotAllowedError` unless ``name`` matches an ``--allow-model`` glob."""
+        """Raise :class:`ModelNotAllowedError` unless ``name`` may be served here
+        (:class:`ModelAccess`, else an ``allow_models`` glob matches it)."""
+        if self.access is not None:
+            self.access.where(name, what)
+            return
         if self.allow_models and not any(fnmatch.fnmatchcase(name, p) for p in self.allow_models):
             raise ModelNotAllowedError(
                 f"{what} {name!r} is not allowed on this worker (allowed: "
