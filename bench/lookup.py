@@ -130,30 +130,47 @@ def alone(gen: ChatGenerator, reqs: list[ChatRequest], k: int) -> dict[str, Any]
     }
 
 
-def auto(gen: ChatGenerator, reqs: list[ChatRequest], plain_rate: float) -> dict[str, Any]:
-    """The jobs one at a time as a cold auto policy (``--lookup auto``) chooses."""
+def auto(gen: ChatGenerator, reqs: list[ChatRequest]) -> dict[str, Any]:
+    """The jobs one at a time as a cold auto policy (``--lookup auto``) chooses, each
+    beside a plain run of the same job (alternating which goes first: noise hits both)."""
     policy = SpeculationPolicy("auto", lookup="auto")
     target = gen.target.name
-    tokens, seconds, chosen, texts = 0, 0.0, [], []
-    for req in reqs:
-        decision = policy.choose(target, LOOKUP)
+    arms = {a: {"tokens": 0, "s": 0.0} for a in ("auto", "plain")}
+    jobs_seen, texts = [], []
+    for i, req in enumerate(reqs):
         job = gen.prepare(req)
-        start = time.perf_counter()
-        if decision.speculative:
-            job = job.with_params(num_draft_tokens=decision.k)
-            out = gen.generate(job, lookup=job.params.lookup)
-        else:
-            out = gen.generate(job, use_draft=False)
-        seconds += time.perf_counter() - start
-        tokens += out.completion_tokens
-        policy.record(target, LOOKUP, decision, speed_of(out))
-        chosen.append(decision.k)
-        texts.append(out.text)
-    rate = tokens / seconds
+        for arm in ("auto", "plain") if i % 2 == 0 else ("plain", "auto"):
+            start = time.perf_counter()
+            if arm == "plain":
+                out = gen.generate(job, use_draft=False)
+            else:
+                decision = policy.choose(target, LOOKUP)
+                if decision.speculative:
+                    spec = job.with_params(num_draft_tokens=decision.k)
+                    out = gen.generate(
+                        spec, lookup=job.params.lookup, give_up_below=decision.give_up_below
+                    )
+                else:
+                    out = gen.generate(job, use_draft=False)
+                policy.record(target, LOOKUP, decision, speed_of(out))
+                jobs_seen.append(
+                    {
+                        "k": decision.k,
+                        "proposed": out.draft_tokens_proposed,
+                        "accepted": out.draft_tokens_accepted,
+                        "idle_rounds": out.idle_rounds,
+                        "gave_up_after": out.gave_up_after,
+                    }
+                )
+                texts.append(out.text)
+            arms[arm]["s"] += time.perf_counter() - start
+            arms[arm]["tokens"] += out.completion_tokens
+    rates = {a: v["tokens"] / v["s"] for a, v in arms.items()}
     return {
-        "tokens_per_s": round(rate, 2),
-        "auto_over_plain": round(rate / plain_rate, 3),
-        "k_chosen": chosen,
+        "tokens_per_s": {a: round(r, 2) for a, r in rates.items()},
+        "auto_over_plain_beside_it": round(rates["auto"] / rates["plain"], 3),
+        "k_chosen": [j["k"] for j in jobs_seen],
+        "jobs": jobs_seen,
         "_texts": texts,
     }
 
@@ -221,7 +238,7 @@ def workload(name: str, target: str, args: argparse.Namespace) -> dict[str, Any]
     gen.generate(reqs[0].model_copy(update={"max_tokens": 4}))  # warm up
     one = alone(gen, reqs, args.k)
     result: dict[str, Any] = {"model": Path(target).name, "jobs": len(reqs), "alone": one}
-    result["auto"] = auto(gen, reqs, one["tokens_per_s"]["plain"])
+    result["auto"] = auto(gen, reqs)
     result["auto"]["texts_equal"] = sum(
         a == b for a, b in zip(result["auto"].pop("_texts"), one.pop("_texts"), strict=True)
     )
