@@ -88,11 +88,15 @@ def batch_status(conn: Redis, batch_id: str) -> BatchStatus:
         raise BatchNotFoundError(
             f"no batch {batch_id!r} in this Redis (expired or never submitted)"
         )
+    return status_of(batch_id, meta, _running(conn, batch_id))
+
+
+def status_of(batch_id: str, meta: dict[str, str], running: int) -> BatchStatus:
+    """A batch's counts from its hash (``mlxq:batch:<id>``) and its jobs held now."""
     total = int(meta.get("total", 0))
     succeeded = int(meta.get("succeeded", 0))
     failed = int(meta.get("failed", 0))
     cancelled = int(meta.get("cancelled", 0))
-    running = _running(conn, batch_id)
     done = succeeded + failed + cancelled
     running = min(running, max(total - done, 0))
     cancelled_at = float(meta[CANCELLED_AT]) if meta.get(CANCELLED_AT) else None

@@ -407,6 +407,36 @@ def fleet(redis_url: str, watch: bool, as_json: bool) -> None:
 
 
 @main.command()
+@_redis_option
+@click.option("--host", envvar="MLXQ_METRICS_HOST", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port",
+    envvar="MLXQ_METRICS_PORT",
+    type=click.IntRange(1, 65535),
+    default=9121,
+    show_default=True,
+)
+@click.option("--once", is_flag=True, help="Print one scrape to stdout and exit.")
+def metrics(redis_url: str, host: str, port: int, once: bool) -> None:
+    """Serve the fleet's Prometheus metrics on http://HOST:PORT/metrics (read from Redis)."""
+    from prometheus_client import generate_latest, start_http_server
+
+    from producer.metrics import registry_for
+
+    registry = registry_for(_connect(redis_url))
+    if once:
+        click.echo(generate_latest(registry).decode(), nl=False)
+        return
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+    click.echo(f"metrics on http://{host}:{port}/metrics", err=True)
+    while True:
+        time.sleep(3600)
+
+
+@main.command()
 @click.argument("job_id")
 @_redis_option
 @click.option(

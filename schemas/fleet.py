@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class LoadedModelInfo(BaseModel):
@@ -59,6 +59,45 @@ class BatchInfo(BaseModel):
     kv_room_mb: float = 0.0  # what the memory budget leaves for KV caches
 
 
+#: Upper bounds (seconds) of the latency histograms a worker publishes: OpenTelemetry
+#: GenAI's advisory buckets for time to first token (10 ms to 10 s), then on to a day
+#: for batch jobs that queue for hours.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    30.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0,
+)  # fmt: skip
+#: The latency histograms a worker publishes: what each measures.
+LATENCIES = {
+    "queue_wait": "submitted to taken by a worker",
+    "time_to_first_token": "taken to the first completion token (prefill, model load)",
+    "job": "taken to the record written",
+}
+
+
+class Histogram(BaseModel):
+    """Observations counted per bucket of :data:`LATENCY_BUCKETS` (the last one +Inf)."""
+
+    counts: list[int] = Field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    sum: float = 0.0
+
+    def observe(self, value: float) -> None:
+        i = next((i for i, b in enumerate(LATENCY_BUCKETS) if value <= b), len(LATENCY_BUCKETS))
+        self.counts[i] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, observations at or below it) as Prometheus exposes them."""
+        out, total = [], 0
+        for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
 class WorkerInfo(BaseModel):
     name: str
     host: str
@@ -79,4 +118,9 @@ class WorkerInfo(BaseModel):
     peak_kv_mb: float = 0.0  # the most KV cache one batch held
     # What jobs may name here: model directories, --model names, --allow-model globs.
     serves: list[str] = []
+    # Totals since the worker started (Prometheus counters: a restart resets them).
+    jobs_succeeded: int = 0
+    jobs_failed: int = 0
+    latency: dict[str, Histogram] = {}
+    lease_s: float | None = None  # the worker's --lease-seconds
     updated_at: float

@@ -20,6 +20,7 @@ from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
+from producer.metrics import registry_for
 from producer.serve import batchapi, chat, files
 from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
@@ -220,6 +222,14 @@ def _timing(record: dict[str, Any], state: Any) -> str:
 
 
 def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """The fleet's Prometheus metrics (``producer.metrics``), behind the API key."""
+        if getattr(request.app.state, "metrics", None) is None:
+            request.app.state.metrics = registry_for(request.app.state.redis)
+        body = await run_in_threadpool(generate_latest, request.app.state.metrics)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         workers = await run_in_threadpool(live_workers, request.app.state.redis)

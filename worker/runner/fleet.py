@@ -44,6 +44,9 @@ def worker_info(
         peak_batch=rt.stats.peak_batch,
         peak_kv_mb=round(rt.stats.peak_kv_bytes / 1e6, 1),
         serves=rt.access.describe() if rt.access else _open(rt),
+        jobs_succeeded=rt.stats.succeeded,
+        jobs_failed=rt.stats.failed,
+        latency={k: h.model_copy(deep=True) for k, h in rt.stats.latency.items()},
         updated_at=time.time(),
     )
 

@@ -125,6 +125,7 @@ class Worker:
         self.taken += 1
         if isinstance(got, Refused):
             self.lifecycle.refuse(got)
+            self.rt.stats.failed += 1
             return None
         if self._stop:  # the stop came while this job was being taken
             self.lifecycle.requeue(got)
@@ -165,9 +166,11 @@ class Worker:
 
     def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None:
         """End jobs with their records (one round trip)."""
-        self.lifecycle.end_many(ended)
-        for job, record in ended:
+        wrote = self.lifecycle.end_many(ended)
+        for (job, record), w in zip(ended, wrote, strict=True):
             log.info("job %s %s", job.id, record.status)
+            if w:
+                self.rt.stats.ended(record)
 
     @contextmanager
     def computing(self) -> Iterator[None]:
@@ -213,4 +216,5 @@ class Worker:
         info = worker_info(
             self.rt, self.name, self.queues, self.state, self.current, self.batch, self.max_batch
         )
+        info.lease_s = self.lifecycle.lease_ms / 1000
         registry.publish(self.conn, info, self.registry_ttl)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.fleet import PairStats
+from schemas import ResultRecord
+from schemas.fleet import LATENCIES, Histogram, PairStats
 from worker.engine import GenerationOutput
 
 
@@ -19,6 +20,29 @@ class WorkerStats:
     peak_batch: int = 0
     peak_kv_bytes: int = 0
     peak_projected_kv_bytes: int = 0
+    # Records written (``ended``), and their latencies (``schemas.fleet.LATENCIES``).
+    succeeded: int = 0
+    failed: int = 0
+    latency: dict[str, Histogram] = field(
+        default_factory=lambda: {name: Histogram() for name in LATENCIES}
+    )
+
+    def ended(self, record: ResultRecord) -> None:
+        """Count a record this worker wrote, and observe its latencies."""
+        if record.status == "succeeded":
+            self.succeeded += 1
+        else:
+            self.failed += 1
+        m = record.metrics
+        if m is None:
+            return
+        for name, value in (
+            ("queue_wait", m.queue_wait_s),
+            ("time_to_first_token", m.time_to_first_token_s),
+            ("job", m.total_time_s),
+        ):
+            if value is not None:
+                self.latency[name].observe(value)
 
     def add_batch(self, size: int, kv_bytes: int, projected_bytes: int) -> None:
         self.peak_batch = max(self.peak_batch, size)
