@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -434,6 +435,56 @@ def metrics(redis_url: str, host: str, port: int, once: bool) -> None:
     click.echo(f"metrics on http://{host}:{port}/metrics", err=True)
     while True:
         time.sleep(3600)
+
+
+@main.group()
+def acl() -> None:
+    """Least-privilege Redis users per role: write the ACL file, check a live Redis."""
+
+
+@acl.command("file")
+@click.option(
+    "--from-env",
+    is_flag=True,
+    help="Passwords from MLXQ_ACL_<ROLE>_PASSWORD (ADMIN, PRODUCER, WORKER, GATEWAY, READER, "
+    "EXPORTER, REPLICA, SENTINEL) [default: @ROLE_PASSWORD@ placeholders].",
+)
+def acl_file_command(from_env: bool) -> None:
+    """Print the ACL file (redis-server --aclfile) with a user per role."""
+    from producer.acl import ROLES, acl_file
+
+    passwords = None
+    if from_env:
+        roles = ["admin", *ROLES]
+        passwords = {r: os.environ.get(f"MLXQ_ACL_{r.upper()}_PASSWORD", "") for r in roles}
+    try:
+        click.echo(acl_file(passwords), nl=False)
+    except ValueError as e:
+        raise click.ClickException(f"{e} (set MLXQ_ACL_<ROLE>_PASSWORD)") from None
+
+
+@acl.command("check")
+@click.argument("user")
+@click.option("--role", required=True, help="producer, worker, gateway, reader or exporter.")
+@_redis_option
+def acl_check(user: str, role: str, redis_url: str) -> None:
+    """Check that USER may run what ROLE needs and nothing it must not (ACL DRYRUN;
+    --redis-url must be an admin user's)."""
+    from producer.acl import ROLES, check
+
+    if role not in ROLES:
+        raise click.BadParameter(f"{role!r} is not one of {', '.join(ROLES)}", param_hint="--role")
+    try:
+        problems = check(_connect(redis_url), user, role)
+    except RedisError as e:
+        raise click.ClickException(f"ACL DRYRUN failed (is --redis-url an admin's?): {e}") from None
+    for p in problems:
+        click.echo(p)
+    if problems:
+        raise click.ClickException(
+            f"user {user!r} does not fit role {role!r}: {len(problems)} problem(s)"
+        )
+    click.echo(f"user {user!r} fits role {role!r}")
 
 
 @main.command()

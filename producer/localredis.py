@@ -11,6 +11,7 @@ from pathlib import Path
 from types import TracebackType
 
 from redis import Redis
+from redis.exceptions import AuthenticationError, NoPermissionError
 
 
 def free_port() -> int:
@@ -24,8 +25,13 @@ class LocalRedis:
     """Start ``redis-server`` on 127.0.0.1 (no persistence unless ``appendonly``); stop on exit."""
 
     def __init__(
-        self, port: int | None = None, data_dir: Path | None = None, appendonly: bool = False
+        self,
+        port: int | None = None,
+        data_dir: Path | None = None,
+        appendonly: bool = False,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
+        self.extra_args = extra_args
         self.port = port or free_port()
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="mlxq-redis-"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -52,6 +58,7 @@ class LocalRedis:
             "yes" if self.appendonly else "no",
             "--dir",
             str(self.data_dir),
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         conn = Redis(port=self.port)
@@ -59,6 +66,8 @@ class LocalRedis:
         while True:
             try:
                 conn.ping()
+                return self
+            except (AuthenticationError, NoPermissionError):  # up, with ACL users (--aclfile)
                 return self
             except Exception:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
