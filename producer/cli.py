@@ -29,6 +29,7 @@ from producer.lines import Defaults
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
 from schemas import keys
+from schemas.connect import redis_from_url
 from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
 
 EXIT_INVALID = 2
@@ -45,7 +46,10 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _connect(redis_url: str) -> Redis:
-    conn = Redis.from_url(redis_url)
+    try:
+        conn = redis_from_url(redis_url)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--redis-url") from None
     try:
         conn.ping()
     except RedisError as e:

@@ -21,6 +21,7 @@ from producer.fleet import live_workers
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
 from schemas import ChatRequest, ResultRecord, keys
+from schemas.connect import redis_from_url
 from schemas.fleet import WorkerInfo
 from schemas.settings import DEFAULT_REDIS_URL
 from schemas.store import read_result
@@ -42,7 +43,7 @@ class Client:
         connection: Redis | None = None,
         queue: str = keys.DEFAULT_QUEUE,
     ) -> None:
-        self.connection = connection or Redis.from_url(redis_url)
+        self.connection = connection or redis_from_url(redis_url)
         self.queue = queue
 
     def submit(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+import re
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -11,12 +11,16 @@ ENV_QUEUE = "MLXQ_QUEUE"
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (safe to log or print)."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """``url`` with any password replaced by ``***`` (safe to log or print): the
+    userinfo's, and ``password`` / ``sentinel_password`` in the query. Works on
+    ``redis+sentinel://`` URLs with several hosts too."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    netloc = f"{user}:***@{host}{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    rest, q, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":***"
+    query = re.sub(r"((?:^|&)(?:sentinel_)?password=)[^&]*", r"\1***", query)
+    return f"{scheme}://{userinfo}{at}{hosts}{slash}{path}{q}{query}"

@@ -10,6 +10,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from schemas import MlxqError, keys
+from schemas.connect import redis_from_url
 from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
 
 log = logging.getLogger("worker")
@@ -21,7 +22,7 @@ def connect(redis_url: str) -> Redis:
     from redis.exceptions import ConnectionError, TimeoutError
     from redis.retry import Retry
 
-    return Redis.from_url(
+    return redis_from_url(
         redis_url,
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=40),
         retry_on_error=[ConnectionError, TimeoutError],
@@ -237,7 +238,9 @@ def main(
     from worker.schedule.policy import SpeculationPolicy
 
     try:  # fail fast on a wrong URL or password; retry only once we are running
-        Redis.from_url(redis_url).ping()
+        redis_from_url(redis_url).ping()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--redis-url") from None
     except RedisError as e:
         raise click.ClickException(f"cannot reach Redis at {redact_url(redis_url)}: {e}") from None
     conn = connect(redis_url)

@@ -35,6 +35,7 @@ from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from schemas import ChatRequest, describe_validation_error
+from schemas.connect import async_redis_from_url, redis_from_url
 
 
 class Guard:
@@ -93,8 +94,8 @@ def _too_large(limit: int) -> JSONResponse:
 def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.aredis = AsyncRedis.from_url(settings.redis_url)
-        app.state.redis = Redis.from_url(settings.redis_url)
+        app.state.aredis = async_redis_from_url(settings.redis_url)
+        app.state.redis = redis_from_url(settings.redis_url)
         app.state.enqueue = Coalesced(app.state.aredis, ENQUEUE_LUA)
         app.state.notifier = Notifier(app.state.aredis)
         app.state.enqueue.start()

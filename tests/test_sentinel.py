@@ -1,0 +1,83 @@
+"""Redis Sentinel: every role follows a failover; URLs parse or are refused by name."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from click.testing import CliRunner
+
+from producer import Client
+from producer.cli import main as producer_main
+from schemas import keys
+from schemas.connect import SentinelURL, redis_from_url
+from schemas.settings import redact_url
+from schemas.store import read_result
+from tests.conftest import chat
+from tests.sentinel import SentinelGroup
+from tests.test_faults import FAULT_REPORT, wait_for
+
+
+def test_sentinel_urls_parse_and_bad_ones_are_named():
+    s = SentinelURL(
+        "rediss+sentinel://worker:p%40ss@10.0.0.1:26379,10.0.0.2/mm/3"
+        "?sentinel_password=sp&sentinel_tls=true"
+    )
+    assert s.sentinels == [("10.0.0.1", 26379), ("10.0.0.2", 26379)]
+    assert (s.master, s.db, s.username, s.password, s.tls) == ("mm", 3, "worker", "p@ss", True)
+    assert s.sentinel_kwargs()["password"] == "sp" and s.sentinel_kwargs()["ssl"] is True
+    assert "p%40ss" not in redact_url("redis+sentinel://worker:p%40ss@h:1/mm?sentinel_password=sp")
+    assert "sp" not in redact_url("redis+sentinel://h:1/mm?sentinel_password=sp")
+    for url, word in (
+        ("redis+sentinel:///mm", "host:port"),
+        ("redis+sentinel://h:1", "MASTER_NAME"),
+        ("redis+sentinel://h:1/mm/zero", "database"),
+        ("redis+sentinel://h:x/mm", "h:x"),
+        ("redis+sentinel://h:1/mm?bogus=1", "bogus"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            SentinelURL(url)
+    bad = CliRunner().invoke(producer_main, ["fleet", "--redis-url", "redis+sentinel://h:1"])
+    assert bad.exit_code == 2 and "MASTER_NAME" in bad.output
+
+
+@pytest.fixture
+def group(tmp_path) -> Iterator[SentinelGroup]:
+    g = SentinelGroup(tmp_path / "sentinel")
+    yield g
+    g.stop()
+
+
+def test_a_primary_killed_under_load_loses_no_job(group, tiny, workers):
+    url = group.url
+    conn = redis_from_url(url)
+    client = Client(connection=conn)
+    exact = {"max_tokens": 6, "temperature": 0}
+    first = client.submit(
+        {f"a{i}": chat(tiny.target, content=f"a {i}", **exact) for i in range(150)}
+    )
+    ws = [workers("--lease-seconds", "3", name=f"sw{i}", url=url) for i in range(2)]
+    done = lambda b: client.status(b).done  # noqa: E731
+    wait_for(lambda: done(first.batch_id) >= 30, timeout=120)
+    old = group.primary.port
+    group.kill_primary()
+    killed = time.monotonic()
+    before = done(first.batch_id)  # through the new primary (the client follows)
+    wait_for(lambda: done(first.batch_id) > before, timeout=60)
+    first_job_after_s = time.monotonic() - killed
+    assert group.primary_port() != old
+    # The producer submits through the new primary, and the workers serve it.
+    second = client.submit(
+        {f"b{i}": chat(tiny.target, content=f"b {i}", **exact) for i in range(50)}
+    )
+    for batch in (first.batch_id, second.batch_id):
+        wait_for(lambda b=batch: client.status(b).finished, timeout=180)
+    records = [read_result(conn, j) for j in (*first.job_ids, *second.job_ids)]
+    bad = [r.model_dump(include={"custom_id", "status", "error"}) if r else r for r in records]
+    assert [b for b in bad if b is None or b["status"] != "succeeded"] == []
+    assert conn.hlen(keys.RUNNING) == 0
+    assert all(w.proc.poll() is None for w in ws), "a worker needed a restart"
+    FAULT_REPORT.append(
+        {"test": "sentinel failover", "first_job_after_kill_s": round(first_job_after_s, 2)}
+    )
