@@ -165,6 +165,10 @@ def failover_retry() -> dict[str, Any]:
     return {
         "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=40),
         "retry_on_error": [ConnectionError, TimeoutError],
+        # A frozen or partitioned primary answers nothing: give up on a reply after
+        # 10 s (the longest blocking call mlxq makes waits 1 s) and ask again.
+        "socket_timeout": 10.0,
+        "socket_keepalive": True,
     }
 
 
@@ -197,6 +201,8 @@ def async_redis_from_url(url: str, **kwargs: Any) -> AsyncRedis:
     retry = {
         "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=40),
         "retry_on_error": [ConnectionError, TimeoutError],
+        "socket_timeout": 10.0,
+        "socket_keepalive": True,
     }
     plain, tls = _async_following_classes()
     options = retry | s.node_kwargs() | kwargs

@@ -84,6 +84,14 @@ class SentinelGroup:
         self.primary.proc.wait(10)
         self.primary.proc = None
 
+    def freeze_primary(self) -> None:
+        assert self.primary.proc is not None
+        self.primary.proc.send_signal(signal.SIGSTOP)
+
+    def thaw_primary(self) -> None:
+        assert self.primary.proc is not None
+        self.primary.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         for p in self.sentinels:
             p.terminate()

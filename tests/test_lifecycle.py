@@ -237,6 +237,27 @@ def test_requeue_and_unregister_give_jobs_back_to_the_front(conn):
     assert conn.hlen(keys.RUNNING) == 0
 
 
+def test_a_take_whose_reply_was_lost_is_handed_back_by_reconcile(conn):
+    # A take applied twice (its first reply lost in a failover, then retried): Redis
+    # lists two jobs as held by this process, which runs one. Recovery never frees the
+    # other (the lease is alive); reconcile does, once two passes in a row see it.
+    first, second = submit(conn, 2)
+    lc = lifecycle(conn)
+    running = lc.take()
+    lost = lc.take()
+    lc._released(lost.id)  # as if its reply never came back
+    assert lc.reconcile() == []  # first sighting: perhaps a take in flight
+    assert lc.reconcile() == [lost.id]
+    assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [lost.id.encode()]
+    assert conn.hget(keys.rq_job_key(lost.id), "status") == b"queued"
+    assert lc.reconcile() == [] and lc.end(running, succeeded(running))
+    again = lc.take()
+    assert again.id == lost.id and again.id in lc.holding
+    assert lc.reconcile() == [] and lc.reconcile() == []  # held and running: left alone
+    assert lc.end(again, succeeded(again)) and lc.holding == set()
+    assert {running.id, again.id} == {first, second} and conn.hlen(keys.RUNNING) == 0
+
+
 def test_rq_suspend_holds_takes(conn):
     submit(conn)
     lc = lifecycle(conn)

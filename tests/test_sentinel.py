@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from click.testing import CliRunner
+from redis import Redis
 
 from producer import Client
 from producer.cli import main as producer_main
@@ -81,3 +82,29 @@ def test_a_primary_killed_under_load_loses_no_job(group, tiny, workers):
     FAULT_REPORT.append(
         {"test": "sentinel failover", "first_job_after_kill_s": round(first_job_after_s, 2)}
     )
+
+
+def test_a_frozen_primary_comes_back_as_a_replica_and_clients_move(group, tiny, workers):
+    url = group.url
+    conn = redis_from_url(url)
+    client = Client(connection=conn)
+    exact = {"max_tokens": 6, "temperature": 0}
+    jobs = {f"f{i}": chat(tiny.target, content=f"f {i}", **exact) for i in range(120)}
+    batch = client.submit(jobs)
+    ws = [workers("--lease-seconds", "3", name=f"fz{i}", url=url) for i in range(2)]
+    wait_for(lambda: client.status(batch.batch_id).done >= 20, timeout=120)
+    old = group.primary.port
+    group.freeze_primary()
+    try:
+        wait_for(lambda: group.primary_port() != old, timeout=30)  # failed over
+    finally:
+        group.thaw_primary()
+    # The old primary is demoted to a replica of the new one; its clients get READONLY
+    # (or lose their connection) and move. Writes it took after the failover are lost
+    # on resync, and the jobs they touched are run again, each ending once.
+    wait_for(lambda: Redis(port=old).info("replication").get("role") == "slave", timeout=30)
+    wait_for(lambda: client.status(batch.batch_id).finished, timeout=180)
+    records = [read_result(conn, j) for j in batch.job_ids]
+    assert [r.custom_id for r in records if r is None or r.status != "succeeded"] == []
+    assert conn.hlen(keys.RUNNING) == 0
+    assert all(w.proc.poll() is None for w in ws), "a worker needed a restart"

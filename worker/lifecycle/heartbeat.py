@@ -3,7 +3,8 @@
 One thread per worker process, whatever the main thread is doing (loading or
 downloading a model for minutes, prefilling a long prompt, decoding a batch):
 it renews the process's lease, which covers every job the process holds,
-every third of the lease; runs a recovery pass every half lease; and
+every third of the lease; runs a recovery pass every half lease (and hands back
+any job Redis lists as held here that this process is not running); and
 publishes the worker's state for ``producer fleet`` every couple of seconds.
 """
 
@@ -54,6 +55,7 @@ class Heartbeat(threading.Thread):
         if now - self._recovered >= self.recover_every:
             self._recovered = now
             self._guard("recovery", self.lifecycle.recover)
+            self._guard("reconciling held jobs", self.lifecycle.reconcile)
             self._guard("registry pruning", self.lifecycle.prune)
         if now - self._published >= PUBLISH_EVERY_S:
             self._published = now

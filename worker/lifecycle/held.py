@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -137,6 +138,20 @@ class Lifecycle:
         self.holder = json.dumps(
             {"name": name, "host": self.host, "pid": self.pid, "inbox_queue": self.queues[0]}
         )
+        # The jobs this process took and has not ended or handed back (the main thread
+        # writes it, the heartbeat's reconcile reads it), and the ids Redis lists as
+        # held here that were not in it at the last reconcile.
+        self.holding: set[str] = set()
+        self._holding_lock = threading.Lock()
+        self._suspects: set[str] = set()
+
+    def _held(self, job_id: str) -> None:
+        with self._holding_lock:
+            self.holding.add(job_id)
+
+    def _released(self, *job_ids: str) -> None:
+        with self._holding_lock:
+            self.holding.difference_update(job_ids)
 
     @property
     def worker_ttl(self) -> int:
@@ -231,6 +246,8 @@ class Lifecycle:
                 log.info("%s: dropped %d job(s) of cancelled batches", self.name, reply[1])
                 continue
             job_id, queue = reply[1].decode(), reply[2].decode()
+            if kind in ("start", "missing"):
+                self._held(job_id)
             if kind == "start":
                 flat = reply[3]
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
@@ -308,6 +325,7 @@ class Lifecycle:
         load it and send them again."""
         calls = [self._end_call(e) for e in endings]
         replies = self._pipelined(calls)
+        self._released(*(e.job_id for e in endings))
         if any(isinstance(r, NoScriptError) for r in replies):
             self.conn.script_load(scripts.END)
             replies = self._pipelined(calls)
@@ -364,15 +382,48 @@ class Lifecycle:
 
     def requeue(self, job: Job) -> bool:
         """Give a held job back to the front of its queue, unstarted."""
+        done = self._requeue(job.id, job.queue)
+        self._released(job.id)
+        return done
+
+    def _requeue(self, job_id: str, queue: str) -> bool:
         return bool(
             self.conn.eval(
                 scripts.REQUEUE,
                 4,
-                *(keys.RUNNING, keys.rq_queue_key(job.queue), keys.rq_job_key(job.id)),
-                keys.rq_started_key(job.queue),
-                *(self.token, job.id, job.queue),
+                *(keys.RUNNING, keys.rq_queue_key(queue), keys.rq_job_key(job_id)),
+                keys.rq_started_key(queue),
+                *(self.token, job_id, queue),
             )
         )
+
+    def reconcile(self) -> list[str]:
+        """Hand back jobs Redis lists as held by this process that it is not running.
+
+        A step whose reply was lost (a failover, a timeout) and was sent again can
+        leave one: a take applied twice holds a second job nobody runs, and a record
+        acknowledged by a primary that then died is gone while the job still reads
+        as held here. Such a job would never be recovered (this process's lease is
+        alive), so it goes back to its queue, after two passes in a row find it (a
+        take in flight is in ``holding`` by the next pass). Returns the ids handed
+        back."""
+        mine = {}
+        for job_id, value in self.conn.hgetall(keys.RUNNING).items():
+            token, _, queue = value.decode().partition(" ")
+            if token == self.token:
+                mine[job_id.decode()] = queue
+        with self._holding_lock:
+            orphans = set(mine) - self.holding
+        confirmed, self._suspects = orphans & self._suspects, orphans - self._suspects
+        back = [j for j in sorted(confirmed) if self._requeue(j, mine[j])]
+        for job_id in back:
+            log.warning(
+                "%s: job %s was held here in Redis but not running (a reply lost in a "
+                "failover?); handed back to its queue",
+                self.name,
+                job_id,
+            )
+        return back
 
     def renew(self) -> bool:
         """Extend this process's lease (every job it holds). False if it had ended."""
