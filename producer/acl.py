@@ -89,6 +89,7 @@ _WRITES = [
     ["multi"],
     ["exec"],
     ["time"],
+    ["wait", "1", "100"],
 ]
 NEEDS: dict[str, list[list[str]]] = {
     "producer": _READS + _WRITES,

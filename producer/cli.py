@@ -177,6 +177,15 @@ def main() -> None:
     help="Where --skip-invalid writes rejected lines [default: FILE.rejected.jsonl;\n"
     "stdin.rejected.jsonl for standard input].",
 )
+@click.option(
+    "--wait-replicas",
+    envvar="MLXQ_WAIT_REPLICAS",
+    type=click.IntRange(0, 16),
+    default=0,
+    show_default=True,
+    help="After each chunk, WAIT until this many replicas have it (1 s at most; a "
+    "shortfall is reported).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def submit(
     file: Path,
@@ -191,6 +200,7 @@ def submit(
     route: str,
     skip_invalid: bool,
     rejected: Path | None,
+    wait_replicas: int,
     as_json: bool,
 ) -> None:
     """Validate every line of FILE, then enqueue them as one batch and print its id.
@@ -225,6 +235,7 @@ def submit(
             route=route,
             skip_invalid=skip_invalid,
             as_json=as_json,
+            wait_replicas=wait_replicas,
         )
     finally:
         if stdin:
@@ -245,6 +256,7 @@ def _submit(
     route: str,
     skip_invalid: bool,
     as_json: bool,
+    wait_replicas: int = 0,
 ) -> None:
     with (
         _Rejects(name, rejected if skip_invalid else None) as rejects,
@@ -276,6 +288,7 @@ def _submit(
                 route=route,
                 source=name,
                 progress=bar.update,
+                wait_replicas=wait_replicas,
             )
     except (FileChangedError, BatchCancelledError) as e:
         raise click.ClickException(str(e)) from None
@@ -288,6 +301,13 @@ def _submit(
             f"{summary.submitted} job(s) enqueued on {queue!r}"
             + (f", {summary.already_present} already present" if summary.already_present else "")
             + (f", {checked.invalid} invalid line(s) skipped" if checked.invalid else ""),
+            err=True,
+        )
+    if summary.replica_shortfalls:
+        click.echo(
+            f"warning: {summary.replica_shortfalls} chunk(s) reached fewer than "
+            f"{wait_replicas} replica(s) in time; if the primary fails now they can be lost: "
+            f"submit again with --batch-id {summary.batch_id} to make sure",
             err=True,
         )
 

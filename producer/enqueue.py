@@ -11,14 +11,19 @@ tells exactly what is in. A script holds Redis for the time of one chunk (about
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from redis import Redis
 
 from schemas import keys
+from schemas.connect import WAIT_TIMEOUT_MS, wait_for_replicas
 from schemas.scripts import source
+
+log = logging.getLogger(__name__)
 
 #: The first chunk's size; each next one doubles up to the chunk size, so
 #: workers start on the first jobs while the rest are still being enqueued.
@@ -112,8 +117,12 @@ class Enqueuer:
         chunk_size: int = DEFAULT_CHUNK,
         keep_ids: bool = False,
         progress: Callable[[int], None] | None = None,
+        wait_replicas: int = 0,
     ) -> None:
         self.conn, self.batch_id = conn, batch_id
+        # After each chunk: WAIT for this many replicas to have it (0: do not wait).
+        self.wait_replicas = wait_replicas
+        self.shortfalls = 0  # chunks fewer replicas acknowledged within WAIT_TIMEOUT_MS
         self.result_ttl, self.job_timeout = result_ttl, job_timeout
         self.known, self.chunk_size = known, chunk_size
         self.progress = progress
@@ -132,6 +141,23 @@ class Enqueuer:
         for job in jobs:
             self.add(job)
 
+    def _enqueue_and_wait(self, script_keys: list[str], args: list[Any]) -> None:
+        with self.conn.pipeline(transaction=False) as pipe:
+            self._script(keys=script_keys, args=args, client=pipe)
+            wait_for_replicas(pipe, self.wait_replicas)
+            acked = pipe.execute()[-1]
+        if int(acked) < self.wait_replicas:
+            self.shortfalls += 1
+            log.warning(
+                "batch %s: a chunk reached %d of %d replica(s) within %d ms (it may be lost "
+                "if the primary fails now; submit again with --batch-id %s to make sure)",
+                self.batch_id,
+                int(acked),
+                self.wait_replicas,
+                WAIT_TIMEOUT_MS,
+                self.batch_id,
+            )
+
     def flush(self) -> None:
         chunk, self._pending = self._pending, []
         if not chunk:
@@ -146,7 +172,10 @@ class Enqueuer:
             script_keys, args = enqueue_call(
                 self.batch_id, fresh, self.result_ttl, self.job_timeout
             )
-            self._script(keys=script_keys, args=args)
+            if self.wait_replicas:
+                self._enqueue_and_wait(script_keys, args)
+            else:
+                self._script(keys=script_keys, args=args)
             self.submitted += len(fresh)
         if self.progress:
             self.progress(len(chunk))

@@ -148,6 +148,7 @@ def enqueue_file(
     source: str | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     progress: Callable[[int], None] | None = None,
+    wait_replicas: int = 0,
 ) -> SubmitSummary:
     """Enqueue the valid lines of a checked file (reading it again) as one batch.
 
@@ -167,6 +168,7 @@ def enqueue_file(
         source=source,
         chunk_size=chunk_size,
         progress=progress,
+        wait_replicas=wait_replicas,
     )
 
 

@@ -181,6 +181,11 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
     lookups = CounterMetricFamily(
         "mlxq_worker_prefix_cache_lookups", "Jobs that looked one up.", labels=["worker"]
     )
+    shortfalls = CounterMetricFamily(
+        "mlxq_worker_replica_shortfalls",
+        "Record writes fewer replicas acknowledged than --wait-replicas asks.",
+        labels=["worker"],
+    )
     renew = gauge(
         "mlxq_worker_lease_renew_age_seconds",
         "Seconds since the worker last renewed its lease (lease length minus what is left).",
@@ -210,6 +215,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
         if (pc := w.prefix_cache) is not None:
             hits.add_metric([w.name], pc.hits)
             lookups.add_metric([w.name], pc.lookups)
+        shortfalls.add_metric([w.name], w.replica_shortfalls)
         if w.lease_s is not None and w.name in lease_left:
             renew.add_metric([w.name], max(w.lease_s - lease_left[w.name], 0.0))
         for k, family in hists.items():
@@ -217,7 +223,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             if h is not None:
                 family.add_metric([w.name], h.cumulative(), h.sum)
     yield from (rq_workers, up, jobs, tokens, tps, accept, batch, limit, kv, memory)
-    yield from (hits, lookups, renew, *hists.values())
+    yield from (hits, lookups, shortfalls, renew, *hists.values())
 
 
 def registry_for(conn: Redis, recent_batches: int = RECENT_BATCHES) -> CollectorRegistry:

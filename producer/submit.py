@@ -39,6 +39,8 @@ class SubmitSummary:
     #: The jobs' ids in submission order (empty when the caller did not keep them:
     #: a file submit of a million lines does not).
     job_ids: list[str]
+    #: Chunks that fewer than ``wait_replicas`` replicas acknowledged in time.
+    replica_shortfalls: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -47,6 +49,7 @@ class SubmitSummary:
             "submitted": self.submitted,
             "already_present": self.already_present,
             "jobs": self.submitted + self.already_present,
+            "replica_shortfalls": self.replica_shortfalls,
         }
 
 
@@ -106,6 +109,7 @@ def submit_items(
     chunk_size: int = DEFAULT_CHUNK,
     progress: Callable[[int], None] | None = None,
     route: str = "queue",
+    wait_replicas: int = 0,
 ) -> SubmitSummary:
     """Enqueue ``items`` as one batch; jobs the batch already has (same custom_id) are skipped.
 
@@ -131,6 +135,7 @@ def submit_items(
         chunk_size=chunk_size,
         progress=progress,
         keep_ids=True,
+        wait_replicas=wait_replicas,
     )
 
 
@@ -147,6 +152,7 @@ def enqueue_batch(
     chunk_size: int,
     progress: Callable[[int], None] | None,
     keep_ids: bool = False,
+    wait_replicas: int = 0,
 ) -> SubmitSummary:
     """Register the batch, then enqueue ``jobs`` (read lazily, one chunk in memory)."""
     queue_of(route, queue, "")  # a bad route fails before anything is written
@@ -160,11 +166,14 @@ def enqueue_batch(
         chunk_size=chunk_size,
         keep_ids=keep_ids,
         progress=progress,
+        wait_replicas=wait_replicas,
     )
     enqueuer.add_all(jobs)
     enqueuer.flush()
     ids = enqueuer.job_ids or []
-    return SubmitSummary(batch_id, queue, enqueuer.submitted, enqueuer.present, ids)
+    return SubmitSummary(
+        batch_id, queue, enqueuer.submitted, enqueuer.present, ids, enqueuer.shortfalls
+    )
 
 
 def _prepare(

@@ -106,6 +106,16 @@ def is_sentinel(url: str) -> bool:
     return url.partition("://")[0] in SENTINEL_SCHEMES
 
 
+#: How long a chunk or a record waits for replicas (``--wait-replicas``), in ms.
+WAIT_TIMEOUT_MS = 1000
+
+
+def wait_for_replicas(pipe: Any, replicas: int) -> None:
+    """Queue ``WAIT`` on ``pipe``: on the connection that wrote, since WAIT counts the
+    writes of its own connection."""
+    pipe.execute_command("WAIT", replicas, WAIT_TIMEOUT_MS)
+
+
 def _following_classes() -> tuple[type, type]:
     """redis-py's Sentinel connections, made to ask the Sentinels for the primary on
     every (re)connect. redis-py 8 reconnects a dropped connection with

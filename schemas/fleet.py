@@ -123,4 +123,5 @@ class WorkerInfo(BaseModel):
     jobs_failed: int = 0
     latency: dict[str, Histogram] = {}
     lease_s: float | None = None  # the worker's --lease-seconds
+    replica_shortfalls: int = 0  # record writes fewer than --wait-replicas acknowledged
     updated_at: float

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,11 +16,12 @@ from redis import Redis
 
 from producer import Client
 from producer.cli import main as producer_main
+from producer.localredis import LocalRedis
 from schemas import keys
 from schemas.connect import SentinelURL, redis_from_url
 from schemas.settings import redact_url
 from schemas.store import read_result
-from tests.conftest import chat
+from tests.conftest import chat, write_jsonl
 from tests.sentinel import SentinelGroup
 from tests.test_faults import FAULT_REPORT, wait_for
 
@@ -108,3 +114,60 @@ def test_a_frozen_primary_comes_back_as_a_replica_and_clients_move(group, tiny, 
     assert [r.custom_id for r in records if r is None or r.status != "succeeded"] == []
     assert conn.hlen(keys.RUNNING) == 0
     assert all(w.proc.poll() is None for w in ws), "a worker needed a restart"
+
+
+def _burst_worker(url: str, tiny, *args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"MLXQ_REDIS_URL": url, "MLXQ_MODEL_DIRS": str(tiny.root)}
+    exe = str(Path(sys.executable).with_name("worker"))
+    return subprocess.run(
+        [exe, "--burst", "-v", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_wait_replicas_keeps_acknowledged_records_and_says_when_it_cannot(tmp_path, tiny):
+    primary = LocalRedis(data_dir=tmp_path / "p").start()
+    replica = LocalRedis(
+        data_dir=tmp_path / "r", extra_args=("--replicaof", "127.0.0.1", str(primary.port))
+    ).start()
+    try:
+        wait_for(lambda: Redis(port=replica.port).info("replication")["master_link_status"] == "up")
+        conn, copy = Redis(port=primary.port), Redis(port=replica.port)
+        lines = [chat(tiny.target, content=f"w {i}", max_tokens=3) for i in range(4)]
+        jobs = write_jsonl(tmp_path / "jobs.jsonl", lines)
+        # With replication working: every acknowledged record is on the replica the
+        # moment the worker has written it (no shortfall), so losing the primary now
+        # would lose none of them.
+        sub = CliRunner().invoke(
+            producer_main, ["submit", str(jobs), "--redis-url", primary.url, "--wait-replicas", "1"]
+        )
+        assert sub.exit_code == 0 and "warning" not in sub.stderr, sub.output
+        done = _burst_worker(primary.url, tiny, "--wait-replicas", "1")
+        assert done.returncode == 0 and "replica(s) within" not in done.stderr, done.stderr
+        ids = [k for k in conn.lrange(keys.batch_jobs_key(sub.stdout.strip()), 0, -1)]
+        assert len(ids) == 4 and all(copy.exists(keys.result_key(j.decode())) for j in ids)
+        # Replication frozen: the submit and the worker say their writes reached no
+        # replica in time; without --wait-replicas nothing would say so.
+        replica.proc.send_signal(signal.SIGSTOP)  # frozen, and its link cut: nothing
+        conn.client_kill_filter(_type="replica")  # written from now on reaches it
+        try:
+            sub = CliRunner().invoke(
+                producer_main,
+                ["submit", str(jobs), "--redis-url", primary.url, "--wait-replicas", "1"],
+            )
+            assert sub.exit_code == 0 and "reached fewer than 1 replica" in sub.stderr
+            frozen = _burst_worker(primary.url, tiny, "--wait-replicas", "1")
+            assert frozen.returncode == 0
+            assert "reached 0 of 1 replica(s) within 1000 ms" in frozen.stderr, frozen.stderr
+            batch = sub.stdout.strip().splitlines()[0]
+            ids = [k.decode() for k in conn.lrange(keys.batch_jobs_key(batch), 0, -1)]
+            assert all(conn.exists(keys.result_key(j)) for j in ids)
+            primary.proc.kill()  # the primary dies before the replica caught up
+            primary.proc.wait(10)
+            primary.proc = None
+        finally:
+            replica.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.5)
+        assert not any(copy.exists(keys.result_key(j)) for j in ids)  # lost, as reported
+    finally:
+        replica.stop()
+        primary.stop()

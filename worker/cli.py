@@ -200,6 +200,15 @@ class BatchSize(click.ParamType):
     show_default=True,
     help="Worker name [default: host.pid].",
 )
+@click.option(
+    "--wait-replicas",
+    envvar="MLXQ_WAIT_REPLICAS",
+    type=click.IntRange(0, 16),
+    default=0,
+    show_default=True,
+    help="After writing records, WAIT until this many replicas have them (1 s at most; "
+    "a shortfall is logged and counted).",
+)
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 def main(
     redis_url: str,
@@ -221,6 +230,7 @@ def main(
     lease_seconds: int,
     max_crashes: int,
     name: str | None,
+    wait_replicas: int,
     verbose: int,
 ) -> None:
     """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis.
@@ -284,6 +294,7 @@ def main(
         max_batch=max_batch,
         burst=burst,
         max_jobs=max_jobs,
+        wait_replicas=wait_replicas,
     )
     try:
         worker.work()

@@ -42,6 +42,7 @@ from schemas import (
     keys,
     read_job_hash,
 )
+from schemas.connect import WAIT_TIMEOUT_MS, wait_for_replicas
 from schemas.keys import rq_time
 from schemas.store import write_once_call
 from worker.lifecycle import scripts
@@ -122,12 +123,16 @@ class Lifecycle:
         *,
         lease_s: float = DEFAULT_LEASE_S,
         max_crashes: int = DEFAULT_MAX_CRASHES,
+        wait_replicas: int = 0,
     ) -> None:
         if not queues:
             raise ValueError("a worker serves at least one queue")
         self.conn, self.name, self.queues = conn, name, list(queues)
         self.lease_ms = max(1000, int(lease_s * 1000))
         self.max_crashes = max_crashes
+        # After writing records: WAIT for this many replicas (``--wait-replicas``), and
+        # the writes fewer acknowledged within WAIT_TIMEOUT_MS.
+        self.wait_replicas, self.wait_shortfalls = wait_replicas, 0
         self.token = secrets.token_hex(8)
         self.inbox = keys.inbox_key(self.token)
         self.worker_key = keys.rq_worker_key(name)
@@ -338,7 +343,21 @@ class Lifecycle:
         with self.conn.pipeline(transaction=False) as pipe:
             for script_keys, args in calls:
                 pipe.evalsha(self._end.sha, len(script_keys), *script_keys, *args)
-            return list(pipe.execute(raise_on_error=False))
+            if not self.wait_replicas:
+                return list(pipe.execute(raise_on_error=False))
+            wait_for_replicas(pipe, self.wait_replicas)  # on the connection that wrote
+            *replies, acked = pipe.execute(raise_on_error=False)
+        if isinstance(acked, Exception) or int(acked) < self.wait_replicas:
+            self.wait_shortfalls += 1
+            log.warning(
+                "%s: %d record(s) reached %s of %d replica(s) within %d ms",
+                self.name,
+                len(calls),
+                acked if not isinstance(acked, Exception) else f"? ({acked})",
+                self.wait_replicas,
+                WAIT_TIMEOUT_MS,
+            )
+        return replies
 
     def _end_call(self, e: _Ending) -> tuple[list[str], list[Any]]:
         """The keys and arguments of ``scripts.END`` for one ending."""

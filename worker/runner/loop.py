@@ -63,10 +63,16 @@ class Worker:
         max_batch: int | None = 1,
         burst: bool = False,
         max_jobs: int | None = None,
+        wait_replicas: int = 0,
     ) -> None:
         self.conn, self.queues, self.rt, self.name = conn, list(queues), rt, name
         self.lifecycle = Lifecycle(
-            conn, name, self.queues, lease_s=lease_s, max_crashes=max_crashes
+            conn,
+            name,
+            self.queues,
+            lease_s=lease_s,
+            max_crashes=max_crashes,
+            wait_replicas=wait_replicas,
         )
         # max_batch None is ``--max-batch auto``: memory and measured speed decide.
         self.max_batch, self.burst, self.max_jobs = max_batch, burst, max_jobs
@@ -217,4 +223,5 @@ class Worker:
             self.rt, self.name, self.queues, self.state, self.current, self.batch, self.max_batch
         )
         info.lease_s = self.lifecycle.lease_ms / 1000
+        info.replica_shortfalls = self.lifecycle.wait_shortfalls
         registry.publish(self.conn, info, self.registry_ttl)
