@@ -603,6 +603,14 @@ def tail(job_id: str, redis_url: str, timeout: float | None, as_json: bool) -> N
 @click.option(
     "--workers", type=click.IntRange(1), default=1, show_default=True, help="Gateway processes."
 )
+@click.option(
+    "--wait-replicas",
+    envvar="MLXQ_WAIT_REPLICAS",
+    type=click.IntRange(0, 16),
+    default=0,
+    show_default=True,
+    help="After each enqueue, WAIT until this many replicas have it (1 s at most).",
+)
 def serve(
     redis_url: str,
     host: str,
@@ -617,6 +625,7 @@ def serve(
     max_body_mb: int,
     chat_timeout: float,
     workers: int,
+    wait_replicas: int,
 ) -> None:
     """Serve an OpenAI-compatible API (chat completions, Batch API, models) on this Redis."""
     import os
@@ -642,6 +651,7 @@ def serve(
         max_file_bytes=max_file_mb * MB,
         max_body_bytes=max_body_mb * MB,
         chat_timeout_s=chat_timeout,
+        wait_replicas=wait_replicas,
     )
     os.environ[ENV_CONFIG] = settings.to_env()
     click.echo(

@@ -171,3 +171,43 @@ def test_wait_replicas_keeps_acknowledged_records_and_says_when_it_cannot(tmp_pa
     finally:
         replica.stop()
         primary.stop()
+
+
+def test_the_gateways_enqueue_waits_for_replicas_and_counts_shortfalls(tmp_path):
+    import asyncio
+
+    from redis.asyncio import Redis as AsyncRedis
+
+    from producer.serve.coalesce import Coalesced
+
+    primary = LocalRedis(data_dir=tmp_path / "p").start()
+    replica = LocalRedis(
+        data_dir=tmp_path / "r", extra_args=("--replicaof", "127.0.0.1", str(primary.port))
+    ).start()
+    lua = "redis.call('SET', KEYS[1], ARGV[1]) return 1"
+
+    async def enqueue(n: int) -> Coalesced:
+        script = Coalesced(AsyncRedis(port=primary.port), lua, wait_replicas=1)
+        script.start()
+        try:
+            await asyncio.gather(*(script([f"mlxq:k{i}"], [str(i)]) for i in range(n)))
+        finally:
+            await script.stop()
+        return script
+
+    try:
+        wait_for(lambda: Redis(port=replica.port).info("replication")["master_link_status"] == "up")
+        healthy = asyncio.run(enqueue(20))
+        assert healthy.shortfalls == 0
+        assert Redis(port=replica.port).get("mlxq:k19") == b"19"  # there once acknowledged
+        replica.proc.send_signal(signal.SIGSTOP)
+        Redis(port=primary.port).client_kill_filter(_type="replica")
+        try:
+            cut = asyncio.run(enqueue(5))
+            assert cut.shortfalls >= 1  # every write answered, and each shortfall counted
+            assert Redis(port=primary.port).get("mlxq:k4") == b"4"
+        finally:
+            replica.proc.send_signal(signal.SIGCONT)
+    finally:
+        replica.stop()
+        primary.stop()

@@ -96,7 +96,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aredis = async_redis_from_url(settings.redis_url)
         app.state.redis = redis_from_url(settings.redis_url)
-        app.state.enqueue = Coalesced(app.state.aredis, ENQUEUE_LUA)
+        app.state.enqueue = Coalesced(app.state.aredis, ENQUEUE_LUA, settings.wait_replicas)
         app.state.notifier = Notifier(app.state.aredis)
         app.state.enqueue.start()
         app.state.notifier.start()

@@ -129,6 +129,7 @@ def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings
                 result_ttl=settings.result_ttl,
                 source=f"gateway:{file_id}",
                 progress=renew,
+                wait_replicas=settings.wait_replicas,
             )
         except BatchCancelledError:
             conn.hset(key, "gw_status", "enqueued")

@@ -17,10 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import NoScriptError
+
+from schemas.connect import WAIT_TIMEOUT_MS, wait_for_replicas
+
+log = logging.getLogger(__name__)
 
 #: Most calls sent in one pipeline.
 MOST = 512
@@ -29,8 +34,11 @@ MOST = 512
 class Coalesced:
     """``await script(keys=..., args=...)`` like redis-py's ``AsyncScript``, coalesced."""
 
-    def __init__(self, conn: AsyncRedis, lua: str) -> None:
+    def __init__(self, conn: AsyncRedis, lua: str, wait_replicas: int = 0) -> None:
         self.conn, self.lua = conn, lua
+        # After each pipeline: WAIT for this many replicas (``--wait-replicas``), and
+        # the pipelines fewer acknowledged within WAIT_TIMEOUT_MS.
+        self.wait_replicas, self.shortfalls = wait_replicas, 0
         self.sha = hashlib.sha1(lua.encode()).hexdigest()
         self._pending: list[tuple[list[str], list[Any], asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
@@ -101,4 +109,17 @@ class Coalesced:
         async with self.conn.pipeline(transaction=False) as pipe:
             for keys, args, _ in calls:
                 pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-            return list(await pipe.execute(raise_on_error=False))
+            if not self.wait_replicas:
+                return list(await pipe.execute(raise_on_error=False))
+            wait_for_replicas(pipe, self.wait_replicas)  # on the connection that wrote
+            *replies, acked = await pipe.execute(raise_on_error=False)
+        if isinstance(acked, Exception) or int(acked) < self.wait_replicas:
+            self.shortfalls += 1
+            log.warning(
+                "%d job(s) reached %s of %d replica(s) within %d ms",
+                len(calls),
+                acked,
+                self.wait_replicas,
+                WAIT_TIMEOUT_MS,
+            )
+        return replies

@@ -42,6 +42,8 @@ class GatewaySettings:
     #: Longest a chat completion waits for its record (504 after, and cancelled if unstarted).
     chat_timeout_s: float = 600.0
     job_timeout: int = 3600
+    #: WAIT for this many replicas after each enqueue (``--wait-replicas``).
+    wait_replicas: int = 0
 
     def to_env(self) -> str:
         data = asdict(self) | {"api_keys": sorted(self.api_keys)}
