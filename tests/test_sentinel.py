@@ -211,3 +211,23 @@ def test_the_gateways_enqueue_waits_for_replicas_and_counts_shortfalls(tmp_path)
     finally:
         replica.stop()
         primary.stop()
+
+
+def test_the_asyncio_client_follows_a_failover(group):
+    import asyncio
+
+    from schemas.connect import async_redis_from_url
+
+    async def run() -> tuple[bytes | None, bytes | None]:
+        conn = async_redis_from_url(group.url)
+        await conn.set("mlxq:before", "1")
+        await asyncio.sleep(0.2)  # replicated
+        group.kill_primary()
+        await conn.set("mlxq:after", "2")  # retried until the Sentinels name the new primary
+        got = await conn.get("mlxq:before"), await conn.get("mlxq:after")
+        await conn.aclose()
+        return got
+
+    old = group.primary.port
+    assert asyncio.run(run()) == (b"1", b"2")
+    assert group.primary_port() != old
