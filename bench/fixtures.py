@@ -23,36 +23,29 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from worker.dev.tinymodels import TinySpec, ensure_model
 
+#: The 12 x 1024 target most benchmarks use, and its 32,000-entry byte-level BPE twin.
+WIDE = TinySpec(
+    layers=12,
+    hidden=1024,
+    intermediate=2816,
+    heads=16,
+    kv_heads=16,
+    context=4096,
+    seed=101,
+    tied=False,
+    weight_scale=1.0,
+)
+WIDE32K = replace(WIDE, vocab=32000, tokenizer="bpe32k")
+
 SPECS: dict[str, TinySpec] = {
-    "wide": TinySpec(
-        layers=12,
-        hidden=1024,
-        intermediate=2816,
-        heads=16,
-        kv_heads=16,
-        context=4096,
-        seed=101,
-        tied=False,
-        weight_scale=1.0,
-    ),
+    "wide": WIDE,
     # ``wide`` with a 32,000-entry byte-level BPE (structured output's benchmark).
-    "wide32k": TinySpec(
-        layers=12,
-        hidden=1024,
-        intermediate=2816,
-        heads=16,
-        kv_heads=16,
-        context=4096,
-        seed=101,
-        tied=False,
-        weight_scale=1.0,
-        vocab=32000,
-        tokenizer="bpe32k",
-    ),
+    "wide32k": WIDE32K,
     "copy": TinySpec(
         layers=1,
         hidden=128,
@@ -67,61 +60,32 @@ SPECS: dict[str, TinySpec] = {
     "unrelated": TinySpec(
         layers=1, hidden=128, intermediate=256, heads=4, kv_heads=4, context=4096, seed=103
     ),
-    "wide-gemma3": TinySpec(
+    "wide-gemma3": replace(
+        WIDE,
         arch="gemma3_text",
         window=512,
-        layers=12,
-        hidden=1024,
-        intermediate=2816,
-        heads=16,
         kv_heads=8,
         context=8192,
         seed=104,
-        weight_scale=1.0,
+        tied=True,
         repeats=True,
     ),
-    "wide-qwen35": TinySpec(
+    "wide-qwen35": replace(
+        WIDE,
         arch="qwen3_5",
-        layers=12,
-        hidden=1024,
-        intermediate=2816,
-        heads=16,
         kv_heads=8,
         context=8192,
         seed=105,
+        tied=True,
         weight_scale=0.5,
         repeats=True,
     ),
     # ``wide32k``'s size and tokenizer, built to quote (``TinySpec.quote``): its greedy
     # answer replays the last 96 tokens of its prompt (prompt lookup's copy-heavy work).
-    "quote32k": TinySpec(
-        layers=12,
-        hidden=1024,
-        intermediate=2816,
-        heads=1,
-        kv_heads=1,
-        context=4096,
-        seed=106,
-        weight_scale=1.0,
-        vocab=32000,
-        tokenizer="bpe32k",
-        quote=96,
-    ),
+    "quote32k": replace(WIDE32K, heads=1, kv_heads=1, seed=106, tied=True, quote=96),
     # ``wide32k`` with projections scaled 2.5x: its greedy text varies with context and
     # repeats nothing (prompt lookup's free-text workload: nothing to copy).
-    "free32k": TinySpec(
-        layers=12,
-        hidden=1024,
-        intermediate=2816,
-        heads=16,
-        kv_heads=16,
-        context=4096,
-        seed=107,
-        tied=False,
-        weight_scale=2.5,
-        vocab=32000,
-        tokenizer="bpe32k",
-    ),
+    "free32k": replace(WIDE32K, seed=107, weight_scale=2.5),
     "medium": TinySpec(
         layers=8, hidden=512, intermediate=1408, heads=8, kv_heads=8, context=4096, seed=11
     ),

@@ -30,7 +30,13 @@ from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
 from schemas import keys
 from schemas.connect import redis_from_url
-from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
+from schemas.settings import (
+    DEFAULT_REDIS_URL,
+    ENV_QUEUE,
+    ENV_REDIS_URL,
+    redact_url,
+    wait_replicas_option,
+)
 
 EXIT_INVALID = 2
 
@@ -177,15 +183,7 @@ def main() -> None:
     help="Where --skip-invalid writes rejected lines [default: FILE.rejected.jsonl;\n"
     "stdin.rejected.jsonl for standard input].",
 )
-@click.option(
-    "--wait-replicas",
-    envvar="MLXQ_WAIT_REPLICAS",
-    type=click.IntRange(0, 16),
-    default=0,
-    show_default=True,
-    help="After each chunk, WAIT until this many replicas have it (1 s at most; a "
-    "shortfall is reported).",
-)
+@wait_replicas_option("each chunk")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def submit(
     file: Path,
@@ -603,14 +601,7 @@ def tail(job_id: str, redis_url: str, timeout: float | None, as_json: bool) -> N
 @click.option(
     "--workers", type=click.IntRange(1), default=1, show_default=True, help="Gateway processes."
 )
-@click.option(
-    "--wait-replicas",
-    envvar="MLXQ_WAIT_REPLICAS",
-    type=click.IntRange(0, 16),
-    default=0,
-    show_default=True,
-    help="After each enqueue, WAIT until this many replicas have it (1 s at most).",
-)
+@wait_replicas_option("each enqueue")
 def serve(
     redis_url: str,
     host: str,

@@ -129,7 +129,7 @@ def _following_classes() -> tuple[type, type]:
         def connect_check_health(
             self, check_health: bool = True, retry_socket_connect: bool = True
         ) -> None:
-            if self._sock:
+            if self.is_connected:
                 return
             if self.connection_pool.is_master:
                 self.host, self.port = self.connection_pool.get_master_address()
@@ -165,15 +165,22 @@ def _async_following_classes() -> tuple[type, type]:
     return Following, FollowingSSL
 
 
-def failover_retry() -> dict[str, Any]:
+def failover_retry(asyncio: bool = False) -> dict[str, Any]:
     """Connection options that ride out a failover: a failed command is sent again
     (to the primary the Sentinels name then) with backoff, for about 30 seconds."""
     from redis.backoff import ExponentialBackoff
     from redis.exceptions import ConnectionError, TimeoutError
-    from redis.retry import Retry
 
+    if asyncio:
+        from redis.asyncio.retry import Retry as AsyncRetry
+
+        retry: Any = AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), retries=40)
+    else:
+        from redis.retry import Retry
+
+        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=40)
     return {
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=40),
+        "retry": retry,
         "retry_on_error": [ConnectionError, TimeoutError],
         # A frozen or partitioned primary answers nothing: give up on a reply after
         # 10 s (the longest blocking call mlxq makes waits 1 s) and ask again.
@@ -201,19 +208,10 @@ def async_redis_from_url(url: str, **kwargs: Any) -> AsyncRedis:
     """:func:`redis_from_url` for asyncio (the gateway)."""
     if not is_sentinel(url):
         return AsyncRedis.from_url(url, **kwargs)
-    from redis.asyncio.retry import Retry
     from redis.asyncio.sentinel import Sentinel
-    from redis.backoff import ExponentialBackoff
-    from redis.exceptions import ConnectionError, TimeoutError
 
     s = SentinelURL(url)
     sentinel = Sentinel(s.sentinels, sentinel_kwargs=s.sentinel_kwargs())
-    retry = {
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=40),
-        "retry_on_error": [ConnectionError, TimeoutError],
-        "socket_timeout": 10.0,
-        "socket_keepalive": True,
-    }
     plain, tls = _async_following_classes()
-    options = retry | s.node_kwargs() | kwargs
+    options = failover_retry(asyncio=True) | s.node_kwargs() | kwargs
     return sentinel.master_for(s.master, connection_class=tls if s.tls else plain, **options)

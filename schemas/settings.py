@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
+
+import click
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -24,3 +28,17 @@ def redact_url(url: str) -> str:
         userinfo = userinfo.split(":", 1)[0] + ":***"
     query = re.sub(r"((?:^|&)(?:sentinel_)?password=)[^&]*", r"\1***", query)
     return f"{scheme}://{userinfo}{at}{hosts}{slash}{path}{q}{query}"
+
+
+def wait_replicas_option(after: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``--wait-replicas`` option of the worker, ``producer submit`` and ``producer
+    serve``: WAIT for N replicas ``after`` each write (``schemas.connect.WAIT_TIMEOUT_MS``)."""
+    return click.option(
+        "--wait-replicas",
+        envvar="MLXQ_WAIT_REPLICAS",
+        type=click.IntRange(0, 16),
+        default=0,
+        show_default=True,
+        help=f"After {after}, WAIT until this many replicas have the writes (1 s at most; a "
+        "shortfall is logged and counted).",
+    )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -11,6 +12,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
+from bench.metrics import Counting
 from producer import Client
 from producer.batches import batch_status
 from producer.cli import main as producer_main
@@ -37,28 +39,6 @@ def scrape(conn: Redis) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def value(samples: dict, metric: str, /, **labels: str) -> float:
     return samples[(metric, tuple(sorted(labels.items())))]
-
-
-class Counting:
-    """Wraps a client: the Redis commands it sends (pipelined ones included)."""
-
-    def __init__(self, conn: Redis) -> None:
-        self.conn, self.commands = conn, []
-
-    def pipeline(self, *args, **kw):
-        pipe = self.conn.pipeline(*args, **kw)
-        execute = pipe.execute
-
-        def counted(*a, **k):
-            self.commands += [str(args[0]).upper() for args, _ in pipe.command_stack]
-            return execute(*a, **k)
-
-        pipe.execute = counted
-        return pipe
-
-    def __getattr__(self, name):
-        self.commands.append(name.upper())
-        return getattr(self.conn, name)
 
 
 def test_a_scrape_equals_status_and_fleet(conn, redis_url, tiny, workers, tmp_path):
@@ -162,10 +142,7 @@ def test_producer_metrics_once_and_the_dashboard_names(conn, redis_url, tiny):
 
 
 def _metric_words(expr: str) -> set[str]:
-    import re
-
-    words = set(re.findall(r"\b((?:rq|mlxq|gen_ai)_[a-z_]+)\b", expr))
-    return words
+    return set(re.findall(r"\b((?:rq|mlxq|gen_ai)_[a-z_]+)\b", expr))
 
 
 def test_the_gateway_serves_metrics_behind_its_key(conn, redis_url, tiny):

@@ -143,7 +143,7 @@ def test_wait_replicas_keeps_acknowledged_records_and_says_when_it_cannot(tmp_pa
         assert sub.exit_code == 0 and "warning" not in sub.stderr, sub.output
         done = _burst_worker(primary.url, tiny, "--wait-replicas", "1")
         assert done.returncode == 0 and "replica(s) within" not in done.stderr, done.stderr
-        ids = [k for k in conn.lrange(keys.batch_jobs_key(sub.stdout.strip()), 0, -1)]
+        ids = conn.lrange(keys.batch_jobs_key(sub.stdout.strip()), 0, -1)
         assert len(ids) == 4 and all(copy.exists(keys.result_key(j.decode())) for j in ids)
         # Replication frozen: the submit and the worker say their writes reached no
         # replica in time; without --wait-replicas nothing would say so.

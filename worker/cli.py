@@ -11,7 +11,13 @@ from redis.exceptions import RedisError
 
 from schemas import MlxqError, keys
 from schemas.connect import redis_from_url
-from schemas.settings import DEFAULT_REDIS_URL, ENV_QUEUE, ENV_REDIS_URL, redact_url
+from schemas.settings import (
+    DEFAULT_REDIS_URL,
+    ENV_QUEUE,
+    ENV_REDIS_URL,
+    redact_url,
+    wait_replicas_option,
+)
 
 log = logging.getLogger("worker")
 
@@ -200,15 +206,7 @@ class BatchSize(click.ParamType):
     show_default=True,
     help="Worker name [default: host.pid].",
 )
-@click.option(
-    "--wait-replicas",
-    envvar="MLXQ_WAIT_REPLICAS",
-    type=click.IntRange(0, 16),
-    default=0,
-    show_default=True,
-    help="After writing records, WAIT until this many replicas have them (1 s at most; "
-    "a shortfall is logged and counted).",
-)
+@wait_replicas_option("writing records")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 def main(
     redis_url: str,

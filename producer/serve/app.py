@@ -96,6 +96,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.aredis = async_redis_from_url(settings.redis_url)
         app.state.redis = redis_from_url(settings.redis_url)
+        app.state.metrics = registry_for(app.state.redis)
         app.state.enqueue = Coalesced(app.state.aredis, ENQUEUE_LUA, settings.wait_replicas)
         app.state.notifier = Notifier(app.state.aredis)
         app.state.enqueue.start()
@@ -114,6 +115,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(Guard, settings=settings)
     _errors(app)
     _chat_routes(app, settings)
+    _metrics_route(app)
     _file_routes(app, settings)
     _batch_routes(app, settings)
     return app
@@ -222,15 +224,15 @@ def _timing(record: dict[str, Any], state: Any) -> str:
     )
 
 
-def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
+def _metrics_route(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """The fleet's Prometheus metrics (``producer.metrics``), behind the API key."""
-        if getattr(request.app.state, "metrics", None) is None:
-            request.app.state.metrics = registry_for(request.app.state.redis)
         body = await run_in_threadpool(generate_latest, request.app.state.metrics)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+
+def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         workers = await run_in_threadpool(live_workers, request.app.state.redis)

@@ -18,6 +18,8 @@ def worker_info(
     current_job: str | None,
     batch: BatchInfo | None = None,
     max_batch: int | None = None,
+    lease_s: float | None = None,
+    replica_shortfalls: int = 0,
 ) -> WorkerInfo:
     cache = rt.cache
     return WorkerInfo(
@@ -47,6 +49,8 @@ def worker_info(
         jobs_succeeded=rt.stats.succeeded,
         jobs_failed=rt.stats.failed,
         latency={k: h.model_copy(deep=True) for k, h in rt.stats.latency.items()},
+        lease_s=lease_s,
+        replica_shortfalls=replica_shortfalls,
         updated_at=time.time(),
     )
 

@@ -220,8 +220,14 @@ class Worker:
     def publish(self) -> None:
         """Publish this worker's state on ``mlxq:worker:<name>`` (``producer fleet``)."""
         info = worker_info(
-            self.rt, self.name, self.queues, self.state, self.current, self.batch, self.max_batch
+            self.rt,
+            self.name,
+            self.queues,
+            self.state,
+            self.current,
+            self.batch,
+            self.max_batch,
+            lease_s=self.lifecycle.lease_ms / 1000,
+            replica_shortfalls=self.lifecycle.wait_shortfalls,
         )
-        info.lease_s = self.lifecycle.lease_ms / 1000
-        info.replica_shortfalls = self.lifecycle.wait_shortfalls
         registry.publish(self.conn, info, self.registry_ttl)
