@@ -8,27 +8,30 @@
 --       request is dropped: ``schemas.ENDED_JOB_DATA``, a call with no arguments)
 -- An empty record JSON writes no record (a refused job nobody can be told about).
 -- Returns 1 if this call wrote the record (0: none written, or the job had one).
+-- Safe to run twice (a retry after a lost reply): the second call finds the hold gone
+-- and the record written, so it neither counts the job on the worker again nor adds
+-- a second entry to RQ's results stream.
 --! include write_once_body
 --! include now_ms
 
 local id, token = ARGV[4], ARGV[6]
 local holder = redis.call('HGET', KEYS[4], id)
-if holder and string.sub(holder, 1, #token + 1) == token .. ' ' then
-  redis.call('HDEL', KEYS[4], id)
-end
+local released = holder and string.sub(holder, 1, #token + 1) == token .. ' '
+if released then redis.call('HDEL', KEYS[4], id) end
+local counts = released or fresh == 1
 redis.call('ZREM', KEYS[6], id .. ':' .. token)
 if redis.call('EXISTS', KEYS[5]) == 1 then
   redis.call('HSET', KEYS[5], 'status', ARGV[7], 'ended_at', ARGV[8])
   if ARGV[13] ~= '' then redis.call('HSET', KEYS[5], 'data', ARGV[13]) end
   redis.call('EXPIRE', KEYS[5], ARGV[2])
-  if ARGV[11] ~= '' then
+  if ARGV[11] ~= '' and counts then
     redis.call('XADD', KEYS[9], 'MAXLEN', 10, '*', 'type', 2, 'worker_name', ARGV[12],
       'exc_string', ARGV[11])
     redis.call('EXPIRE', KEYS[9], ARGV[2])
   end
   redis.call('ZADD', KEYS[7], math.floor(now_ms / 1000) + tonumber(ARGV[2]), id)
 end
-if redis.call('EXISTS', KEYS[8]) == 1 then
+if counts and redis.call('EXISTS', KEYS[8]) == 1 then
   redis.call('HINCRBY', KEYS[8], ARGV[9], 1)
   redis.call('HINCRBYFLOAT', KEYS[8], 'total_working_time', ARGV[10])
 end

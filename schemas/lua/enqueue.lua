@@ -5,15 +5,22 @@
 -- Returns the batch's new total, or -1 (nothing written) when ``most`` (0: no limit)
 -- jobs already wait on the first queue. A non-empty ``notify`` (a gateway process's
 -- list, ``schemas.keys.notify_key``) is set on the batch hash: record writers push
--- each ended job's id there.
+-- each ended job's id there. A job whose hash exists is skipped (it is in the batch
+-- already): a chunk sent twice (a retry after a lost reply) is enqueued once, and the
+-- second call answers with the total, not -1, when the queue has filled meanwhile.
 local jp, qp, ttl, at, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local nq = tonumber(ARGV[6])
 local names, per = {}, {}
 for i = 1, nq do names[i] = ARGV[6 + i]; per[i] = {} end
 local most, notify = tonumber(ARGV[#ARGV - 1]), ARGV[#ARGV]
+local fresh = {}
+for i = 7 + nq, #ARGV - 2, 4 do
+  if redis.call('EXISTS', jp .. ARGV[i]) == 0 then table.insert(fresh, i) end
+end
+if #fresh == 0 then return tonumber(redis.call('HGET', KEYS[2], 'total') or 0) end
 if most > 0 and redis.call('LLEN', qp .. names[1]) >= most then return -1 end
 local ids = {}
-for i = 7 + nq, #ARGV - 2, 4 do
+for _, i in ipairs(fresh) do
   local id, q = ARGV[i], tonumber(ARGV[i + 1])
   redis.call('HSET', jp .. id, 'data', ARGV[i + 2], 'status', 'queued', 'origin', names[q],
     'enqueued_at', at, 'timeout', timeout, 'description', ARGV[i + 3])

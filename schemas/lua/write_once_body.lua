@@ -5,8 +5,11 @@
 -- nothing). If the batch names a listener (hash field ``notify``, a gateway process's
 -- list), the record is pushed there too; ``pcall``: a hash field naming a key of
 -- another type cannot stop the record. The worker's end-of-job script
--- (``worker.lifecycle.scripts.END``) starts with it.
-local wrote = 0
+-- (``worker.lifecycle.scripts.END``) starts with it. Run twice (a retry after a lost
+-- reply), the second call finds this very record stored: it sets ``wrote`` again and
+-- counts nothing (another writer's record differs in its times and metrics).
+-- ``fresh`` is 1 only when this call stored it.
+local wrote, fresh = 0, 0
 if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
   redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
   redis.call('HSETNX', KEYS[2], 'first_done_at', ARGV[5])
@@ -19,5 +22,7 @@ if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) th
     redis.pcall('RPUSH', notify, ARGV[1])
     redis.pcall('EXPIRE', notify, {{NOTIFY_TTL}})
   end
+  wrote, fresh = 1, 1
+elseif ARGV[1] ~= '' and redis.call('GET', KEYS[1]) == ARGV[1] then
   wrote = 1
 end
