@@ -9,7 +9,9 @@ Every ``--redis-url`` (producer, worker, gateway, :class:`producer.Client`) take
   name MASTER. The user and password are the data nodes'. The Sentinels' own come
   from the query (``?sentinel_username=...&sentinel_password=...``) or from
   ``MLXQ_SENTINEL_USERNAME`` / ``MLXQ_SENTINEL_PASSWORD``; ``sentinel_tls=true``
-  speaks TLS to the Sentinels.
+  speaks TLS to the Sentinels. ``ssl_ca_certs=PATH`` (a private CA), and
+  ``ssl_certfile`` / ``ssl_keyfile`` (a client certificate) apply to every TLS
+  connection, to the nodes and to the Sentinels.
 
 With Sentinel, a client asks the Sentinels for the primary when it connects and
 again after a connection fails or a node answers READONLY (a primary demoted to
@@ -29,6 +31,8 @@ from redis.asyncio import Redis as AsyncRedis
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 DEFAULT_SENTINEL_PORT = 26379
 _TRUE = ("1", "true", "yes", "on")
+#: Query options naming TLS files (redis-py's own keyword names).
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 class SentinelURL:
@@ -60,7 +64,7 @@ class SentinelURL:
         except ValueError:
             raise ValueError(f"a Sentinel URL's database is a number, not {parts[1]!r}") from None
         q = {k: v[-1] for k, v in parse_qs(query).items()}
-        unknown = set(q) - {"sentinel_username", "sentinel_password", "sentinel_tls"}
+        unknown = set(q) - {"sentinel_username", "sentinel_password", "sentinel_tls", *TLS_FILES}
         if unknown:
             raise ValueError(f"unknown Sentinel URL option(s): {', '.join(sorted(unknown))}")
         self.sentinel_username = q.get("sentinel_username") or os.environ.get(
@@ -70,6 +74,10 @@ class SentinelURL:
             "MLXQ_SENTINEL_PASSWORD"
         )
         self.sentinel_tls = q.get("sentinel_tls", "").lower() in _TRUE
+        self.tls_files = {k: q[k] for k in TLS_FILES if q.get(k)}
+        for name, path in self.tls_files.items():
+            if not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file: {path!r}")
 
     def sentinel_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
@@ -78,7 +86,7 @@ class SentinelURL:
         if self.sentinel_password:
             out["password"] = self.sentinel_password
         if self.sentinel_tls:
-            out["ssl"] = True
+            out |= {"ssl": True, **self.tls_files}
         return out
 
     def node_kwargs(self) -> dict[str, Any]:
@@ -88,7 +96,7 @@ class SentinelURL:
         if self.password:
             out["password"] = self.password
         if self.tls:
-            out["ssl"] = True
+            out |= {"ssl": True, **self.tls_files}
         return out
 
 

@@ -222,3 +222,50 @@ def test_the_asyncio_client_follows_a_failover(group):
     old = group.primary.port
     assert asyncio.run(run()) == (b"1", b"2")
     assert group.primary_port() != old
+
+
+def test_sentinel_and_nodes_over_tls_with_a_private_ca(tmp_path, tiny):
+    """TLS-only Sentinels and TLS data nodes, certificates from a private CA named by
+    ``ssl_ca_certs``: the producer's submit, a worker process and the asyncio client
+    work through it and follow a failover; without the CA the certificate is refused."""
+    import asyncio
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from schemas.connect import async_redis_from_url
+
+    group = SentinelGroup(tmp_path / "tls", tls=True)
+    try:
+        url = group.url
+        assert url.startswith("rediss+sentinel://") and "ssl_ca_certs=" in url
+        with pytest.raises(ValueError, match="ssl_ca_certs: no such file"):
+            SentinelURL(url.replace("ca.crt", "nope.crt"))
+        untrusted = redis_from_url(url.split("&ssl_ca_certs=")[0], retry=None)
+        with pytest.raises(RedisConnectionError):
+            untrusted.ping()
+        jobs = write_jsonl(
+            tmp_path / "jobs.jsonl",
+            [chat(tiny.target, content=f"t {i}", max_tokens=3) for i in range(3)],
+        )
+        sub = CliRunner().invoke(producer_main, ["submit", str(jobs), "--redis-url", url])
+        assert sub.exit_code == 0, sub.output
+        done = _burst_worker(url, tiny)
+        assert done.returncode == 0, done.stderr
+        conn = redis_from_url(url)
+        batch = sub.stdout.strip()
+        assert Client(connection=conn).status(batch).succeeded == 3
+        time.sleep(0.3)  # replicated
+        old = group.primary_port()
+        group.kill_primary()
+
+        async def after() -> int:
+            a = async_redis_from_url(url)
+            try:
+                return int(await a.hget(keys.batch_key(batch), "succeeded"))
+            finally:
+                await a.aclose()
+
+        assert conn.set("mlxq:after", "1") and asyncio.run(after()) == 3
+        assert group.primary_port() != old
+    finally:
+        group.stop()
