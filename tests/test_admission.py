@@ -22,7 +22,7 @@ from worker.engine.memory import kv_profile
 from worker.engine.models import ModelCache
 from worker.runner import runtime
 from worker.runner.loop import Worker
-from worker.schedule.admission import batch_peak_bytes
+from worker.schedule.admission import KV_STEP, Verdict, admit, batch_peak_bytes
 from worker.schedule.batchsize import REPROBE_EVERY, START_BATCH, BatchRates
 from worker.schedule.policy import SpeculationPolicy
 
@@ -57,6 +57,30 @@ def _budgeted(model: str, room: int) -> ModelCache:
 
 def _start(record) -> float:
     return record.finished_at - record.metrics.total_time_s
+
+
+# -- the admission decision (pure: no model, no Redis) ----------------------
+class _PerToken:
+    def bytes_for(self, tokens: int) -> int:
+        return 100 * tokens
+
+
+def test_a_job_joins_only_while_the_batch_projected_with_it_fits():
+    peak = lambda seqs: batch_peak_bytes(_PerToken(), seqs)  # noqa: E731
+    running = [(100, 50), (20, 200)]
+    # Largest just before the newcomer leaves: 3 rows of the longest held (100) plus
+    # its 10 still to come, plus a growth step.
+    need = 3 * 100 * (100 + 10 + KV_STEP)
+    assert admit(peak, running, (10, 10), room=need) == Verdict(True)
+    late = admit(peak, running, (10, 10), room=need - 1)
+    assert not late.join and late.over == 1
+    assert (
+        "next job (10 + 10 tokens)" in late.reason
+        and f"{(need - 1) / 1e6:.1f} MB left" in late.reason
+    )
+    # A short newcomer is padded to the longest row: room for it alone beside the
+    # others is not enough.
+    assert not admit(peak, running, (10, 10), room=peak(running) + peak([(10, 10)])).join
 
 
 # -- the KV model ---------------------------------------------------------

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,6 +52,7 @@ from worker.runner import records
 from worker.runner.alone import deadline_of
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
+from worker.schedule.admission import Length, Verdict, admit
 from worker.schedule.goodput import Goodput
 from worker.schedule.grouping import BatchKey, batch_key, batchable
 from worker.schedule.meter import BatchMeter
@@ -104,7 +106,7 @@ class ContinuousBatch:
         self.draft_named: str | None = None  # the draft the first job named (k left to policy)
         self.meter = BatchMeter(self.rt.policy, key)
         self._pause_until = 0.0
-        self._held: tuple[int, int] | None = None  # (prompt, max_tokens) waiting for memory
+        self._held: Length | None = None  # (prompt, max_tokens) waiting for memory
         self._reason = QUEUE_EMPTY
         self._projected = 0  # the most the batch's KV caches can grow to (bytes)
         self.peak_kv_bytes = 0  # measured, after each step
@@ -189,7 +191,7 @@ class ContinuousBatch:
                 self._reason = reason
                 return
             if self._held is not None:
-                if self._overflow(self._held) > 0:
+                if not self._admission(self._held).join:
                     return  # the job at the head waits for room; nothing overtakes it
                 self._held = None
             job = self.host.take_from(self.queue)
@@ -279,27 +281,22 @@ class ContinuousBatch:
             self.rt.cache.make_kv_room(alone, prepared.label)
             return True
         self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
-        over = self._overflow(length)
-        if over <= 0:
+        verdict = self._admission(length)
+        if verdict.join:
             return True
         self.host.lifecycle.requeue(job)
-        self._held = length
-        prompt, max_tokens = length
-        self._reason = (
-            f"memory: the next job ({prompt} + {max_tokens} tokens) would take the "
-            f"batch's KV cache {over / 1e6:.1f} MB past the {self._room() / 1e6:.1f} MB left"
-        )
+        self._held, self._reason = length, verdict.reason
         return False
 
     def _room(self) -> int:
         return self.rt.cache.kv_room()
 
-    def _overflow(self, length: tuple[int, int]) -> int:
-        """Bytes by which the batch's projected KV would exceed the room with this job."""
+    def _admission(self, length: Length) -> Verdict:
+        """The scheduler's verdict on a job of ``length`` joining the batch now."""
         assert self.engine is not None
-        return self._peak([*self.engine.lengths(), length]) - self._room()
+        return admit(self._peak, self.engine.lengths(), length, self._room())
 
-    def _peak(self, sequences: list[tuple[int, int]]) -> int:
+    def _peak(self, sequences: Sequence[Length]) -> int:
         """The most the batch's KV caches can hold for ``sequences`` (the draft's too)."""
         assert self.engine is not None
         return projected(self.engine.models, sequences)

@@ -13,7 +13,8 @@ largest that buffer can get if no sequence stops before its ``max_tokens``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 #: Batch KV buffers grow in steps of this many tokens (mlx-lm's ``BatchKVCache.step``).
@@ -45,6 +46,39 @@ def batch_peak_bytes(profile: KVCost, sequences: Sequence[tuple[int, int]]) -> i
         longest = max(longest, held)
         peak = max(peak, running * profile.bytes_for(longest + left + KV_STEP))
     return peak
+
+
+#: (tokens held now, tokens still to come at most) of one sequence.
+Length = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a job may join a running batch now; if not, by how much it would
+    overflow (bytes) and the reason the batch publishes (``producer fleet``)."""
+
+    join: bool
+    over: int = 0
+    reason: str = ""
+
+
+def admit(
+    peak: Callable[[Sequence[Length]], int], running: Sequence[Length], job: Length, room: int
+) -> Verdict:
+    """Memory admission of ``job`` into a batch of ``running`` sequences: it joins if
+    the batch's projected KV (``peak``: :func:`batch_peak_bytes` summed over the batch's
+    models) with it fits in ``room``. A job that does not fit waits at the head of its
+    queue, and the batch takes nothing past it until it does (first in, first out)."""
+    over = peak([*running, job]) - room
+    if over <= 0:
+        return Verdict(True)
+    prompt, max_tokens = job
+    return Verdict(
+        False,
+        over,
+        f"memory: the next job ({prompt} + {max_tokens} tokens) would take the "
+        f"batch's KV cache {over / 1e6:.1f} MB past the {room / 1e6:.1f} MB left",
+    )
 
 
 def job_label(prompt: int, max_tokens: int) -> str:
