@@ -102,6 +102,11 @@ class Sequence:
         self._scan = StopScan(self.params.stop)
         top = self.params.logprobs
         self.collector = LogprobCollector(top) if top is not None else None
+        # Nothing reads the text before the end (no stop string, stream or logprobs):
+        # the detokenizer takes each token and is read once, when the sequence ends.
+        # Its pieces concatenate to the same text; reading one per token costs a decode
+        # of the whole text so far with mlx-lm's naive detokenizer.
+        self._lazy = not self.params.stop and self.on_text is None and self.collector is None
 
     @property
     def left(self) -> int:
@@ -130,6 +135,8 @@ class Sequence:
         self.detokenizer.add_token(token)
         if finish_reason == "length":
             self.detokenizer.finalize()
+        elif self._lazy:
+            return finish_reason
         self.text += self.detokenizer.last_segment
         if self.collector is not None and logprobs is not None:
             self.collector.add(token, logprobs, len(self.text))
@@ -160,6 +167,8 @@ class Sequence:
         """The sequence ended with ``reason``: the rest of its streamed text, then its
         output, or what fails it (output that does not follow its grammar). Speeds are
         measured here unless the token generator measured them (``*_tps``)."""
+        if self._lazy:  # the rest of the text (nothing if EOS or the length read it)
+            self.text += self.detokenizer.last_segment
         kept = self.kept_logprobs()
         if self.on_text is not None:
             sent = self._shown_entries
