@@ -7,15 +7,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.structured import ANY_OBJECT, SchemaError, grammar_for
+from schemas.tools import FunctionDef, Tool, ToolCall, ToolChoice, called, check_tools
 
 #: Fields of the OpenAI API that mlxq does not implement yet. A request that
 #: sets one to a non-default value is rejected (never silently ignored).
 UNSUPPORTED: dict[str, str] = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "functions": "function calling is not supported yet",
-    "function_call": "function calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
+    "functions": "the legacy form of tools: give tools (type function) instead",
+    "function_call": "the legacy form of tool_choice: give tool_choice instead",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -135,24 +133,58 @@ class Speculation(BaseModel):
 
 
 class Message(BaseModel):
-    """One chat message. ``developer`` is OpenAI's newer name for ``system``."""
+    """One chat message. ``developer`` is OpenAI's newer name for ``system``. An
+    assistant message may carry the ``tool_calls`` it made (its content then may be
+    null); a ``tool`` message answers one of them by ``tool_call_id``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
+    name: str | None = Field(default=None, max_length=64)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages make calls, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError(f"tool_call_id: only tool messages answer calls, not {self.role}")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: a {self.role} message needs content")
+        return self
 
     @property
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` form chat templates expect."""
+    def as_template_dict(self) -> dict[str, Any]:
+        """The form chat templates expect: ``{"role", "content"}``, with Hugging Face's
+        ``tool_calls`` (arguments as objects) and ``tool_call_id`` where present."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text}
+        out: dict[str, Any] = {"role": role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.parsed_arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            out["name"] = self.name
+        return out
 
 
 class ChatRequest(BaseModel):
@@ -184,6 +216,9 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     draft_model: str | None = Field(default=None, min_length=1, max_length=512)
@@ -272,7 +307,33 @@ class ChatRequest(BaseModel):
                 "stop cannot be combined with a JSON response_format: a stop string would "
                 "cut the JSON short (the output ends when the JSON is complete)"
             )
+        check_tools(self.tools, self.tool_choice, self.stream)
+        if self.forced_call is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError(
+                    "response_format and a required tool call both shape the output: give one"
+                )
+            if self.stop:
+                raise ValueError(
+                    "stop cannot be combined with a required tool call: a stop string would "
+                    "cut the call short"
+                )
         return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the model is offered tools (rendered, and its calls parsed)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_call(self) -> list[FunctionDef] | None:
+        """The functions a call must be made to (decoded under a grammar); None: free."""
+        return called(self.tools, self.tool_choice) if self.tools else None
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether a forced ``required`` call may be several calls (OpenAI's default)."""
+        return self.parallel_tool_calls is not False
 
     @property
     def grammar(self) -> str | None:

@@ -8,8 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.errors import MlxqError
+from schemas.tools import ToolCall
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -28,8 +29,11 @@ class Usage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The answer: its text, and the tool calls it made (content null if only calls)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):

@@ -19,7 +19,7 @@ BAD_LINES = [
     (chat("m") | {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     (chat("m", max_tokens=-3), "max_tokens: Input should be greater than or equal to 1"),
     (chat("m", temperature=9), "temperature: Input should be less than or equal to 2"),
-    (chat("m", tools=[{"type": "function"}]), "tools: tool calling is not supported"),
+    (chat("m", tools=[{"type": "function"}]), "tools.0.function: Field required"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": chat("m")}, "url:"),
     (chat("m", colour="blue"), "unknown field 'colour'"),
     (

@@ -29,7 +29,7 @@ def error_of(body: dict) -> str:
         (chat("m", temperature=2.5), "temperature: Input should be less than or equal to 2"),
         (chat("m", top_p=0), "top_p"),
         (chat("m", n=200), "n: Input should be less than or equal to 128"),
-        (chat("m", tools=[{"type": "function"}]), "tools: tool calling is not supported"),
+        (chat("m", tools=[{"type": "function"}]), "tools.0.function: Field required"),
         (
             chat("m", stream=True, stream_options={"include_usage": True, "x": 1}),
             "unknown field 'x' in stream_options",

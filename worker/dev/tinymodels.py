@@ -387,6 +387,53 @@ def ensure_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
     return path
 
 
+#: A Hermes / Qwen-style chat template: tools in the system turn, calls as
+#: ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``, results as tool turns.
+#: mlx-lm infers its ``json_tools`` parser from it.
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|system|>You may call these functions:\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
+    'Call one as <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call></s>'
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>{{ m.content or '' }}"
+    "{%- for tool_call in m.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}</s>"
+    "{%- elif m.role == 'tool' %}<|user|><tool_response>\n{{ m.content }}\n</tool_response></s>"
+    "{%- else %}<|{{ m.role }}|>{{ m.content }}</s>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
+)
+
+
+def ensure_tool_model(path: Path, spec: TinySpec = TinySpec(seed=5, context=4096)) -> Path:
+    """A tiny model whose chat template renders tools and calls (:data:`HERMES_TEMPLATE`)
+    and whose byte-level tokenizer can write any text a call needs (newlines, JSON)."""
+    path = Path(path)
+    stamp = path / "mlxq-tools.json"
+    want = json.dumps(spec.__dict__, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want and (path / "model.safetensors").exists():
+        return path
+    write_model(path, spec)
+    texts = (
+        _corpus(spec.tokenizer_seed, 2000)
+        + [
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            '{"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": []}',
+        ]
+        * 50
+    )
+    tok = train_bytelevel_bpe(texts, spec.vocab)
+    if tok.get_vocab_size() != spec.vocab:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {spec.vocab}")
+    save_tokenizer(tok, path, HERMES_TEMPLATE)
+    stamp.write_text(want)
+    return path
+
+
 def ensure_demo_models(root: Path) -> tuple[Path, Path]:
     """A tiny target and a smaller draft sharing its tokenizer, built once under ``root``."""
     root = Path(root)

@@ -66,12 +66,16 @@ class Constraint:
         return frozenset(self.tokenizer.eos_tokens)
 
 
-def constraint_for(request: ChatRequest, tokenizer: Any, vocab_size: int) -> Constraint | None:
-    """The request's ``response_format`` compiled for ``tokenizer`` (an mlx-lm
+def constraint_for(
+    request: ChatRequest, tokenizer: Any, vocab_size: int, forced_call: str | None = None
+) -> Constraint | None:
+    """The request's ``response_format`` (or ``forced_call``: the grammar of a tool call
+    it requires, ``worker.engine.toolcalls``) compiled for ``tokenizer`` (an mlx-lm
     ``TokenizerWrapper``); None for free text. Cached per (grammar, tokenizer)."""
-    grammar = request.grammar
+    grammar = forced_call or request.grammar
     if grammar is None:
         return None
+    what = "the required tool call" if forced_call else "response_format"
     with _lock:
         compiled = _compiled(tokenizer, vocab_size)
         proto = compiled.grammars.get(grammar)
@@ -82,7 +86,7 @@ def constraint_for(request: ChatRequest, tokenizer: Any, vocab_size: int) -> Con
             proto.compute_bitmask()  # llguidance compiles lazily: do it once, here
             if proto.is_error():
                 raise InvalidRequestError(
-                    f"response_format cannot be enforced with this model's tokenizer: "
+                    f"{what} cannot be enforced with this model's tokenizer: "
                     f"{proto.get_error().splitlines()[0]}"
                 )
             compiled.grammars[grammar] = proto

@@ -10,12 +10,14 @@ the prompt ends (for the prefix cache).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from schemas import ChatRequest, ContextLengthError, InvalidRequestError
 from worker.engine.constrain import Constraint, constraint_for
 from worker.engine.lookup import DEFAULT_LOOKUP, Lookup, lookup_for
 from worker.engine.prefix import common_prefix
+from worker.engine.toolcalls import check as check_tools
+from worker.engine.toolcalls import grammar as call_grammar
 
 if TYPE_CHECKING:
     from worker.engine.models import LoadedModel
@@ -78,35 +80,52 @@ def prepare(
 ) -> Prepared:
     """``request`` on ``target``: prompt tokens, parameters (raises on a misfit), grammar."""
     tokenizer = target.tokenizer
+    family = check_tools(request, tokenizer, target.name)
     prompt = prompt_tokens(tokenizer, request)
+    forced = call_grammar(request, tokenizer, family)
     params = params_for(
         request,
         len(prompt),
         target.context_length,
         target.vocab_size,
         default_num_draft_tokens,
-        constraint_for(request, tokenizer, target.vocab_size),
+        constraint_for(request, tokenizer, target.vocab_size, forced),
     )
     if not getattr(tokenizer, "has_chat_template", False) and TRANSCRIPT_STOP not in params.stop:
         params = replace(params, stop=(*params.stop, TRANSCRIPT_STOP))
     return Prepared(prompt, params, request)
 
 
-def _render(tokenizer: object, messages: list[dict[str, str]], prompt: bool) -> list[int]:
+def _render(
+    tokenizer: object,
+    messages: list[dict[str, Any]],
+    prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """``messages`` through the model's chat template (a plain "role: content" transcript
-    without one) as token ids; ``prompt`` adds the assistant's turn to generate."""
+    without one) as token ids; ``prompt`` adds the assistant's turn to generate;
+    ``tools`` are rendered by the template (Hugging Face's ``tools`` argument)."""
     if not getattr(tokenizer, "has_chat_template", False):
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         return list(tokenizer.encode(text + "\nassistant:" if prompt else text))  # type: ignore[attr-defined]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt)  # type: ignore[attr-defined]
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, **extra)  # type: ignore[attr-defined]
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
 
 
+def _tools(request: ChatRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as chat templates take them (None: none offered)."""
+    if not request.uses_tools or request.tools is None:
+        return None
+    return [t.model_dump(exclude_none=True) for t in request.tools]
+
+
 def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
-    """The request's messages through the model's chat template, as token ids."""
-    return _render(tokenizer, [m.as_template_dict() for m in request.messages], prompt=True)
+    """The request's messages (and tools) through the model's chat template, as token ids."""
+    messages = [m.as_template_dict() for m in request.messages]
+    return _render(tokenizer, messages, prompt=True, tools=_tools(request))
 
 
 def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int]) -> int:
@@ -121,7 +140,7 @@ def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int])
         return 0
     head = [m.as_template_dict() for m in request.messages[:-1]]
     try:
-        ids = _render(tokenizer, head, prompt=False)
+        ids = _render(tokenizer, head, prompt=False, tools=_tools(request))
     except Exception:  # a template that refuses a conversation without a user turn
         return 0
     return min(common_prefix(ids, prompt), len(prompt) - 1)

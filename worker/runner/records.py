@@ -17,7 +17,7 @@ from schemas import (
     Usage,
 )
 from schemas.result import PromptTokensDetails
-from worker.engine import GenerationOutput
+from worker.engine import GenerationOutput, toolcalls
 from worker.engine.constrain import token_bytes
 from worker.engine.generator import ChatGenerator
 from worker.engine.logprobs import render
@@ -45,21 +45,37 @@ def completion_for(
     bytes_of = None
     if out.logprobs is not None:
         bytes_of = token_bytes(generator.target.tokenizer, generator.target.vocab_size)
-    return ChatCompletion(
-        id=completion_id,
-        created=int(time.time()),
-        model=job.envelope.request.model,
-        choices=[
+    request = job.envelope.request
+    family = toolcalls.family_of(generator.target.tokenizer) if request.uses_tools else None
+    tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
+
+    def message(o: GenerationOutput) -> tuple[AssistantMessage, str]:
+        if family is None:
+            return AssistantMessage(content=o.text), o.finish_reason
+        content, calls = toolcalls.parse(o.text, family, tools)
+        if not calls:
+            return AssistantMessage(content=o.text), o.finish_reason
+        reason = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
+        return AssistantMessage(content=content, tool_calls=calls), reason
+
+    choices = []
+    for i, o in enumerate((out, *out.others)):
+        msg, reason = message(o)
+        choices.append(
             Choice(
                 index=i,
-                message=AssistantMessage(content=o.text),
-                finish_reason=o.finish_reason,
+                message=msg,
+                finish_reason=reason,
                 logprobs=render(o.logprobs, bytes_of)
                 if o.logprobs is not None and bytes_of
                 else None,
             )
-            for i, o in enumerate((out, *out.others))
-        ],
+        )
+    return ChatCompletion(
+        id=completion_id,
+        created=int(time.time()),
+        model=request.model,
+        choices=choices,
         usage=Usage(
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,

@@ -1,0 +1,280 @@
+"""Tool calls: requests checked by name, tools rendered by the model's own template,
+calls parsed with mlx-lm's parser, and forced calls whose arguments always validate.
+
+A tiny model with a Hermes / Qwen-style template (``worker.dev.tinymodels``) and a
+byte-level tokenizer, through the real ``mlx_lm.load``, a real Redis and a real
+worker; random weights, so a valid call comes from the grammar, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from schemas import ChatRequest
+from tests.conftest import chat, run_jobs
+from worker.dev.tinymodels import ensure_tool_model
+from worker.engine import toolcalls
+from worker.engine.models import ModelCache
+from worker.engine.request import prompt_tokens
+from worker.schedule.policy import SpeculationPolicy
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "when": {
+            "type": "object",
+            "properties": {"day": {"type": "integer", "minimum": 0, "maximum": 6}},
+            "required": ["day"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["city", "unit", "when"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    return ensure_tool_model(tmp_path_factory.mktemp("tools") / "hermes")
+
+
+@pytest.fixture(scope="module")
+def tool_twin(tool_model, tmp_path_factory):
+    twin = tmp_path_factory.mktemp("tools-twin") / "twin"
+    shutil.copytree(tool_model, twin)
+    return twin
+
+
+def body(model, content="weather in paris?", choice=NAMED, **fields) -> dict:
+    return chat(
+        str(model),
+        content=content,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=0,
+        max_tokens=400,
+        **fields,
+    )
+
+
+def calls_of(record) -> list[list[tuple[str, dict]]]:
+    """Each choice's calls as (name, arguments), after checking the OpenAI shape and
+    that every call's arguments validate against its function's schema."""
+    assert record.status == "succeeded", record.error
+    out = []
+    for choice in record.response.choices:
+        msg = choice.message
+        assert choice.finish_reason == "tool_calls" and msg.tool_calls, choice
+        assert msg.content is None
+        got = []
+        for call in msg.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            args = json.loads(call.function.arguments)
+            jsonschema.validate(args, SCHEMAS[call.function.name])
+            got.append((call.function.name, args))
+        out.append(got)
+    return out
+
+
+# -- requests ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("change", "word"),
+    [
+        ({"tools": [{"type": "function", "function": {"parameters": TIME}}]}, "name"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "type"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "JSON schema of an object",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+            "parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"not": {}}}},
+                        },
+                    }
+                ]
+            },
+            "cannot be enforced",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "description": "x" * 70_000,
+                            },
+                        },
+                    }
+                ]
+            },
+            "bytes",
+        ),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not among the tools",
+        ),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS + TOOLS[:1]}, "unique"),
+        ({"tools": None, "tool_choice": "required"}, "no tools"),
+        ({"stream": True}, "cannot be streamed"),
+        ({"stop": ["x"]}, "stop"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "legacy"),
+        ({"function_call": {"name": "f"}}, "legacy"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
+                "tool_choice": "auto",
+            },
+            "strict",
+        ),
+        (
+            {"messages": [{"role": "tool", "content": "sunny"}]},
+            "tool_call_id",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "only assistant",
+        ),
+        ({"messages": [{"role": "user", "content": None}]}, "needs content"),
+    ],
+)
+def test_hostile_tool_requests_are_refused_by_name(change, word):
+    request = body("some/model") | change
+    with pytest.raises(ValidationError, match=word):
+        ChatRequest.model_validate(request)
+
+
+def test_the_template_renders_tools_and_a_history_with_tool_results(tool_model):
+    entry, _ = ModelCache().get(str(tool_model))
+    history = [
+        {"role": "user", "content": "weather in paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "cet"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]
+    req = ChatRequest.model_validate(body(tool_model) | {"messages": history})
+    text = entry.tokenizer.decode(prompt_tokens(entry.tokenizer, req))
+    assert '"name": "get_weather"' in text and '"maxLength": 12' in text  # the tools
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}' in text
+    assert "<tool_response>\nnoon\n</tool_response>" in text
+    none = ChatRequest.model_validate(body(tool_model, choice="none"))
+    assert "get_weather" not in entry.tokenizer.decode(prompt_tokens(entry.tokenizer, none))
+
+
+def test_calls_are_parsed_with_the_models_parser_and_nothing_is_dropped(tool_model):
+    entry, _ = ModelCache().get(str(tool_model))
+    family = toolcalls.family_of(entry.tokenizer)
+    assert family is not None and family.name == "json_tools"
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+    content, calls = toolcalls.parse(f"{one}\n{one}", family, TOOLS)
+    assert content is None and [c.function.name for c in calls] == ["get_time"] * 2
+    assert json.loads(calls[0].function.arguments) == {"zone": "utc"}
+    content, calls = toolcalls.parse(f"Let me check. {one}", family, TOOLS)
+    assert content == "Let me check. " and len(calls) == 1
+    cut = '<tool_call>\n{"name": "get_time", "argu'
+    assert toolcalls.parse(cut, family, TOOLS) == (cut, [])  # cut short: kept as text
+    broken = "<tool_call>\nnot json\n</tool_call>"
+    assert toolcalls.parse(broken, family, TOOLS) == (broken, [])
+
+
+def test_a_model_without_tool_calling_is_refused_naming_it(conn, redis_url, tiny):
+    records = run_jobs(conn, redis_url, {"t": body(tiny.target)}, "no-tools")
+    record = records["t"]
+    assert record.status == "failed" and record.error.code == "invalid_request"
+    assert "does not support tool calling" in record.error.message
+    assert str(tiny.target) in record.error.message
+
+
+# -- forced calls on every path -----------------------------------------------------
+def test_forced_calls_validate_and_agree_on_every_path(conn, redis_url, tool_model, tool_twin):
+    prompts = ["weather in paris?", "and in rome", "time please", "weather tomorrow"]
+    named = {f"n{i}": body(tool_model, p) for i, p in enumerate(prompts)}
+    required = {f"r{i}": body(tool_model, p, choice="required") for i, p in enumerate(prompts)}
+    single = {f"s{i}": body(tool_model, p, choice="required", parallel_tool_calls=False)
+              for i, p in enumerate(prompts)}  # fmt: skip
+    jobs = named | required | single
+    alone = run_jobs(conn, redis_url, jobs, "alone", max_batch=1)
+    batched = run_jobs(conn, redis_url, jobs, "batched", max_batch=4)
+    spec = {k: v | {"draft_model": str(tool_twin)} for k, v in jobs.items()}
+    speculative = run_jobs(
+        conn, redis_url, spec, "spec", max_batch=1, policy=SpeculationPolicy("always")
+    )
+    spec_batched = run_jobs(
+        conn, redis_url, spec, "spec-b", max_batch=4, policy=SpeculationPolicy("always")
+    )
+    for key in jobs:
+        calls = calls_of(alone[key])
+        if key.startswith("n"):
+            assert [name for name, _ in calls[0]] == ["get_weather"]
+        if key.startswith("s"):
+            assert len(calls[0]) == 1
+        for other in (batched, speculative, spec_batched):
+            assert calls_of(other[key]) == calls, key
+    assert speculative["n0"].metrics.speculative
+    assert speculative["n0"].metrics.draft_tokens_accepted > 0
+    # n choices: each choice is a valid call; sampled, so they may differ.
+    n = run_jobs(
+        conn,
+        redis_url,
+        {"n": body(tool_model, n=3) | {"temperature": 1.0}},
+        "n-choices",
+    )
+    assert len(calls_of(n["n"])) == 3
