@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from schemas import ChatRequest
 from tests.conftest import chat, run_jobs
+from tests.test_gateway import gateway  # noqa: F401 (a fixture)
 from worker.dev.tinymodels import ensure_tool_model
 from worker.engine import toolcalls
 from worker.engine.models import ModelCache
@@ -278,3 +279,73 @@ def test_forced_calls_validate_and_agree_on_every_path(conn, redis_url, tool_mod
         "n-choices",
     )
     assert len(calls_of(n["n"])) == 3
+
+
+# -- the gateway (the official SDK) and Batch API files -------------------------------
+def test_the_sdk_gets_validated_calls_through_the_gateway_and_batch_files(
+    gateway,  # noqa: F811 (the fixture imported above)
+    workers,
+    tool_model,
+    tmp_path,
+    redis_url,
+):
+    import openai
+    from click.testing import CliRunner
+
+    from producer.cli import main as producer_main
+    from tests.conftest import write_jsonl
+
+    gw = gateway()
+    workers()
+    client = gw.client()
+    history = [
+        {"role": "user", "content": "weather in paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "cet"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]
+    reply = client.chat.completions.create(
+        model=str(tool_model),
+        messages=history,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_tokens=400,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        client.chat.completions.create(
+            model=str(tool_model), messages=history, tools=TOOLS, tool_choice=NAMED, stream=True
+        )
+    # A Batch API file: the same call in its output line.
+    line = {
+        "custom_id": "w1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": body(tool_model) | {"messages": history},
+    }
+    jobs = write_jsonl(tmp_path / "tools.jsonl", [line])
+    sub = CliRunner().invoke(producer_main, ["submit", str(jobs), "--redis-url", redis_url])
+    assert sub.exit_code == 0, sub.output
+    out = CliRunner().invoke(
+        producer_main, ["results", sub.stdout.strip(), "--wait", "--redis-url", redis_url]
+    )
+    got = json.loads(out.stdout.strip().splitlines()[0])
+    message = got["response"]["body"]["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"] == {
+        "name": call.function.name,
+        "arguments": call.function.arguments,
+    }
