@@ -136,13 +136,6 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None, stream: boo
         )
     if stream and choice != "none":
         raise ValueError("tool calls cannot be streamed yet: drop stream, or tool_choice none")
-    strict = [t.function.name for t in tools if t.function.strict]
-    if strict and choice in (None, "auto"):
-        raise ValueError(
-            f"strict tools ({', '.join(strict)}) are guaranteed with tool_choice 'required' "
-            "or a named function; with 'auto' they are not yet: set tool_choice, or strict "
-            "false"
-        )
 
 
 def called(tools: list[Tool], choice: ToolChoice | None) -> list[FunctionDef] | None:

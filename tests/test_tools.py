@@ -157,13 +157,6 @@ def calls_of(record) -> list[list[tuple[str, dict]]]:
         ({"functions": [{"name": "f"}]}, "legacy"),
         ({"function_call": {"name": "f"}}, "legacy"),
         (
-            {
-                "tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
-                "tool_choice": "auto",
-            },
-            "strict",
-        ),
-        (
             {"messages": [{"role": "tool", "content": "sunny"}]},
             "tool_call_id",
         ),
@@ -271,6 +264,32 @@ def test_forced_calls_validate_and_agree_on_every_path(conn, redis_url, tool_mod
             assert calls_of(other[key]) == calls, key
     assert speculative["n0"].metrics.speculative
     assert speculative["n0"].metrics.draft_tokens_accepted > 0
+    # auto: free text, unless the model opens a call (pushed here by a bias on the
+    # marker token): from there the grammar holds, so the call validates too.
+    entry, _ = ModelCache().get(str(tool_model))
+    (marker,) = entry.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    pushed = {
+        f"a{i}": body(tool_model, p, choice="auto", parallel_tool_calls=False)
+        | {"logit_bias": {str(marker): 100}}
+        for i, p in enumerate(prompts)
+    }
+    free = {"free": body(tool_model, choice="auto") | {"max_tokens": 24}}
+    for path, (batch, kw) in {
+        "alone": ("auto-1", {"max_batch": 1}),
+        "batched": ("auto-4", {"max_batch": 4}),
+        "speculative": ("auto-s", {"max_batch": 4, "policy": SpeculationPolicy("always")}),
+    }.items():
+        extra = {"draft_model": str(tool_twin)} if path == "speculative" else {}
+        got = run_jobs(
+            conn, redis_url, {k: v | extra for k, v in (pushed | free).items()}, batch, **kw
+        )
+        auto_calls = {k: calls_of(got[k]) for k in pushed}
+        assert all(len(c[0]) == 1 for c in auto_calls.values()), path
+        if path == "alone":
+            first = auto_calls
+        assert auto_calls == first, path
+        text = got["free"].response.choices[0]
+        assert text.message.tool_calls is None and text.message.content, path
     # n choices: each choice is a valid call; sampled, so they may differ.
     n = run_jobs(
         conn,

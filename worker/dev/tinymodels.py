@@ -409,6 +409,10 @@ HERMES_TEMPLATE = (
 )
 
 
+#: The tool model's call markers (each one token).
+TOOL_MARKERS = ("<tool_call>", "</tool_call>")
+
+
 def ensure_tool_model(path: Path, spec: TinySpec = TinySpec(seed=5, context=4096)) -> Path:
     """A tiny model whose chat template renders tools and calls (:data:`HERMES_TEMPLATE`)
     and whose byte-level tokenizer can write any text a call needs (newlines, JSON)."""
@@ -426,7 +430,11 @@ def ensure_tool_model(path: Path, spec: TinySpec = TinySpec(seed=5, context=4096
         ]
         * 50
     )
-    tok = train_bytelevel_bpe(texts, spec.vocab)
+    from tokenizers import AddedToken
+
+    # The call markers are added tokens of their own, not special (as in Qwen's).
+    tok = train_bytelevel_bpe(texts, spec.vocab - len(TOOL_MARKERS))
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in TOOL_MARKERS])
     if tok.get_vocab_size() != spec.vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {spec.vocab}")
     save_tokenizer(tok, path, HERMES_TEMPLATE)

@@ -54,6 +54,19 @@ class Constraint:
     tokenizer: llguidance.LLTokenizer
     grammar: str
     prototype: llguidance.LLMatcher  # compiled (its first mask computed); copied per sequence
+    # Token ids that switch the grammar on (a tool call's opening marker under
+    # tool_choice auto): text before them is free; () : the grammar holds from the start.
+    trigger: tuple[int, ...] = ()
+
+    def governed(self, completion: list[int]) -> list[int] | None:
+        """The part of ``completion`` the grammar governs; None while it is free text."""
+        if not self.trigger:
+            return completion
+        n = len(self.trigger)
+        for i in range(len(completion) - n + 1):
+            if tuple(completion[i : i + n]) == self.trigger:
+                return completion[i + n :]
+        return None
 
     def matcher(self) -> llguidance.LLMatcher:
         return self.prototype.deep_copy()
@@ -67,11 +80,16 @@ class Constraint:
 
 
 def constraint_for(
-    request: ChatRequest, tokenizer: Any, vocab_size: int, forced_call: str | None = None
+    request: ChatRequest,
+    tokenizer: Any,
+    vocab_size: int,
+    forced_call: str | None = None,
+    trigger: tuple[int, ...] = (),
 ) -> Constraint | None:
-    """The request's ``response_format`` (or ``forced_call``: the grammar of a tool call
-    it requires, ``worker.engine.toolcalls``) compiled for ``tokenizer`` (an mlx-lm
-    ``TokenizerWrapper``); None for free text. Cached per (grammar, tokenizer)."""
+    """The request's ``response_format`` (or ``forced_call``: the grammar of its tool
+    calls, ``worker.engine.toolcalls``, from the ``trigger`` tokens on when given)
+    compiled for ``tokenizer`` (an mlx-lm ``TokenizerWrapper``); None for free text.
+    Cached per (grammar, tokenizer)."""
     grammar = forced_call or request.grammar
     if grammar is None:
         return None
@@ -92,7 +110,7 @@ def constraint_for(
             compiled.grammars[grammar] = proto
             while len(compiled.grammars) > GRAMMARS_PER_TOKENIZER:
                 compiled.grammars.popitem(last=False)
-        return Constraint(compiled.tokenizer, grammar, proto)
+        return Constraint(compiled.tokenizer, grammar, proto, trigger)
 
 
 def _compiled(tokenizer: Any, vocab_size: int) -> _Compiled:
@@ -134,7 +152,10 @@ class GrammarProcessor:
         if self.offset is None:  # mlx-lm calls processors first before any token is sampled
             self.offset = history.size
         completion = history[self.offset :].tolist() if history.size > self.offset else []
-        if not self._follow(completion):
+        governed = self.constraint.governed(completion)
+        if governed is None:
+            return logits  # free text until the trigger
+        if not self._follow(governed):
             return logits  # a continuation past the end (after EOS): never emitted
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         if self.matcher.is_error():
@@ -182,6 +203,10 @@ def verify(constraint: Constraint, tokens: list[int] | tuple[int, ...], finish: 
     body = list(tokens)
     if body and body[-1] in constraint.eos:
         body.pop()
+    governed = constraint.governed(body)
+    if governed is None:
+        return  # the trigger never came: free text
+    body = governed
     matcher = constraint.matcher()
     took = matcher.try_consume_tokens(body)
     if took != len(body) or (finish == "stop" and not matcher.is_accepting()):

@@ -82,14 +82,14 @@ def prepare(
     tokenizer = target.tokenizer
     family = check_tools(request, tokenizer, target.name)
     prompt = prompt_tokens(tokenizer, request)
-    forced = call_grammar(request, tokenizer, family)
+    calls, trigger = call_grammar(request, tokenizer, family)
     params = params_for(
         request,
         len(prompt),
         target.context_length,
         target.vocab_size,
         default_num_draft_tokens,
-        constraint_for(request, tokenizer, target.vocab_size, forced),
+        constraint_for(request, tokenizer, target.vocab_size, calls, trigger),
     )
     if not getattr(tokenizer, "has_chat_template", False) and TRANSCRIPT_STOP not in params.stop:
         params = replace(params, stop=(*params.stop, TRANSCRIPT_STOP))

@@ -3,12 +3,14 @@ the calls parsed out of its text.
 
 The family is what mlx-lm infers from the model's chat template and vocabulary
 (``TokenizerWrapper.tool_parser`` and its call markers), so any family mlx-lm parses
-works for ``tool_choice`` ``auto``. A forced call (``required`` or a named function)
-is decoded under an llguidance grammar of the family's envelope around the
-function's ``parameters`` schema, so its arguments always parse and validate; that
-needs the envelope's exact shape, known here for the JSON families (Hermes / Qwen's
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>``). Other families are
-refused by name for forced calls.
+works for ``tool_choice`` ``auto``. Calls are decoded under an llguidance grammar of
+the family's envelope around the functions' ``parameters`` schemas, so their
+arguments always parse and validate: a forced call (``required`` or a named
+function) from the first token, a call under ``auto`` from the moment the model
+writes the call marker (the text before it is free). That needs the envelope's exact
+shape, known here for the JSON families (Hermes / Qwen's
+``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``); other families are
+parsed, and refused by name for forced calls and strict tools.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import ChatRequest, InvalidRequestError
-from schemas.tools import FunctionCall, FunctionDef, ToolCall
+from schemas.tools import FunctionCall, FunctionDef, NamedToolChoice, ToolCall
 
 #: mlx-lm parser modules whose calls are ``START json END`` with {"name", "arguments"}.
 JSON_FAMILIES = frozenset({"json_tools"})
@@ -58,6 +60,12 @@ def check(request: ChatRequest, tokenizer: Any, model: str) -> Family | None:
             f"model {model!r} does not support tool calling: mlx-lm finds no tool-call "
             "format in its chat template"
         )
+    strict = [t.function.name for t in request.tools or () if t.function.strict]
+    if strict and family.name not in JSON_FAMILIES:
+        raise InvalidRequestError(
+            f"strict tools ({', '.join(strict)}) cannot be enforced on model {model!r}: "
+            f"its tool-call format ({family.name}) is parsed but not constrained yet"
+        )
     if request.forced_call is not None and family.name not in JSON_FAMILIES:
         raise InvalidRequestError(
             f"tool_choice {_choice(request)} cannot be enforced on model {model!r}: its "
@@ -73,11 +81,11 @@ def _choice(request: ChatRequest) -> str:
 
 
 def _literal(text: str, tokenizer: Any) -> str:
-    """``text`` in a Lark grammar: a special token by its id (llguidance never matches
-    a special token as text), anything else as a string."""
+    """``text`` in a Lark grammar: an added token (Qwen's ``<tool_call>``, special or
+    not) by its id, since llguidance treats every added token as special and never
+    matches one as text; anything else as a string."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    if len(ids) == 1 and getattr(added.get(ids[0]), "special", False):
+    if len(ids) == 1 and ids[0] in getattr(tokenizer, "added_tokens_decoder", {}):
         return f"<[{ids[0]}]>"
     return json.dumps(text)
 
@@ -97,23 +105,37 @@ def call_schema(functions: list[FunctionDef]) -> dict[str, Any]:
     return schema | {"x-guidance": {"whitespace_pattern": CALL_WHITESPACE}}
 
 
-def grammar(request: ChatRequest, tokenizer: Any, family: Family | None) -> str | None:
-    """The llguidance grammar that forces the call the request requires (None: none)."""
-    functions = request.forced_call
-    if functions is None or family is None:
-        return None
+def grammar(
+    request: ChatRequest, tokenizer: Any, family: Family | None
+) -> tuple[str | None, tuple[int, ...]]:
+    """The llguidance grammar of the request's tool calls and the tokens that switch it
+    on. A forced call (``required``, a named function): the grammar holds from the first
+    token. ``auto``: free text until the model writes the call marker, then the rest of
+    the call under the grammar, so whatever call it makes validates. (None, ()) when no
+    call is constrained (no tools, ``none``, or a family not constrained yet)."""
+    if family is None or family.name not in JSON_FAMILIES or not request.tools:
+        return None, ()
     import llguidance
 
-    several = request.tool_choice == "required" and request.parallel_calls
+    forced = request.forced_call
+    functions = forced if forced is not None else [t.function for t in request.tools]
+    several = request.parallel_calls and not isinstance(request.tool_choice, NamedToolChoice)
     start, end = _literal(family.start, tokenizer), _literal(family.end, tokenizer)
-    lark = "\n".join(
-        [
+    obj = f"obj: %json {json.dumps(call_schema(functions))}"
+    if forced is not None:
+        lines = [
             'start: call ("\\n" call)*' if several else "start: call",
             f'call: {start} "\\n" obj "\\n" {end}',
-            f"obj: %json {json.dumps(call_schema(functions))}",
         ]
-    )
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+        trigger: tuple[int, ...] = ()
+    else:  # after the marker the model wrote
+        lines = [
+            f'start: "\\n" obj "\\n" {end} ("\\n" {start} "\\n" obj "\\n" {end})*'
+            if several
+            else f'start: "\\n" obj "\\n" {end}'
+        ]
+        trigger = tuple(int(t) for t in tokenizer.encode(family.start, add_special_tokens=False))
+    return llguidance.LLMatcher.grammar_from_lark("\n".join([*lines, obj])), trigger
 
 
 def parse(text: str, family: Family, tools: Any) -> tuple[str | None, list[ToolCall]]:
