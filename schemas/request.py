@@ -307,7 +307,7 @@ class ChatRequest(BaseModel):
                 "stop cannot be combined with a JSON response_format: a stop string would "
                 "cut the JSON short (the output ends when the JSON is complete)"
             )
-        check_tools(self.tools, self.tool_choice, self.stream)
+        check_tools(self.tools, self.tool_choice)
         if self.forced_call is not None:
             if self.response_format is not None and self.response_format.type != "text":
                 raise ValueError(

@@ -114,7 +114,7 @@ class ToolCall(BaseModel):
     index: int | None = None  # streamed deltas only
 
 
-def check_tools(tools: list[Tool] | None, choice: ToolChoice | None, stream: bool) -> None:
+def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:
     """What a request's tools and tool_choice must agree on; ValueError naming it."""
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -134,8 +134,6 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None, stream: boo
             f"tool_choice names {choice.function.name!r}, which is not among the tools "
             f"({', '.join(names)})"
         )
-    if stream and choice != "none":
-        raise ValueError("tool calls cannot be streamed yet: drop stream, or tool_choice none")
 
 
 def called(tools: list[Tool], choice: ToolChoice | None) -> list[FunctionDef] | None:

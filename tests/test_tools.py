@@ -151,7 +151,6 @@ def calls_of(record) -> list[list[tuple[str, dict]]]:
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS + TOOLS[:1]}, "unique"),
         ({"tools": None, "tool_choice": "required"}, "no tools"),
-        ({"stream": True}, "cannot be streamed"),
         ({"stop": ["x"]}, "stop"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"functions": [{"name": "f"}]}, "legacy"),
@@ -308,7 +307,6 @@ def test_the_sdk_gets_validated_calls_through_the_gateway_and_batch_files(
     tmp_path,
     redis_url,
 ):
-    import openai
     from click.testing import CliRunner
 
     from producer.cli import main as producer_main
@@ -345,10 +343,37 @@ def test_the_sdk_gets_validated_calls_through_the_gateway_and_batch_files(
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
-        client.chat.completions.create(
-            model=str(tool_model), messages=history, tools=TOOLS, tool_choice=NAMED, stream=True
+    # Streamed: the SDK's stream helper reassembles delta.tool_calls into the same call.
+    with client.chat.completions.stream(
+        model=str(tool_model),
+        messages=history,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_tokens=400,
+    ) as stream:
+        deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    streamed = final.choices[0]
+    assert deltas and streamed.finish_reason == "tool_calls"
+    assert not streamed.message.content
+    (same,) = streamed.message.tool_calls
+    assert (same.function.name, same.function.arguments) == (
+        call.function.name,
+        call.function.arguments,
+    )
+    # Free text under auto streams as content, equal to the answer unstreamed.
+    kw = {"model": str(tool_model), "tools": TOOLS, "tool_choice": "auto", "temperature": 0}
+    plain = client.chat.completions.create(messages=history[:1], max_tokens=24, **kw)
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            messages=history[:1], max_tokens=24, stream=True, **kw
         )
+        if c.choices
+    ]
+    assert plain.choices[0].message.tool_calls is None
+    assert "".join(pieces) == plain.choices[0].message.content
     # A Batch API file: the same call in its output line.
     line = {
         "custom_id": "w1",
@@ -368,3 +393,62 @@ def test_the_sdk_gets_validated_calls_through_the_gateway_and_batch_files(
         "name": call.function.name,
         "arguments": call.function.arguments,
     }
+
+
+def test_streamed_text_is_held_from_the_call_marker_on(tool_model):
+    """Content streams until the marker (a piece that could begin it waits); the call
+    goes out as delta.tool_calls; held text that turned out to be no call is sent at
+    the end, so the streamed content always equals the final one."""
+    from schemas import ResultRecord
+    from schemas.result import AssistantMessage, ChatCompletion, Choice, Usage
+    from worker.runner.alone import _Streamer
+
+    class Chunks:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, object]] = []
+
+        def text(self, delta: str, logprobs: object = None) -> None:
+            self.sent.append(("text", delta))
+
+        def tool_calls(self, calls: list[dict]) -> None:
+            self.sent.append(("calls", [c["function"]["name"] for c in calls]))
+
+        def finish(self, reason: str, usage: dict) -> None:
+            self.sent.append(("finish", reason))
+
+    entry, _ = ModelCache().get(str(tool_model))
+    family = toolcalls.family_of(entry.tokenizer)
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+
+    def stream(pieces: list[str]) -> list[tuple[str, object]]:
+        chunks = Chunks()
+        s = _Streamer(chunks, entry, False, family.start)  # type: ignore[arg-type]
+        for piece in pieces:
+            s(piece, ())
+        content, calls = toolcalls.parse("".join(pieces), family, TOOLS)
+        message = AssistantMessage(content=content, tool_calls=calls or None)
+        reason = "tool_calls" if calls else "stop"
+        response = ChatCompletion(
+            id="c",
+            created=0,
+            model="m",
+            choices=[Choice(message=message, finish_reason=reason)],
+            usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
+        )
+        record = {"job_id": "j", "batch_id": "b", "custom_id": "c", "finished_at": 0.0}
+        s.end(ResultRecord(**record, status="succeeded", response=response))
+        return chunks.sent
+
+    assert stream(["Let me ", "check <to", "ol_call>", one[len("<tool_call>") :]]) == [
+        ("text", "Let me "),
+        ("text", "check "),
+        ("calls", ["get_time"]),
+        ("finish", "tool_calls"),
+    ]
+    assert stream(["a <to", "y> b"]) == [
+        ("text", "a "),
+        ("text", "<toy> b"),
+        ("finish", "stop"),
+    ]
+    cut = ["ok ", '<tool_call>\n{"name": "get_t']  # no call: the held text comes at the end
+    assert stream(cut) == [("text", "ok "), ("text", cut[1]), ("finish", "stop")]

@@ -54,6 +54,12 @@ class ChunkWriter:
         JSON) of the tokens it completes when the job asked for them."""
         self._choice({"content": delta}, logprobs)
 
+    def tool_calls(self, calls: list[dict[str, Any]]) -> None:
+        """The calls the answer made (``ToolCall`` JSON), one chunk each, with their
+        ``index``: OpenAI's ``delta.tool_calls`` (the arguments in one fragment)."""
+        for i, call in enumerate(calls):
+            self._choice({"tool_calls": [call | {"index": i}]})
+
     def finish(self, finish_reason: str, usage: dict[str, int]) -> None:
         self._add(
             {"choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason}], "usage": usage}
@@ -62,7 +68,7 @@ class ChunkWriter:
     def error(self, error: dict[str, Any]) -> None:
         self._add({"choices": [], "error": error})
 
-    def _choice(self, delta: dict[str, str], logprobs: dict[str, Any] | None = None) -> None:
+    def _choice(self, delta: dict[str, Any], logprobs: dict[str, Any] | None = None) -> None:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
         if logprobs is not None:
             choice["logprobs"] = logprobs

@@ -21,6 +21,7 @@ from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
 from worker.engine.request import Prepared
 from worker.engine.sequence import Deadline, OnText
+from worker.engine.toolcalls import family_of
 from worker.lifecycle.held import Job
 from worker.lifecycle.streaming import ChunkWriter
 from worker.runner import records
@@ -83,17 +84,62 @@ def _gave_up(decision: Decision, out: GenerationOutput) -> str:
     )
 
 
-def _streamer(writer: ChunkWriter, target: LoadedModel, logprobs: bool) -> OnText:
-    """What hands a streamed sequence's pieces (and their logprobs) to ``writer``."""
-    bytes_of = token_bytes(target.tokenizer, target.vocab_size) if logprobs else None
+class _Streamer:
+    """Hands a streamed sequence's pieces (and their logprobs) to ``writer``. With tools,
+    text from the call marker on is held (and text that could begin it, until it cannot):
+    the calls go out as ``delta.tool_calls`` when the answer ends (:meth:`end`)."""
 
-    def on_text(delta: str, entries: Sequence[LogprobEntry]) -> None:
+    def __init__(
+        self, writer: ChunkWriter, target: LoadedModel, logprobs: bool, hold: str | None
+    ) -> None:
+        self.writer, self.hold = writer, hold
+        self.bytes_of = token_bytes(target.tokenizer, target.vocab_size) if logprobs else None
+        self.text = ""  # everything the sequence wrote
+        self.sent = 0  # characters of it streamed as content
+        self.entries: list[LogprobEntry] = []  # logprobs of text not streamed yet
+
+    def __call__(self, delta: str, entries: Sequence[LogprobEntry]) -> None:
         if not delta and not entries:
             return
-        rendered = render(entries, bytes_of).model_dump(mode="json") if bytes_of else None
-        writer.text(delta, rendered)
+        self.text += delta
+        self.entries.extend(entries)
+        upto = len(self.text)
+        if self.hold is not None:
+            at = self.text.find(self.hold)
+            if at >= 0:
+                upto = at
+            else:  # a suffix that could begin the marker waits
+                for k in range(min(len(self.hold) - 1, len(self.text)), 0, -1):
+                    if self.hold.startswith(self.text[-k:]):
+                        upto = len(self.text) - k
+                        break
+        self._send(self.text[self.sent : upto])
 
-    return on_text
+    def _send(self, piece: str) -> None:
+        if not piece and not self.entries:
+            return
+        rendered = None
+        if self.bytes_of:
+            rendered = render(self.entries, self.bytes_of).model_dump(mode="json")
+        self.entries = []
+        self.writer.text(piece, rendered)
+        self.sent += len(piece)
+
+    def end(self, record: ResultRecord) -> None:
+        """The final chunks: the content not streamed yet (held text that was no call),
+        the calls, then the finish reason and usage."""
+        if record.response is None:
+            return
+        choice = record.response.choices[0]
+        content = choice.message.content or ""
+        streamed = self.text[: self.sent]
+        if content.startswith(streamed) and len(content) > len(streamed):
+            self._send(content[len(streamed) :])
+        if choice.message.tool_calls:
+            self.writer.tool_calls(
+                [c.model_dump(mode="json", exclude_none=True) for c in choice.message.tool_calls]
+            )
+        self.writer.finish(choice.finish_reason, record.response.usage.model_dump())
 
 
 def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
@@ -143,11 +189,17 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
         speculative = decision is not None and decision.speculative
         if speculative and decision is not None:
             prepared = prepared.with_params(num_draft_tokens=decision.k)
+        streamer = None
+        if writer is not None:
+            hold = (
+                family.start if (family := family_of(target.tokenizer)) and req.uses_tools else None
+            )
+            streamer = _Streamer(writer, target, bool(req.logprobs), hold)
         out = generate_reserved(
             generator,
             prepared,
             speculative,
-            on_text=_streamer(writer, target, bool(req.logprobs)) if writer else None,
+            on_text=streamer,
             deadline=deadline_of(job),
             lookup=proposer == LOOKUP,
             give_up_below=decision.give_up_below if decision is not None else None,
@@ -159,8 +211,8 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
         record = records.success(
             job, rt, out, generator, completion_id=completion_id, decision=decision
         )
-        if writer and record.response:
-            writer.finish(out.finish_reason, record.response.usage.model_dump())
+        if streamer is not None:
+            streamer.end(record)
         return record
     except MlxqError as e:
         record = records.failure(job, rt, e)
