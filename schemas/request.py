@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,7 +20,6 @@ UNSUPPORTED: dict[str, str] = {
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning_effort is not supported",
     "service_tier": "service_tier is not supported",
     "store": "store is not supported",
 }
@@ -31,6 +32,27 @@ _UNSUPPORTED_KEYS = frozenset(UNSUPPORTED)
 #: The most choices a request may ask for; a worker's ``--max-n`` (default 16) may allow fewer.
 MAX_N = 128
 _EXTRA_PARAM_FIELDS = ("draft_model", "num_draft_tokens", "adapter", "speculation")
+#: ``chat_template_kwargs``: its limits, and the names mlxq passes to templates itself.
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 4096
+_TEMPLATE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "chat_template",
+        "tokenizer_kwargs",
+        "reasoning_effort",
+        "bos_token",
+        "eos_token",
+    }
+)
 #: Prompt lookup's limits: n-gram sizes 1..MAX_NGRAM, proposals of MAX_PROPOSAL at most.
 MAX_NGRAM = 16
 MAX_PROPOSAL = 64
@@ -219,6 +241,8 @@ class ChatRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     draft_model: str | None = Field(default=None, min_length=1, max_length=512)
@@ -273,6 +297,23 @@ class ChatRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return value or None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not value:
+            return None
+        if len(value) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} keys, not {len(value)}")
+        for key in value:
+            if not _TEMPLATE_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is not a template variable name")
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"{key!r} is set by mlxq itself (give it as its request field)")
+        size = len(json.dumps(value))
+        if size > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"{size} bytes as JSON; at most {MAX_TEMPLATE_KWARGS_BYTES}")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
@@ -319,6 +360,14 @@ class ChatRequest(BaseModel):
                     "cut the call short"
                 )
         return self
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is given besides the messages and tools."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out
 
     @property
     def uses_tools(self) -> bool:

@@ -19,6 +19,13 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's ``usage.completion_tokens_details``: the reasoning tokens of a
+    reasoning model (counted in ``completion_tokens`` too, and in ``max_tokens``)."""
+
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token usage in OpenAI's shape."""
 
@@ -26,6 +33,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -33,6 +41,7 @@ class AssistantMessage(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's thinking, apart
     tool_calls: list[ToolCall] | None = None
 
 

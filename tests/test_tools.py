@@ -401,13 +401,13 @@ def test_streamed_text_is_held_from_the_call_marker_on(tool_model):
     the end, so the streamed content always equals the final one."""
     from schemas import ResultRecord
     from schemas.result import AssistantMessage, ChatCompletion, Choice, Usage
-    from worker.runner.alone import _Streamer
+    from worker.runner.streamer import Streamer
 
     class Chunks:
         def __init__(self) -> None:
             self.sent: list[tuple[str, object]] = []
 
-        def text(self, delta: str, logprobs: object = None) -> None:
+        def text(self, delta: str, logprobs: object = None, field: str = "content") -> None:
             self.sent.append(("text", delta))
 
         def tool_calls(self, calls: list[dict]) -> None:
@@ -422,7 +422,7 @@ def test_streamed_text_is_held_from_the_call_marker_on(tool_model):
 
     def stream(pieces: list[str]) -> list[tuple[str, object]]:
         chunks = Chunks()
-        s = _Streamer(chunks, entry, False, family.start)  # type: ignore[arg-type]
+        s = Streamer(chunks, entry, False, family.start)  # type: ignore[arg-type]
         for piece in pieces:
             s(piece, ())
         content, calls = toolcalls.parse("".join(pieces), family, TOOLS)

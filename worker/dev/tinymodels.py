@@ -416,8 +416,18 @@ TOOL_MARKERS = ("<tool_call>", "</tool_call>")
 def ensure_tool_model(path: Path, spec: TinySpec = TinySpec(seed=5, context=4096)) -> Path:
     """A tiny model whose chat template renders tools and calls (:data:`HERMES_TEMPLATE`)
     and whose byte-level tokenizer can write any text a call needs (newlines, JSON)."""
+    return _with_markers(path, spec, TOOL_MARKERS, HERMES_TEMPLATE, "mlxq-tools.json")
+
+
+def _with_markers(
+    path: Path, spec: TinySpec, markers: tuple[str, ...], template: str, stamp_name: str
+) -> Path:
+    """A tiny model with a byte-level tokenizer in which each of ``markers`` is one added
+    token (not special, as Qwen's are), and chat ``template``."""
+    from tokenizers import AddedToken
+
     path = Path(path)
-    stamp = path / "mlxq-tools.json"
+    stamp = path / stamp_name
     want = json.dumps(spec.__dict__, sort_keys=True)
     if stamp.exists() and stamp.read_text() == want and (path / "model.safetensors").exists():
         return path
@@ -430,16 +440,30 @@ def ensure_tool_model(path: Path, spec: TinySpec = TinySpec(seed=5, context=4096
         ]
         * 50
     )
-    from tokenizers import AddedToken
-
-    # The call markers are added tokens of their own, not special (as in Qwen's).
-    tok = train_bytelevel_bpe(texts, spec.vocab - len(TOOL_MARKERS))
-    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in TOOL_MARKERS])
+    tok = train_bytelevel_bpe(texts, spec.vocab - len(markers))
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
     if tok.get_vocab_size() != spec.vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {spec.vocab}")
-    save_tokenizer(tok, path, HERMES_TEMPLATE)
+    save_tokenizer(tok, path, template)
     stamp.write_text(want)
     return path
+
+
+#: A reasoning model's template (as Qwen3.5's or DeepSeek-R1's): the generation
+#: prompt opens a thinking block, or, with ``enable_thinking`` false, an empty one.
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}"
+)
+#: Its markers (each one token, as in Qwen's vocabulary).
+THINK_MARKERS = ("<think>", "</think>")
+
+
+def ensure_thinking_model(path: Path, spec: TinySpec = TinySpec(seed=6, context=4096)) -> Path:
+    """A tiny reasoning model (:data:`THINKING_TEMPLATE`) with a byte-level tokenizer."""
+    return _with_markers(path, spec, THINK_MARKERS, THINKING_TEMPLATE, "mlxq-thinking.json")
 
 
 def ensure_demo_models(root: Path) -> tuple[Path, Path]:

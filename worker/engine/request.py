@@ -16,6 +16,7 @@ from schemas import ChatRequest, ContextLengthError, InvalidRequestError
 from worker.engine.constrain import Constraint, constraint_for
 from worker.engine.lookup import DEFAULT_LOOKUP, Lookup, lookup_for
 from worker.engine.prefix import common_prefix
+from worker.engine.reasoning import opens_in_reasoning, thinking_of
 from worker.engine.toolcalls import check as check_tools
 from worker.engine.toolcalls import grammar as call_grammar
 
@@ -83,6 +84,9 @@ def prepare(
     family = check_tools(request, tokenizer, target.name)
     prompt = prompt_tokens(tokenizer, request)
     calls, trigger = call_grammar(request, tokenizer, family)
+    thinking = thinking_of(tokenizer)
+    if thinking is not None and not trigger and opens_in_reasoning(tokenizer, prompt):
+        trigger = thinking.end_ids  # a grammar applies to the answer, after the reasoning
     params = params_for(
         request,
         len(prompt),
@@ -101,6 +105,7 @@ def _render(
     messages: list[dict[str, Any]],
     prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """``messages`` through the model's chat template (a plain "role: content" transcript
     without one) as token ids; ``prompt`` adds the assistant's turn to generate;
@@ -108,8 +113,16 @@ def _render(
     if not getattr(tokenizer, "has_chat_template", False):
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         return list(tokenizer.encode(text + "\nassistant:" if prompt else text))  # type: ignore[attr-defined]
-    extra = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, **extra)  # type: ignore[attr-defined]
+    extra = ({"tools": tools} if tools else {}) | (template_kwargs or {})
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, **extra)  # type: ignore[attr-defined]
+    except Exception as e:  # a template that raises on these messages or variables
+        if not template_kwargs:
+            raise
+        raise InvalidRequestError(
+            f"the chat template failed with chat_template_kwargs "
+            f"{sorted(template_kwargs)}: {type(e).__name__}: {e}"
+        ) from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
@@ -125,7 +138,13 @@ def _tools(request: ChatRequest) -> list[dict[str, Any]] | None:
 def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
     """The request's messages (and tools) through the model's chat template, as token ids."""
     messages = [m.as_template_dict() for m in request.messages]
-    return _render(tokenizer, messages, prompt=True, tools=_tools(request))
+    return _render(
+        tokenizer,
+        messages,
+        prompt=True,
+        tools=_tools(request),
+        template_kwargs=request.template_kwargs,
+    )
 
 
 def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int]) -> int:
@@ -140,7 +159,9 @@ def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int])
         return 0
     head = [m.as_template_dict() for m in request.messages[:-1]]
     try:
-        ids = _render(tokenizer, head, prompt=False, tools=_tools(request))
+        ids = _render(
+            tokenizer, head, False, tools=_tools(request), template_kwargs=request.template_kwargs
+        )
     except Exception:  # a template that refuses a conversation without a user turn
         return 0
     return min(common_prefix(ids, prompt), len(prompt) - 1)

@@ -49,10 +49,13 @@ class ChunkWriter:
         self.conn.delete(self.key)
         self._choice({"role": "assistant", "content": ""})
 
-    def text(self, delta: str, logprobs: dict[str, Any] | None = None) -> None:
+    def text(
+        self, delta: str, logprobs: dict[str, Any] | None = None, field: str = "content"
+    ) -> None:
         """A piece of the text, with the logprobs (OpenAI's ``choices[].logprobs``, as
-        JSON) of the tokens it completes when the job asked for them."""
-        self._choice({"content": delta}, logprobs)
+        JSON) of the tokens it completes when the job asked for them. ``field``:
+        ``content``, or ``reasoning_content`` for a reasoning model's thinking."""
+        self._choice({field: delta}, logprobs)
 
     def tool_calls(self, calls: list[dict[str, Any]]) -> None:
         """The calls the answer made (``ToolCall`` JSON), one chunk each, with their

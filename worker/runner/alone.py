@@ -9,24 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 
 from redis import Redis
 
 from schemas import GenerationError, MlxqError, ResultRecord
-from worker.engine.constrain import token_bytes
 from worker.engine.generator import ChatGenerator
-from worker.engine.logprobs import LogprobEntry, render
-from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
 from worker.engine.request import Prepared
 from worker.engine.sequence import Deadline, OnText
-from worker.engine.toolcalls import family_of
 from worker.lifecycle.held import Job
 from worker.lifecycle.streaming import ChunkWriter
 from worker.runner import records
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
+from worker.runner.streamer import Streamer
 from worker.schedule.policy import LOOKUP, Decision, JobSpeed
 
 log = logging.getLogger(__name__)
@@ -84,64 +80,6 @@ def _gave_up(decision: Decision, out: GenerationOutput) -> str:
     )
 
 
-class _Streamer:
-    """Hands a streamed sequence's pieces (and their logprobs) to ``writer``. With tools,
-    text from the call marker on is held (and text that could begin it, until it cannot):
-    the calls go out as ``delta.tool_calls`` when the answer ends (:meth:`end`)."""
-
-    def __init__(
-        self, writer: ChunkWriter, target: LoadedModel, logprobs: bool, hold: str | None
-    ) -> None:
-        self.writer, self.hold = writer, hold
-        self.bytes_of = token_bytes(target.tokenizer, target.vocab_size) if logprobs else None
-        self.text = ""  # everything the sequence wrote
-        self.sent = 0  # characters of it streamed as content
-        self.entries: list[LogprobEntry] = []  # logprobs of text not streamed yet
-
-    def __call__(self, delta: str, entries: Sequence[LogprobEntry]) -> None:
-        if not delta and not entries:
-            return
-        self.text += delta
-        self.entries.extend(entries)
-        upto = len(self.text)
-        if self.hold is not None:
-            at = self.text.find(self.hold)
-            if at >= 0:
-                upto = at
-            else:  # a suffix that could begin the marker waits
-                for k in range(min(len(self.hold) - 1, len(self.text)), 0, -1):
-                    if self.hold.startswith(self.text[-k:]):
-                        upto = len(self.text) - k
-                        break
-        self._send(self.text[self.sent : upto])
-
-    def _send(self, piece: str) -> None:
-        if not piece and not self.entries:
-            return
-        rendered = None
-        if self.bytes_of:
-            rendered = render(self.entries, self.bytes_of).model_dump(mode="json")
-        self.entries = []
-        self.writer.text(piece, rendered)
-        self.sent += len(piece)
-
-    def end(self, record: ResultRecord) -> None:
-        """The final chunks: the content not streamed yet (held text that was no call),
-        the calls, then the finish reason and usage."""
-        if record.response is None:
-            return
-        choice = record.response.choices[0]
-        content = choice.message.content or ""
-        streamed = self.text[: self.sent]
-        if content.startswith(streamed) and len(content) > len(streamed):
-            self._send(content[len(streamed) :])
-        if choice.message.tool_calls:
-            self.writer.tool_calls(
-                [c.model_dump(mode="json", exclude_none=True) for c in choice.message.tool_calls]
-            )
-        self.writer.finish(choice.finish_reason, record.response.usage.model_dump())
-
-
 def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
     """Generate ``job`` on its own. Whatever goes wrong becomes its failed record; only
     BaseExceptions (a cold shutdown) escape.
@@ -191,10 +129,7 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
             prepared = prepared.with_params(num_draft_tokens=decision.k)
         streamer = None
         if writer is not None:
-            hold = (
-                family.start if (family := family_of(target.tokenizer)) and req.uses_tools else None
-            )
-            streamer = _Streamer(writer, target, bool(req.logprobs), hold)
+            streamer = Streamer.for_job(writer, target, prepared, bool(req.logprobs))
         out = generate_reserved(
             generator,
             prepared,

@@ -16,11 +16,12 @@ from schemas import (
     ResultRecord,
     Usage,
 )
-from schemas.result import PromptTokensDetails
-from worker.engine import GenerationOutput, toolcalls
+from schemas.result import CompletionTokensDetails, PromptTokensDetails
+from worker.engine import GenerationOutput, reasoning, toolcalls
 from worker.engine.constrain import token_bytes
 from worker.engine.generator import ChatGenerator
 from worker.engine.logprobs import render
+from worker.engine.request import prompt_tokens
 from worker.lifecycle.held import Job
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.policy import LOOKUP, Decision
@@ -46,17 +47,30 @@ def completion_for(
     if out.logprobs is not None:
         bytes_of = token_bytes(generator.target.tokenizer, generator.target.vocab_size)
     request = job.envelope.request
-    family = toolcalls.family_of(generator.target.tokenizer) if request.uses_tools else None
+    tokenizer = generator.target.tokenizer
+    family = toolcalls.family_of(tokenizer) if request.uses_tools else None
     tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
+    thinking = reasoning.thinking_of(tokenizer)
+    in_reasoning = thinking is not None and reasoning.opens_in_reasoning(
+        tokenizer, prompt_tokens(tokenizer, request)
+    )
+    thought = 0  # reasoning tokens, over the choices
 
     def message(o: GenerationOutput) -> tuple[AssistantMessage, str]:
+        nonlocal thought
+        thinks, text = None, o.text
+        if thinking is not None:
+            thinks, text = reasoning.split(o.text, thinking, in_reasoning)
+            opened = in_reasoning or thinks is not None
+            thought += reasoning.reasoning_tokens(o.token_ids, thinking, opened)
+        msg = AssistantMessage(content=text, reasoning_content=thinks)
         if family is None:
-            return AssistantMessage(content=o.text), o.finish_reason
-        content, calls = toolcalls.parse(o.text, family, tools)
+            return msg, o.finish_reason
+        content, calls = toolcalls.parse(text, family, tools)
         if not calls:
-            return AssistantMessage(content=o.text), o.finish_reason
+            return msg, o.finish_reason
         reason = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
-        return AssistantMessage(content=content, tool_calls=calls), reason
+        return msg.model_copy(update={"content": content, "tool_calls": calls}), reason
 
     choices = []
     for i, o in enumerate((out, *out.others)):
@@ -81,6 +95,9 @@ def completion_for(
             completion_tokens=out.completion_tokens,
             total_tokens=out.prompt_tokens + out.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=thought)
+            if thinking is not None
+            else None,
         ),
         system_fingerprint=(f"mlxq-mlx{package_version('mlx')}-mlxlm{package_version('mlx-lm')}"),
     )

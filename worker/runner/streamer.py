@@ -1,0 +1,126 @@
+"""What a streamed job sends as it goes: its reasoning, its answer, its tool calls.
+
+The text a sequence writes is split as the final record splits it
+(``worker.engine.reasoning``, ``worker.engine.toolcalls``), so the streamed pieces
+of each field concatenate to exactly that field of the record:
+
+- a reasoning model's thinking goes out as ``delta.reasoning_content`` (text that
+  could begin the end marker, and trailing whitespace, wait until they cannot);
+- the answer as ``delta.content``; with tools, from the call marker on it is held
+  (and a suffix that could begin the marker), and the calls go out as
+  ``delta.tool_calls`` when the answer ends; held text that was no call is sent then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schemas import ResultRecord
+from worker.engine.constrain import token_bytes
+from worker.engine.logprobs import LogprobEntry, render
+from worker.engine.models import LoadedModel
+from worker.engine.reasoning import Thinking, opens_in_reasoning, thinking_of
+from worker.engine.request import Prepared
+from worker.engine.toolcalls import family_of
+from worker.lifecycle.streaming import ChunkWriter
+
+REASONING, CONTENT = "reasoning_content", "content"
+
+
+def shown_until(text: str, marker: str) -> int:
+    """How much of ``text`` can be shown: up to ``marker``, or to a suffix that could
+    begin it."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+class Streamer:
+    """Receives a sequence's text pieces (an ``OnText``) and writes the job's chunks."""
+
+    def __init__(
+        self,
+        writer: ChunkWriter,
+        target: LoadedModel,
+        logprobs: bool,
+        call_marker: str | None = None,
+        thinking: Thinking | None = None,
+        in_reasoning: bool = False,
+    ) -> None:
+        self.writer, self.marker = writer, call_marker
+        self.thinking, self.in_reasoning = thinking, in_reasoning
+        self.bytes_of = token_bytes(target.tokenizer, target.vocab_size) if logprobs else None
+        self.text = ""  # everything the sequence wrote
+        self.sent = {REASONING: "", CONTENT: ""}  # what each field streamed so far
+        self.entries: list[LogprobEntry] = []  # logprobs not sent yet
+
+    @classmethod
+    def for_job(
+        cls, writer: ChunkWriter, target: LoadedModel, prepared: Prepared, logprobs: bool
+    ) -> Streamer:
+        req = prepared.request
+        tok = target.tokenizer
+        family = family_of(tok) if req is not None and req.uses_tools else None
+        thinking = thinking_of(tok)
+        opened = thinking is not None and opens_in_reasoning(tok, prepared.prompt)
+        return cls(writer, target, logprobs, family.start if family else None, thinking, opened)
+
+    def __call__(self, delta: str, entries: Sequence[LogprobEntry]) -> None:
+        if not delta and not entries:
+            return
+        self.text += delta
+        self.entries.extend(entries)
+        reasoning, answer = self._parts()
+        if reasoning is not None:
+            self._emit(REASONING, reasoning)
+        if answer is not None:
+            self._emit(CONTENT, answer)
+
+    def _parts(self) -> tuple[str | None, str | None]:
+        """What can be shown now of the reasoning and of the answer (None: none yet)."""
+        text, t = self.text, self.thinking
+        if t is None:
+            return None, self._answer(text)
+        if not self.in_reasoning:
+            stripped = text.lstrip()
+            if len(stripped) < len(t.start) and t.start.startswith(stripped):
+                return None, None  # it may be opening a thinking block
+            if not stripped.startswith(t.start):
+                return None, self._answer(text)
+            text = stripped[len(t.start) :]
+        at = text.find(t.end)
+        if at < 0:
+            return text[: shown_until(text, t.end)].strip(), None
+        return text[:at].strip(), self._answer(text[at + len(t.end) :].lstrip())
+
+    def _answer(self, text: str) -> str:
+        return text[: shown_until(text, self.marker)] if self.marker else text
+
+    def _emit(self, field: str, shown: str) -> None:
+        sent = self.sent[field]
+        if len(shown) <= len(sent) or not shown.startswith(sent):
+            return
+        rendered = None
+        if self.bytes_of and self.entries:
+            rendered = render(self.entries, self.bytes_of).model_dump(mode="json")
+        self.entries = []
+        self.writer.text(shown[len(sent) :], rendered, field)
+        self.sent[field] = shown
+
+    def end(self, record: ResultRecord) -> None:
+        """The final chunks: what each field has not streamed yet, the calls, then the
+        finish reason and usage."""
+        if record.response is None:
+            return
+        choice = record.response.choices[0]
+        self._emit(REASONING, choice.message.reasoning_content or "")
+        self._emit(CONTENT, choice.message.content or "")
+        if choice.message.tool_calls:
+            self.writer.tool_calls(
+                [c.model_dump(mode="json", exclude_none=True) for c in choice.message.tool_calls]
+            )
+        self.writer.finish(choice.finish_reason, record.response.usage.model_dump())
