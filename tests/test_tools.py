@@ -452,3 +452,46 @@ def test_streamed_text_is_held_from_the_call_marker_on(tool_model):
     ]
     cut = ["ok ", '<tool_call>\n{"name": "get_t']  # no call: the held text comes at the end
     assert stream(cut) == [("text", "ok "), ("text", cut[1]), ("finish", "stop")]
+
+
+def test_another_family_is_parsed_under_auto_and_refused_when_forced(
+    conn, redis_url, tmp_path_factory
+):
+    """mlx-lm's pythonic family (LFM2's ``[name(arg=value)]`` calls): rendered and parsed
+    with mlx-lm's own parser; a call it cannot constrain yet is refused by name."""
+    from worker.dev.tinymodels import ensure_pythonic_model
+
+    path = ensure_pythonic_model(tmp_path_factory.mktemp("pythonic") / "lfm")
+    entry, _ = ModelCache().get(str(path))
+    family = toolcalls.family_of(entry.tokenizer)
+    assert family is not None and family.name == "pythonic"
+    text = '<|tool_call_start|>[get_time(zone="utc"), get_weather(city="Rome")]<|tool_call_end|>'
+    content, calls = toolcalls.parse(text, family, TOOLS)
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_time", {"zone": "utc"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+    prompt = entry.tokenizer.decode(
+        prompt_tokens(entry.tokenizer, ChatRequest.model_validate(body(path, choice="auto")))
+    )
+    assert "<|tool_list_start|>" in prompt and '"get_weather"' in prompt
+    strict = [{"type": "function", "function": TOOLS[1]["function"] | {"strict": True}}]
+    records = run_jobs(
+        conn,
+        redis_url,
+        {
+            "auto": body(path, choice="auto") | {"max_tokens": 8},
+            "forced": body(path),
+            "strict": body(path, choice="auto") | {"tools": strict},
+        },
+        "pythonic",
+    )
+    assert (
+        records["auto"].status == "succeeded"
+        and records["auto"].response.choices[0].message.content
+    )
+    for key in ("forced", "strict"):
+        error = records[key].error
+        assert records[key].status == "failed" and error.code == "invalid_request", key
+        assert "pythonic" in error.message and "not constrained yet" in error.message

@@ -409,6 +409,22 @@ HERMES_TEMPLATE = (
 )
 
 
+#: An LFM2-style template (mlx-lm's ``pythonic`` family): tools listed as JSON, calls
+#: written as ``<|tool_call_start|>[name(arg=value)]<|tool_call_end|>``.
+PYTHONIC_TEMPLATE = (
+    "{%- if tools %}<|system|><|tool_list_start|>{{ tools | tojson }}<|tool_list_end|></s>"
+    "{%- endif %}"
+    "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
+)
+PYTHONIC_MARKERS = ("<|tool_call_start|>", "<|tool_call_end|>")
+
+
+def ensure_pythonic_model(path: Path, spec: TinySpec = TinySpec(seed=7, context=4096)) -> Path:
+    """A tiny model of mlx-lm's ``pythonic`` tool-call family."""
+    return _with_markers(path, spec, PYTHONIC_MARKERS, PYTHONIC_TEMPLATE, "mlxq-pythonic.json")
+
+
 #: The tool model's call markers (each one token).
 TOOL_MARKERS = ("<tool_call>", "</tool_call>")
 
