@@ -32,7 +32,7 @@ from typing import Any
 from bench.fixtures import model
 from bench.grammar import SCHEMA
 from schemas import ChatRequest
-from worker.engine import Prepared, params_for, prompt_tokens
+from worker.engine import prompt_tokens
 from worker.engine.batch import BatchEngine
 from worker.engine.constrain import constraint_for
 from worker.engine.generator import ChatGenerator
@@ -80,14 +80,10 @@ def per_token_alone(gen: ChatGenerator, req: ChatRequest) -> tuple[float, int, s
 
 def per_step_batched(gen: ChatGenerator, reqs: list[ChatRequest]) -> tuple[float, int]:
     """Median seconds per decoding step while every sequence decodes; steps measured."""
-    target = gen.target
-    engine = BatchEngine(target, len(reqs))
+    engine = BatchEngine(gen.target, len(reqs))
     try:
         for i, req in enumerate(reqs):
-            prompt = prompt_tokens(target.tokenizer, req)
-            c = constraint_for(req, target.tokenizer, target.vocab_size)
-            p = params_for(req, len(prompt), target.context_length, target.vocab_size, constraint=c)
-            engine.add(i, Prepared(prompt, p))
+            engine.add(i, gen.prepare(req))
         times = []
         while len(engine) == len(reqs):
             t = time.perf_counter()

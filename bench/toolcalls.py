@@ -31,10 +31,9 @@ from typing import Any
 
 from bench.fixtures import model
 from bench.grammar import SCHEMA
-from bench.structured import PROMPTS, per_token_alone
+from bench.structured import PROMPTS, per_step_batched, per_token_alone
 from schemas import ChatRequest
 from worker.dev.tinymodels import HERMES_TEMPLATE
-from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
 
@@ -82,24 +81,6 @@ def request(
             "tool_choice": NAMED if forced else "auto",
         }
     )
-
-
-def per_step_batched(gen: ChatGenerator, reqs: list[ChatRequest]) -> tuple[float, int]:
-    """Median seconds per decoding step while every sequence decodes; steps measured."""
-    engine = BatchEngine(gen.target, len(reqs))
-    try:
-        for i, req in enumerate(reqs):
-            engine.add(i, gen.prepare(req))
-        times = []
-        while len(engine) == len(reqs):
-            t = time.perf_counter()
-            step = engine.step()
-            elapsed = time.perf_counter() - t
-            if not step.prefilled and step.tokens == len(reqs) and not step.done:
-                times.append(elapsed)
-        return statistics.median(times), len(times)
-    finally:
-        engine.close()
 
 
 def compile_times(gen: ChatGenerator, target: str) -> dict[str, float]:

@@ -103,6 +103,8 @@ def test_template_switches_reach_the_template(thinker):
     off = prompt(chat_template_kwargs={"enable_thinking": False})
     assert not reasoning.opens_in_reasoning(tok, off)
     assert tok.decode(off).endswith("<think>\n\n</think>")
+    assert "effort: low" in tok.decode(prompt(reasoning_effort="low"))
+    assert "effort" not in tok.decode(prompt())
 
 
 def test_reasoning_apart_from_the_answer_on_every_path(

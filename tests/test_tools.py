@@ -46,6 +46,22 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+#: A conversation with a call made and its result.
+HISTORY = [
+    {"role": "user", "content": "weather in paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_time", "arguments": '{"zone": "cet"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -188,21 +204,7 @@ def test_hostile_tool_requests_are_refused_by_name(change, word):
 
 def test_the_template_renders_tools_and_a_history_with_tool_results(tool_model):
     entry, _ = ModelCache().get(str(tool_model))
-    history = [
-        {"role": "user", "content": "weather in paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_time", "arguments": '{"zone": "cet"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
-    ]
+    history = HISTORY
     req = ChatRequest.model_validate(body(tool_model) | {"messages": history})
     text = entry.tokenizer.decode(prompt_tokens(entry.tokenizer, req))
     assert '"name": "get_weather"' in text and '"maxLength": 12' in text  # the tools
@@ -315,21 +317,7 @@ def test_the_sdk_gets_validated_calls_through_the_gateway_and_batch_files(
     gw = gateway()
     workers()
     client = gw.client()
-    history = [
-        {"role": "user", "content": "weather in paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_time", "arguments": '{"zone": "cet"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
-    ]
+    history = HISTORY
     reply = client.chat.completions.create(
         model=str(tool_model),
         messages=history,

@@ -468,6 +468,7 @@ def _with_markers(
 #: A reasoning model's template (as Qwen3.5's or DeepSeek-R1's): the generation
 #: prompt opens a thinking block, or, with ``enable_thinking`` false, an empty one.
 THINKING_TEMPLATE = (
+    "{%- if reasoning_effort is defined %}<|system|>effort: {{ reasoning_effort }}</s>{%- endif %}"
     "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>"
     "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
