@@ -483,3 +483,19 @@ def test_another_family_is_parsed_under_auto_and_refused_when_forced(
         error = records[key].error
         assert records[key].status == "failed" and error.code == "invalid_request", key
         assert "pythonic" in error.message and "not constrained yet" in error.message
+
+
+def test_a_family_without_an_end_marker_is_parsed_to_the_end_of_the_text():
+    """Mistral's ``[TOOL_CALLS]`` has no closing marker: the calls run to the end."""
+    from mlx_lm.tool_parsers import mistral
+
+    family = toolcalls.Family("mistral", mistral.tool_call_start, "", mistral.parse_tool_call)
+    text = 'Sure. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "cet"}}]'
+    content, calls = toolcalls.parse(text, family, TOOLS)
+    assert content == "Sure. " and [c.function.name for c in calls] == ["get_time"]
+    content, calls = toolcalls.parse('[TOOL_CALLS]get_time[ARGS]{"zone": "utc"}', family, TOOLS)
+    assert content is None and json.loads(calls[0].function.arguments) == {"zone": "utc"}
+    assert toolcalls.parse("[TOOL_CALLS]nothing here", family, TOOLS) == (
+        "[TOOL_CALLS]nothing here",
+        [],
+    )

@@ -146,12 +146,15 @@ def parse(text: str, family: Family, tools: Any) -> tuple[str | None, list[ToolC
     calls: list[ToolCall] = []
     rest = text
     while (i := rest.find(family.start)) >= 0:
-        j = rest.find(family.end, i + len(family.start))
+        # A family without an end marker (Mistral's) calls to the end of the text.
+        j = rest.find(family.end, i + len(family.start)) if family.end else len(rest)
         if j < 0:
             break
         body = rest[i + len(family.start) : j]
         try:
             parsed = family.parser(body, tools)
+            if not parsed:
+                raise ValueError("no call")
         except (ValueError, KeyError, TypeError, SyntaxError):
             content.append(rest[: j + len(family.end)])
         else:
