@@ -165,3 +165,46 @@ def test_reasoning_apart_from_the_answer_on_every_path(
             pieces["content"] += c.delta.content or ""
     thought, answer, _ = parts(alone["j0"])
     assert pieces == {"reasoning_content": thought, "content": answer}
+
+
+def test_a_reasoning_model_thinks_then_makes_the_forced_call(conn, redis_url, tmp_path_factory):
+    """Tools on a reasoning model: the thinking apart, then the call under the grammar
+    (the mask waits for </think>), alone and batched."""
+    import jsonschema
+
+    from worker.dev.tinymodels import ensure_thinking_tool_model
+
+    path = ensure_thinking_tool_model(tmp_path_factory.mktemp("think-tools") / "m")
+    entry, _ = ModelCache().get(str(path))
+    (end,) = entry.tokenizer.encode("</think>", add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "decide", "parameters": SCHEMA}}]
+    jobs = {
+        f"t{i}": body(path, p, end, bias=1.5)
+        | {
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "decide"}},
+            "max_tokens": 120,
+        }
+        for i, p in enumerate(PROMPTS)
+    }
+    alone = run_jobs(conn, redis_url, jobs, "think-tools-1", max_batch=1)
+    batched = run_jobs(conn, redis_url, jobs, "think-tools-4", max_batch=4)
+    thoughts = []
+    for key in jobs:
+        record = alone[key]
+        assert record.status == "succeeded", record.error
+        choice = record.response.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        # The call came after </think> (a mask from the first token would have made
+        # the call at once, with no reasoning tokens at all).
+        assert record.response.usage.completion_tokens_details.reasoning_tokens >= 1
+        thoughts.append(choice.message.reasoning_content)
+        assert "</think>" not in (choice.message.reasoning_content or "")
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        other = batched[key].response.choices[0].message
+        assert (other.reasoning_content, other.tool_calls[0].function.arguments) == (
+            choice.message.reasoning_content,
+            call.function.arguments,
+        )
+    assert any(thoughts)  # and some thought first

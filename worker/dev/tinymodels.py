@@ -483,6 +483,17 @@ def ensure_thinking_model(path: Path, spec: TinySpec = TinySpec(seed=6, context=
     return _with_markers(path, spec, THINK_MARKERS, THINKING_TEMPLATE, "mlxq-thinking.json")
 
 
+def ensure_thinking_tool_model(path: Path, spec: TinySpec = TinySpec(seed=8, context=4096)) -> Path:
+    """A tiny reasoning model with tools: :data:`HERMES_TEMPLATE` whose generation
+    prompt opens a thinking block (as Qwen3.5's does)."""
+    template = HERMES_TEMPLATE.replace(
+        "{%- if add_generation_prompt %}<|assistant|>{%- endif %}",
+        "{%- if add_generation_prompt %}<|assistant|><think>\n{%- endif %}",
+    )
+    markers = TOOL_MARKERS + THINK_MARKERS
+    return _with_markers(path, spec, markers, template, "mlxq-thinking-tools.json")
+
+
 def ensure_demo_models(root: Path) -> tuple[Path, Path]:
     """A tiny target and a smaller draft sharing its tokenizer, built once under ``root``."""
     root = Path(root)
