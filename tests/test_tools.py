@@ -39,7 +39,12 @@ WEATHER = {
     "required": ["city", "unit", "when"],
     "additionalProperties": False,
 }
-TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["utc", "cet"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
@@ -499,3 +504,47 @@ def test_a_family_without_an_end_marker_is_parsed_to_the_end_of_the_text():
         "[TOOL_CALLS]nothing here",
         [],
     )
+
+
+def test_mistral_calls_are_forced_and_validate_on_every_path(conn, redis_url, tmp_path_factory):
+    """Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` family: forced (named, required) and
+    ``auto`` (pushed into a call by a bias on its marker token) calls validate, equal
+    alone, batched and speculative."""
+    from worker.dev.tinymodels import ensure_mistral_model
+
+    root = tmp_path_factory.mktemp("mistral")
+    path = ensure_mistral_model(root / "m")
+    twin = root / "twin"
+    shutil.copytree(path, twin)
+    entry, _ = ModelCache().get(str(path))
+    assert toolcalls.family_of(entry.tokenizer).name == "mistral"
+    (marker,) = entry.tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)
+    prompts = ["weather in paris?", "time please", "and in rome"]
+    jobs = (
+        {f"n{i}": body(path, p) for i, p in enumerate(prompts)}
+        | {
+            f"r{i}": body(path, p, choice="required", parallel_tool_calls=False)
+            for i, p in enumerate(prompts)
+        }
+        | {
+            f"a{i}": body(path, p, choice="auto", parallel_tool_calls=False)
+            | {"logit_bias": {str(marker): 100}}
+            for i, p in enumerate(prompts)
+        }
+    )
+    alone = run_jobs(conn, redis_url, jobs, "mistral-1", max_batch=1)
+    batched = run_jobs(conn, redis_url, jobs, "mistral-4", max_batch=4)
+    spec = run_jobs(
+        conn,
+        redis_url,
+        {k: v | {"draft_model": str(twin)} for k, v in jobs.items()},
+        "mistral-s",
+        max_batch=1,
+        policy=SpeculationPolicy("always"),
+    )
+    for key in jobs:
+        calls = calls_of(alone[key])
+        assert len(calls[0]) == 1
+        if key.startswith("n"):
+            assert calls[0][0][0] == "get_weather"
+        assert calls_of(batched[key]) == calls_of(spec[key]) == calls, key

@@ -425,6 +425,26 @@ def ensure_pythonic_model(path: Path, spec: TinySpec = TinySpec(seed=7, context=
     return _with_markers(path, spec, PYTHONIC_MARKERS, PYTHONIC_TEMPLATE, "mlxq-pythonic.json")
 
 
+#: A Mistral-style template (2025 models): ``[TOOL_CALLS]name[ARGS]{...}`` calls.
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- for tc in m.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]"
+    "{{ tc.function.arguments | tojson }}{%- endfor %}</s>"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{%- elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{%- else %}[INST]{{ m.content }}[/INST]{%- endif %}"
+    "{%- endfor %}"
+)
+MISTRAL_MARKERS = ("[TOOL_CALLS]", "[ARGS]")
+
+
+def ensure_mistral_model(path: Path, spec: TinySpec = TinySpec(seed=9, context=4096)) -> Path:
+    """A tiny model of mlx-lm's ``mistral`` tool-call family."""
+    return _with_markers(path, spec, MISTRAL_MARKERS, MISTRAL_TEMPLATE, "mlxq-mistral.json")
+
+
 #: The tool model's call markers (each one token).
 TOOL_MARKERS = ("<tool_call>", "</tool_call>")
 

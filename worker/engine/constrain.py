@@ -177,6 +177,14 @@ class GrammarProcessor:
         if same < len(seen):
             self.matcher.rollback(len(seen) - same)
             del seen[same:]
+            if self.matcher.is_error():
+                # llguidance can refuse a rollback across a special token and the
+                # lexeme after it ("rollback: too many bytes"): start again from a
+                # fresh copy and replay what is kept.
+                self.matcher = self.constraint.matcher()
+                took = self.matcher.try_consume_tokens(seen) if seen else 0
+                if took != len(seen):
+                    return False
         new = completion[same:]
         if new:
             took = self.matcher.try_consume_tokens(new)

@@ -8,9 +8,10 @@ the family's envelope around the functions' ``parameters`` schemas, so their
 arguments always parse and validate: a forced call (``required`` or a named
 function) from the first token, a call under ``auto`` from the moment the model
 writes the call marker (the text before it is free). That needs the envelope's exact
-shape, known here for the JSON families (Hermes / Qwen's
-``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``); other families are
-parsed, and refused by name for forced calls and strict tools.
+shape, known here for Hermes / Qwen's
+``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` and Mistral's
+``[TOOL_CALLS]name[ARGS]{...}`` (or its v0.3 JSON array); other families are parsed,
+and refused by name for forced calls and strict tools.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from typing import Any
 from schemas import ChatRequest, InvalidRequestError
 from schemas.tools import FunctionCall, FunctionDef, NamedToolChoice, ToolCall
 
-#: mlx-lm parser modules whose calls are ``START json END`` with {"name", "arguments"}.
-JSON_FAMILIES = frozenset({"json_tools"})
 #: Whitespace between a call's JSON tokens: one space at most (the arguments are
 #: re-serialized anyway; a model cannot spend its tokens on whitespace).
 CALL_WHITESPACE = "[\\x20]{0,1}"
@@ -61,16 +60,17 @@ def check(request: ChatRequest, tokenizer: Any, model: str) -> Family | None:
             "format in its chat template"
         )
     strict = [t.function.name for t in request.tools or () if t.function.strict]
-    if strict and family.name not in JSON_FAMILIES:
+    if strict and family.name not in CONSTRAINED:
         raise InvalidRequestError(
             f"strict tools ({', '.join(strict)}) cannot be enforced on model {model!r}: "
             f"its tool-call format ({family.name}) is parsed but not constrained yet"
         )
-    if request.forced_call is not None and family.name not in JSON_FAMILIES:
+    if request.forced_call is not None and family.name not in CONSTRAINED:
         raise InvalidRequestError(
             f"tool_choice {_choice(request)} cannot be enforced on model {model!r}: its "
             f"tool-call format ({family.name}) is parsed but not constrained yet "
-            "(only the JSON <tool_call> format is); use tool_choice 'auto'"
+            "(constrained: Hermes/Qwen <tool_call> JSON and Mistral [TOOL_CALLS]); "
+            "use tool_choice 'auto'"
         )
     return family
 
@@ -113,29 +113,60 @@ def grammar(
     token. ``auto``: free text until the model writes the call marker, then the rest of
     the call under the grammar, so whatever call it makes validates. (None, ()) when no
     call is constrained (no tools, ``none``, or a family not constrained yet)."""
-    if family is None or family.name not in JSON_FAMILIES or not request.tools:
+    if family is None or family.name not in CONSTRAINED or not request.tools:
         return None, ()
     import llguidance
 
     forced = request.forced_call
     functions = forced if forced is not None else [t.function for t in request.tools]
     several = request.parallel_calls and not isinstance(request.tool_choice, NamedToolChoice)
-    start, end = _literal(family.start, tokenizer), _literal(family.end, tokenizer)
-    obj = f"obj: %json {json.dumps(call_schema(functions))}"
+    start = _literal(family.start, tokenizer)
+    end = _literal(family.end, tokenizer) if family.end else ""
+    rules = CONSTRAINED[family.name](functions, several, start, end, tokenizer)
     if forced is not None:
-        lines = [
-            'start: call ("\\n" call)*' if several else "start: call",
-            f'call: {start} "\\n" obj "\\n" {end}',
-        ]
-        trigger: tuple[int, ...] = ()
+        lines, trigger = [f"start: {start} calls", *rules], ()
     else:  # after the marker the model wrote
-        lines = [
-            f'start: "\\n" obj "\\n" {end} ("\\n" {start} "\\n" obj "\\n" {end})*'
-            if several
-            else f'start: "\\n" obj "\\n" {end}'
-        ]
+        lines = ["start: calls", *rules]
         trigger = tuple(int(t) for t in tokenizer.encode(family.start, add_special_tokens=False))
-    return llguidance.LLMatcher.grammar_from_lark("\n".join([*lines, obj])), trigger
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines)), trigger
+
+
+def _hermes(
+    functions: list[FunctionDef], several: bool, start: str, end: str, tokenizer: Any
+) -> list[str]:
+    """``START\n{"name": ..., "arguments": ...}\nEND``, repeated on new lines."""
+    return [
+        f'calls: "\\n" obj "\\n" {end} ("\\n" {start} "\\n" obj "\\n" {end})*'
+        if several
+        else f'calls: "\\n" obj "\\n" {end}',
+        f"obj: %json {json.dumps(call_schema(functions))}",
+    ]
+
+
+def _mistral(
+    functions: list[FunctionDef], several: bool, start: str, end: str, tokenizer: Any
+) -> list[str]:
+    """Mistral's forms, as the model's template writes them: ``name[ARGS]{...}``
+    (templates that render ``[ARGS]``, Mistral's 2025 models) or a JSON array of
+    ``{"name", "arguments"}`` (v0.3)."""
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if "[ARGS]" not in template:
+        items: dict[str, Any] = {"type": "array", "items": call_schema(functions), "minItems": 1}
+        if not several:
+            items["maxItems"] = 1
+        return ['calls: " "? arr', f"arr: %json {json.dumps(items)}"]
+    args = _literal("[ARGS]", tokenizer)
+    lines = ["calls: call+" if several else "calls: call"]
+    lines.append("call: " + " | ".join(f"c{i}" for i in range(len(functions))))
+    for i, f in enumerate(functions):
+        schema = f.schema | {"x-guidance": {"whitespace_pattern": CALL_WHITESPACE}}
+        lines.append(f"c{i}: {json.dumps(f.name)} {args} a{i}")
+        lines.append(f"a{i}: %json {json.dumps(schema)}")
+    return lines
+
+
+#: Families whose calls are constrained: their grammar rules after the call marker.
+CONSTRAINED = {"json_tools": _hermes, "mistral": _mistral}
 
 
 def parse(text: str, family: Family, tools: Any) -> tuple[str | None, list[ToolCall]]:
