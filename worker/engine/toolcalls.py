@@ -82,8 +82,8 @@ def _choice(request: ChatRequest) -> str:
 
 def _literal(text: str, tokenizer: Any) -> str:
     """``text`` in a Lark grammar: an added token (Qwen's ``<tool_call>``, special or
-    not) by its id, since llguidance treats every added token as special and never
-    matches one as text; anything else as a string."""
+    not) by its id, since llguidance does not match an added token to a grammar's
+    string literal (it marks them special); anything else as a string."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) == 1 and ids[0] in getattr(tokenizer, "added_tokens_decoder", {}):
         return f"<[{ids[0]}]>"
