@@ -29,6 +29,7 @@ class GenerationOutput:
     speculated_s: float = 0.0  # seconds of those (or of all speculative rounds)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
     logprobs: tuple[LogprobEntry, ...] | None = None  # per token of the text, if asked
+    in_reasoning: bool = False  # the prompt left the model inside a thinking block
     # n > 1: choices 1..n-1 (this one is choice 0; completion_tokens counts them all)
     others: tuple[GenerationOutput, ...] = ()
 

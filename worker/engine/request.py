@@ -48,6 +48,7 @@ class GenerationParams:
     constraint: Constraint | None = None  # response_format: the grammar the output follows
     logprobs: int | None = None  # None: no logprobs; else how many top alternatives (0-20)
     lookup: Lookup = DEFAULT_LOOKUP  # prompt lookup's settings, should it speculate that way
+    in_reasoning: bool = False  # the prompt leaves the model inside a thinking block
 
     @property
     def penalty_window(self) -> int:
@@ -85,7 +86,8 @@ def prepare(
     prompt = prompt_tokens(tokenizer, request)
     calls, trigger = call_grammar(request, tokenizer, family)
     thinking = thinking_of(tokenizer)
-    if thinking is not None and not trigger and opens_in_reasoning(tokenizer, prompt):
+    in_reasoning = thinking is not None and opens_in_reasoning(tokenizer, prompt)
+    if thinking is not None and in_reasoning and not trigger:
         trigger = thinking.end_ids  # a grammar applies to the answer, after the reasoning
     params = params_for(
         request,
@@ -97,6 +99,8 @@ def prepare(
     )
     if not getattr(tokenizer, "has_chat_template", False) and TRANSCRIPT_STOP not in params.stop:
         params = replace(params, stop=(*params.stop, TRANSCRIPT_STOP))
+    if in_reasoning:
+        params = replace(params, in_reasoning=True)
     return Prepared(prompt, params, request)
 
 

@@ -206,4 +206,5 @@ class Sequence:
             token_ids=tuple(self.tokens),
             cached_tokens=self.cached_tokens,
             logprobs=kept,
+            in_reasoning=self.params.in_reasoning,
         )

@@ -21,7 +21,6 @@ from worker.engine import GenerationOutput, reasoning, toolcalls
 from worker.engine.constrain import token_bytes
 from worker.engine.generator import ChatGenerator
 from worker.engine.logprobs import render
-from worker.engine.request import prompt_tokens
 from worker.lifecycle.held import Job
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.policy import LOOKUP, Decision
@@ -51,17 +50,14 @@ def completion_for(
     family = toolcalls.family_of(tokenizer) if request.uses_tools else None
     tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
     thinking = reasoning.thinking_of(tokenizer)
-    in_reasoning = thinking is not None and reasoning.opens_in_reasoning(
-        tokenizer, prompt_tokens(tokenizer, request)
-    )
     thought = 0  # reasoning tokens, over the choices
 
     def message(o: GenerationOutput) -> tuple[AssistantMessage, str]:
         nonlocal thought
         thinks, text = None, o.text
         if thinking is not None:
-            thinks, text = reasoning.split(o.text, thinking, in_reasoning)
-            opened = in_reasoning or thinks is not None
+            thinks, text = reasoning.split(o.text, thinking, o.in_reasoning)
+            opened = o.in_reasoning or thinks is not None
             thought += reasoning.reasoning_tokens(o.token_ids, thinking, opened)
         msg = AssistantMessage(content=text, reasoning_content=thinks)
         if family is None:

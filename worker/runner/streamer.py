@@ -19,7 +19,7 @@ from schemas import ResultRecord
 from worker.engine.constrain import token_bytes
 from worker.engine.logprobs import LogprobEntry, render
 from worker.engine.models import LoadedModel
-from worker.engine.reasoning import Thinking, opens_in_reasoning, thinking_of
+from worker.engine.reasoning import Thinking, thinking_of
 from worker.engine.request import Prepared
 from worker.engine.toolcalls import family_of
 from worker.lifecycle.streaming import ChunkWriter
@@ -65,9 +65,9 @@ class Streamer:
         req = prepared.request
         tok = target.tokenizer
         family = family_of(tok) if req is not None and req.uses_tools else None
-        thinking = thinking_of(tok)
-        opened = thinking is not None and opens_in_reasoning(tok, prepared.prompt)
-        return cls(writer, target, logprobs, family.start if family else None, thinking, opened)
+        marker = family.start if family else None
+        opened = prepared.params.in_reasoning
+        return cls(writer, target, logprobs, marker, thinking_of(tok), opened)
 
     def __call__(self, delta: str, entries: Sequence[LogprobEntry]) -> None:
         if not delta and not entries:
