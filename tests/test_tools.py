@@ -348,7 +348,7 @@ def test_the_sdk_gets_validated_calls_through_the_gateway_and_batch_files(
         deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
         final = stream.get_final_completion()
     streamed = final.choices[0]
-    assert deltas and streamed.finish_reason == "tool_calls"
+    assert len(deltas) > 1 and streamed.finish_reason == "tool_calls"  # in fragments
     assert not streamed.message.content
     (same,) = streamed.message.tool_calls
     assert (same.function.name, same.function.arguments) == (
@@ -403,8 +403,12 @@ def test_streamed_text_is_held_from_the_call_marker_on(tool_model):
         def text(self, delta: str, logprobs: object = None, field: str = "content") -> None:
             self.sent.append(("text", delta))
 
-        def tool_calls(self, calls: list[dict]) -> None:
-            self.sent.append(("calls", [c["function"]["name"] for c in calls]))
+        def tool_call(self, index: int, call: dict) -> None:
+            if "id" in call:
+                assert call["id"] == toolcalls.call_id("c", 0, index) and call["type"] == "function"
+                self.sent.append(("call", index, call["function"]["name"]))
+            else:
+                self.sent.append(("args", index, call["function"]["arguments"]))
 
         def finish(self, reason: str, usage: dict) -> None:
             self.sent.append(("finish", reason))
@@ -415,10 +419,12 @@ def test_streamed_text_is_held_from_the_call_marker_on(tool_model):
 
     def stream(pieces: list[str]) -> list[tuple[str, object]]:
         chunks = Chunks()
-        s = Streamer(chunks, entry, False, family.start)  # type: ignore[arg-type]
+        chunks.base = {"id": "c"}
+        s = Streamer(chunks, entry, False, family)  # type: ignore[arg-type]
         for piece in pieces:
             s(piece, ())
-        content, calls = toolcalls.parse("".join(pieces), family, TOOLS)
+        ids = lambda n: toolcalls.call_id("c", 0, n)  # noqa: E731
+        content, calls = toolcalls.parse("".join(pieces), family, TOOLS, ids)
         message = AssistantMessage(content=content, tool_calls=calls or None)
         reason = "tool_calls" if calls else "stop"
         response = ChatCompletion(
@@ -435,7 +441,26 @@ def test_streamed_text_is_held_from_the_call_marker_on(tool_model):
     assert stream(["Let me ", "check <to", "ol_call>", one[len("<tool_call>") :]]) == [
         ("text", "Let me "),
         ("text", "check "),
-        ("calls", ["get_time"]),
+        ("call", 0, "get_time"),
+        ("args", 0, '{"zone": "utc"}'),
+        ("finish", "tool_calls"),
+    ]
+    # Arguments go out in fragments as they are written; a trailing "}" waits until it
+    # is known to be theirs, so the fragments add up to the record's arguments.
+    pieces = [
+        '<tool_call>\n{"name": "get_time", "arguments": {"zo',
+        'ne": "u',
+        'tc"}',
+        "}\n</tool_call>",
+        one,
+    ]
+    assert stream(pieces) == [
+        ("call", 0, "get_time"),
+        ("args", 0, '{"zo'),
+        ("args", 0, 'ne": "u'),
+        ("args", 0, 'tc"}'),
+        ("call", 1, "get_time"),
+        ("args", 1, '{"zone": "utc"}'),
         ("finish", "tool_calls"),
     ]
     assert stream(["a <to", "y> b"]) == [

@@ -16,8 +16,11 @@ and refused by name for forced calls and strict tools.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,10 +172,61 @@ def _mistral(
 CONSTRAINED = {"json_tools": _hermes, "mistral": _mistral}
 
 
-def parse(text: str, family: Family, tools: Any) -> tuple[str | None, list[ToolCall]]:
+def call_id(completion_id: str, choice: int, n: int) -> str:
+    """A call's id: the same in a streamed job's chunks and in its record."""
+    digest = hashlib.sha1(f"{completion_id}:{choice}:{n}".encode()).hexdigest()
+    return f"call_{digest[:24]}"
+
+
+#: Where a call's JSON arguments begin, per family (after the match).
+_ARGUMENTS = {
+    "json_tools": (re.compile(r'"arguments"\s*:\s*'),),
+    "mistral": (re.compile(r"\[ARGS\]\s*"), re.compile(r'"arguments"\s*:\s*')),
+}
+_NAME = {
+    "json_tools": re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"'),
+    "mistral": re.compile(r'(?:"name"\s*:\s*"((?:[^"\\]|\\.)*)"|([\w-]+)\s*\[ARGS\])'),
+}
+
+
+def live_calls(family: Family, body: str) -> list[tuple[str, str, bool]]:
+    """The calls in a call body as far as the model has written them: (name, its
+    arguments so far, complete). Arguments so far never hold a trailing ``}`` or
+    whitespace that could be the envelope's, so they are always a prefix of the
+    arguments :func:`parse` returns. [] for families whose arguments are not JSON."""
+    starts, names = _ARGUMENTS.get(family.name), _NAME.get(family.name)
+    if starts is None or names is None:
+        return []
+    decoder = json.JSONDecoder()
+    out: list[tuple[str, str, bool]] = []
+    for pattern in starts:
+        found = list(pattern.finditer(body))
+        if not found:
+            continue
+        for k, m in enumerate(found):
+            head = body[found[k - 1].end() if k else 0 : m.end()]
+            named = list(names.finditer(head))
+            if not named:
+                break
+            name = next(g for g in named[-1].groups() if g is not None)
+            try:
+                _, end = decoder.raw_decode(body, m.end())
+                out.append((name, body[m.end() : end], True))
+            except ValueError:
+                out.append((name, body[m.end() :].rstrip("} \t\r\n"), False))
+                break
+        return out
+    return out
+
+
+def parse(
+    text: str, family: Family, tools: Any, ids: Callable[[int], str] | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """``text`` split into its content (None if nothing but calls) and its calls. A call
     that does not parse (cut short by max_tokens, under ``auto``) stays in the content:
-    nothing the model wrote is dropped."""
+    nothing the model wrote is dropped. A call's arguments are the JSON text the model
+    wrote (what a stream sends), when its family's arguments are JSON; ``ids`` names
+    the n-th call (default: random ids)."""
     content: list[str] = []
     calls: list[ToolCall] = []
     rest = text
@@ -190,8 +244,15 @@ def parse(text: str, family: Family, tools: Any) -> tuple[str | None, list[ToolC
             content.append(rest[: j + len(family.end)])
         else:
             content.append(rest[:i])
-            for call in parsed if isinstance(parsed, list) else [parsed]:
-                calls.append(_call(call))
+            found = parsed if isinstance(parsed, list) else [parsed]
+            raw = [a for _, a, done in live_calls(family, body) if done]
+            if len(raw) != len(found) or any(
+                json.loads(r) != c.get("arguments") for r, c in zip(raw, found, strict=False)
+            ):
+                raw = []
+            for k, call in enumerate(found):
+                n = len(calls)
+                calls.append(_call(call, raw[k] if raw else None, ids(n) if ids else None))
         rest = rest[j + len(family.end) :]
     content.append(rest)
     joined = "".join(content)
@@ -200,14 +261,11 @@ def parse(text: str, family: Family, tools: Any) -> tuple[str | None, list[ToolC
     return joined, calls
 
 
-def _call(parsed: dict[str, Any]) -> ToolCall:
+def _call(parsed: dict[str, Any], raw: str | None, named: str | None) -> ToolCall:
     arguments = parsed.get("arguments", {})
+    if raw is None:
+        raw = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return ToolCall(
-        id=str(parsed.get("id") or f"call_{secrets.token_hex(12)}"),
-        function=FunctionCall(
-            name=str(parsed["name"]),
-            arguments=arguments
-            if isinstance(arguments, str)
-            else json.dumps(arguments, ensure_ascii=False),
-        ),
+        id=named or str(parsed.get("id") or f"call_{secrets.token_hex(12)}"),
+        function=FunctionCall(name=str(parsed["name"]), arguments=raw),
     )

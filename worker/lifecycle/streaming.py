@@ -57,11 +57,11 @@ class ChunkWriter:
         ``content``, or ``reasoning_content`` for a reasoning model's thinking."""
         self._choice({field: delta}, logprobs)
 
-    def tool_calls(self, calls: list[dict[str, Any]]) -> None:
-        """The calls the answer made (``ToolCall`` JSON), one chunk each, with their
-        ``index``: OpenAI's ``delta.tool_calls`` (the arguments in one fragment)."""
-        for i, call in enumerate(calls):
-            self._choice({"tool_calls": [call | {"index": i}]})
+    def tool_call(self, index: int, call: dict[str, Any]) -> None:
+        """A piece of the ``index``-th call (OpenAI's ``delta.tool_calls``): its first
+        chunk carries ``id``, ``type`` and ``function.name``, the next ones fragments of
+        ``function.arguments``."""
+        self._choice({"tool_calls": [{"index": index} | call]})
 
     def finish(self, finish_reason: str, usage: dict[str, int]) -> None:
         self._add(

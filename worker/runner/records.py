@@ -52,7 +52,7 @@ def completion_for(
     thinking = reasoning.thinking_of(tokenizer)
     thought = 0  # reasoning tokens, over the choices
 
-    def message(o: GenerationOutput) -> tuple[AssistantMessage, str]:
+    def message(o: GenerationOutput, choice: int) -> tuple[AssistantMessage, str]:
         nonlocal thought
         thinks, text = None, o.text
         if thinking is not None:
@@ -62,7 +62,9 @@ def completion_for(
         msg = AssistantMessage(content=text, reasoning_content=thinks)
         if family is None:
             return msg, o.finish_reason
-        content, calls = toolcalls.parse(text, family, tools)
+        content, calls = toolcalls.parse(
+            text, family, tools, lambda n: toolcalls.call_id(completion_id, choice, n)
+        )
         if not calls:
             return msg, o.finish_reason
         reason = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
@@ -70,7 +72,7 @@ def completion_for(
 
     choices = []
     for i, o in enumerate((out, *out.others)):
-        msg, reason = message(o)
+        msg, reason = message(o, i)
         choices.append(
             Choice(
                 index=i,

@@ -6,9 +6,12 @@ of each field concatenate to exactly that field of the record:
 
 - a reasoning model's thinking goes out as ``delta.reasoning_content`` (text that
   could begin the end marker, and trailing whitespace, wait until they cannot);
-- the answer as ``delta.content``; with tools, from the call marker on it is held
-  (and a suffix that could begin the marker), and the calls go out as
-  ``delta.tool_calls`` when the answer ends; held text that was no call is sent then.
+- the answer as ``delta.content``; with tools, from the call marker on the text is
+  held (and a suffix that could begin the marker) and the calls go out as
+  ``delta.tool_calls``: a call's id and name once its name is written, then its
+  arguments in fragments as the model writes them (for families whose arguments
+  are JSON; others when the answer ends). Held text that was no call is sent at
+  the end. The record's calls carry the same ids and the same argument text.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from worker.engine.logprobs import LogprobEntry, render
 from worker.engine.models import LoadedModel
 from worker.engine.reasoning import Thinking, thinking_of
 from worker.engine.request import Prepared
-from worker.engine.toolcalls import family_of
+from worker.engine.toolcalls import Family, family_of, live_calls
+from worker.engine.toolcalls import call_id as call_id_of
 from worker.lifecycle.streaming import ChunkWriter
 
 REASONING, CONTENT = "reasoning_content", "content"
@@ -47,11 +51,14 @@ class Streamer:
         writer: ChunkWriter,
         target: LoadedModel,
         logprobs: bool,
-        call_marker: str | None = None,
+        family: Family | None = None,
         thinking: Thinking | None = None,
         in_reasoning: bool = False,
     ) -> None:
-        self.writer, self.marker = writer, call_marker
+        self.writer, self.family = writer, family
+        self.marker = family.start if family is not None else None
+        self.completion_id = str(writer.base["id"])
+        self.calls: list[tuple[str, str]] = []  # per call streamed: (name, arguments so far)
         self.thinking, self.in_reasoning = thinking, in_reasoning
         self.bytes_of = token_bytes(target.tokenizer, target.vocab_size) if logprobs else None
         self.text = ""  # everything the sequence wrote
@@ -65,9 +72,8 @@ class Streamer:
         req = prepared.request
         tok = target.tokenizer
         family = family_of(tok) if req is not None and req.uses_tools else None
-        marker = family.start if family else None
         opened = prepared.params.in_reasoning
-        return cls(writer, target, logprobs, marker, thinking_of(tok), opened)
+        return cls(writer, target, logprobs, family, thinking_of(tok), opened)
 
     def __call__(self, delta: str, entries: Sequence[LogprobEntry]) -> None:
         if not delta and not entries:
@@ -77,28 +83,59 @@ class Streamer:
         reasoning, answer = self._parts()
         if reasoning is not None:
             self._emit(REASONING, reasoning)
-        if answer is not None:
+        if answer is None:
+            return
+        if self.marker is None:
             self._emit(CONTENT, answer)
+            return
+        self._emit(CONTENT, answer[: shown_until(answer, self.marker)])
+        if (at := answer.find(self.marker)) >= 0:
+            self._stream_calls(answer[at:])
 
     def _parts(self) -> tuple[str | None, str | None]:
-        """What can be shown now of the reasoning and of the answer (None: none yet)."""
+        """What can be shown now of the reasoning, and the answer so far (None: none yet)."""
         text, t = self.text, self.thinking
         if t is None:
-            return None, self._answer(text)
+            return None, text
         if not self.in_reasoning:
             stripped = text.lstrip()
             if len(stripped) < len(t.start) and t.start.startswith(stripped):
                 return None, None  # it may be opening a thinking block
             if not stripped.startswith(t.start):
-                return None, self._answer(text)
+                return None, text
             text = stripped[len(t.start) :]
         at = text.find(t.end)
         if at < 0:
             return text[: shown_until(text, t.end)].strip(), None
-        return text[:at].strip(), self._answer(text[at + len(t.end) :].lstrip())
+        return text[:at].strip(), text[at + len(t.end) :].lstrip()
 
-    def _answer(self, text: str) -> str:
-        return text[: shown_until(text, self.marker)] if self.marker else text
+    def _stream_calls(self, text: str) -> None:
+        """The calls in ``text`` (from the first call marker on) as far as written."""
+        family = self.family
+        assert family is not None
+        live: list[tuple[str, str, bool]] = []
+        for part in text.split(family.start)[1:]:
+            body = part
+            if family.end:
+                at = part.find(family.end)
+                body = part[:at] if at >= 0 else part[: shown_until(part, family.end)]
+            live.extend(live_calls(family, body))
+        for n, (name, arguments, _) in enumerate(live):
+            self._call(n, name, arguments)
+
+    def _call(self, n: int, name: str, arguments: str) -> None:
+        """Send the ``n``-th call's id and name (once) and its arguments not sent yet."""
+        if n == len(self.calls):
+            call_id = call_id_of(self.completion_id, 0, n)
+            first = {"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+            self.writer.tool_call(n, first)
+            self.calls.append((name, ""))
+        if n >= len(self.calls) or self.calls[n][0] != name:
+            return
+        sent = self.calls[n][1]
+        if len(arguments) > len(sent) and arguments.startswith(sent):
+            self.writer.tool_call(n, {"function": {"arguments": arguments[len(sent) :]}})
+            self.calls[n] = (name, arguments)
 
     def _emit(self, field: str, shown: str) -> None:
         sent = self.sent[field]
@@ -119,8 +156,8 @@ class Streamer:
         choice = record.response.choices[0]
         self._emit(REASONING, choice.message.reasoning_content or "")
         self._emit(CONTENT, choice.message.content or "")
-        if choice.message.tool_calls:
-            self.writer.tool_calls(
-                [c.model_dump(mode="json", exclude_none=True) for c in choice.message.tool_calls]
-            )
+        for n, call in enumerate(choice.message.tool_calls or ()):
+            if n > len(self.calls):
+                break  # (cannot happen: calls are streamed in order)
+            self._call(n, call.function.name, call.function.arguments)
         self.writer.finish(choice.finish_reason, record.response.usage.model_dump())
