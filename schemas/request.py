@@ -375,6 +375,14 @@ class ChatRequest(BaseModel):
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates (and mlx-lm's parsers) take them; None if none
+        are offered."""
+        if not self.uses_tools or self.tools is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
     def forced_call(self) -> list[FunctionDef] | None:
         """The functions a call must be made to (decoded under a grammar); None: free."""
         return called(self.tools, self.tool_choice) if self.tools else None

@@ -111,7 +111,7 @@ class ToolCall(BaseModel):
     id: str = Field(min_length=1, max_length=128)
     type: Literal["function"] = "function"
     function: FunctionCall
-    index: int | None = None  # streamed deltas only
+    index: int | None = None  # a streamed call's; accepted when a history echoes it back
 
 
 def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:

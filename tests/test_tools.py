@@ -323,28 +323,22 @@ def test_the_sdk_gets_validated_calls_through_the_gateway_and_batch_files(
     workers()
     client = gw.client()
     history = HISTORY
-    reply = client.chat.completions.create(
-        model=str(tool_model),
-        messages=history,
-        tools=TOOLS,
-        tool_choice=NAMED,
-        temperature=0,
-        max_tokens=400,
-    )
+    named = {
+        "model": str(tool_model),
+        "messages": history,
+        "tools": TOOLS,
+        "tool_choice": NAMED,
+        "temperature": 0,
+        "max_tokens": 400,
+    }
+    reply = client.chat.completions.create(**named)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     # Streamed: the SDK's stream helper reassembles delta.tool_calls into the same call.
-    with client.chat.completions.stream(
-        model=str(tool_model),
-        messages=history,
-        tools=TOOLS,
-        tool_choice=NAMED,
-        temperature=0,
-        max_tokens=400,
-    ) as stream:
+    with client.chat.completions.stream(**named) as stream:
         deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
         final = stream.get_final_completion()
     streamed = final.choices[0]
@@ -573,3 +567,39 @@ def test_mistral_calls_are_forced_and_validate_on_every_path(conn, redis_url, tm
         if key.startswith("n"):
             assert calls[0][0][0] == "get_weather"
         assert calls_of(batched[key]) == calls_of(spec[key]) == calls, key
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5", "qwen3_moe"])
+def test_forced_calls_on_sliding_window_hybrid_and_moe_models(
+    conn, redis_url, tmp_path_factory, arch
+):
+    """The call grammar on the other cache types: a sliding window (gemma3_text, window
+    16 under a ~450-token prompt), a hybrid linear-attention model (qwen3_5: recurrent
+    state, rewound by replay when speculation rejects) and MoE. Named and auto-pushed
+    calls validate and agree alone, batched and speculative."""
+    from worker.dev.tinymodels import TinySpec
+
+    root = tmp_path_factory.mktemp(f"tools-{arch}")
+    spec = TinySpec(arch=arch, layers=4, hidden=64, intermediate=128, seed=1, context=4096)
+    path = ensure_tool_model(root / "m", spec)
+    twin = root / "twin"
+    shutil.copytree(path, twin)
+    entry, _ = ModelCache().get(str(path))
+    (marker,) = entry.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    prompts = ["weather in paris?", "time please"]
+    jobs = {f"n{i}": body(path, p) | {"max_tokens": 200} for i, p in enumerate(prompts)} | {
+        f"a{i}": body(path, p, choice="auto", parallel_tool_calls=False)
+        | {"logit_bias": {str(marker): 100}, "max_tokens": 200}
+        for i, p in enumerate(prompts)
+    }
+    alone = run_jobs(conn, redis_url, jobs, f"{arch}-1", max_batch=1)
+    batched = run_jobs(conn, redis_url, jobs, f"{arch}-4", max_batch=4)
+    spec_jobs = {k: v | {"draft_model": str(twin)} for k, v in jobs.items()}
+    speculative = run_jobs(
+        conn, redis_url, spec_jobs, f"{arch}-s", max_batch=1, policy=SpeculationPolicy("always")
+    )
+    for key in jobs:
+        calls = calls_of(alone[key])
+        assert len(calls[0]) == 1, key
+        assert calls_of(batched[key]) == calls_of(speculative[key]) == calls, key
+    assert speculative["n0"].metrics.speculative

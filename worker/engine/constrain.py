@@ -62,11 +62,8 @@ class Constraint:
         """The part of ``completion`` the grammar governs; None while it is free text."""
         if not self.trigger:
             return completion
-        n = len(self.trigger)
-        for i in range(len(completion) - n + 1):
-            if tuple(completion[i : i + n]) == self.trigger:
-                return completion[i + n :]
-        return None
+        at = find_run(completion, self.trigger)
+        return None if at < 0 else completion[at + len(self.trigger) :]
 
     def matcher(self) -> llguidance.LLMatcher:
         return self.prototype.deep_copy()
@@ -77,6 +74,19 @@ class Constraint:
     @property
     def eos(self) -> frozenset[int]:
         return frozenset(self.tokenizer.eos_tokens)
+
+
+def find_run(tokens: list[int] | tuple[int, ...], run: tuple[int, ...]) -> int:
+    """Where ``run`` first occurs in ``tokens`` (-1: nowhere); a C-speed scan for its first
+    token (it runs on every decoding step of a job with a trigger)."""
+    i, n = -1, len(run)
+    while True:
+        try:
+            i = tokens.index(run[0], i + 1)
+        except ValueError:
+            return -1
+        if tuple(tokens[i : i + n]) == run:
+            return i
 
 
 def constraint_for(

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from worker.engine.constrain import find_run
+
 
 @dataclass(frozen=True)
 class Thinking:
@@ -38,7 +40,7 @@ def thinking_of(tokenizer: Any) -> Thinking | None:
 
 def opens_in_reasoning(tokenizer: Any, prompt: list[int]) -> bool:
     """Whether the prompt leaves the model inside a thinking block (opened, not closed)."""
-    if thinking_of(tokenizer) is None:
+    if not getattr(tokenizer, "has_thinking", False):
         return False
     return int(tokenizer.rfind_think_start(prompt)) > int(tokenizer.rfind_think_end(prompt))
 
@@ -60,10 +62,9 @@ def split(text: str, thinking: Thinking, in_reasoning: bool) -> tuple[str | None
 def reasoning_tokens(tokens: tuple[int, ...], thinking: Thinking, opened: bool) -> int:
     """How many of the completion's tokens are reasoning (through the end marker);
     ``opened``: the completion is in a thinking block (all of it, if never closed)."""
-    ids, n = thinking.end_ids, len(thinking.end_ids)
-    if not ids:
+    if not thinking.end_ids:
         return 0
-    for i in range(len(tokens) - n + 1):
-        if tuple(tokens[i : i + n]) == ids:
-            return i + n
+    at = find_run(tokens, thinking.end_ids)
+    if at >= 0:
+        return at + len(thinking.end_ids)
     return len(tokens) if opened else 0

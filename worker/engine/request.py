@@ -85,9 +85,8 @@ def prepare(
     family = check_tools(request, tokenizer, target.name)
     prompt = prompt_tokens(tokenizer, request)
     calls, trigger = call_grammar(request, tokenizer, family)
-    thinking = thinking_of(tokenizer)
-    in_reasoning = thinking is not None and opens_in_reasoning(tokenizer, prompt)
-    if thinking is not None and in_reasoning and not trigger:
+    in_reasoning = opens_in_reasoning(tokenizer, prompt)
+    if in_reasoning and not trigger and (thinking := thinking_of(tokenizer)) is not None:
         trigger = thinking.end_ids  # a grammar applies to the answer, after the reasoning
     params = params_for(
         request,
@@ -132,13 +131,6 @@ def _render(
     return [int(i) for i in ids]
 
 
-def _tools(request: ChatRequest) -> list[dict[str, Any]] | None:
-    """The request's tools as chat templates take them (None: none offered)."""
-    if not request.uses_tools or request.tools is None:
-        return None
-    return [t.model_dump(exclude_none=True) for t in request.tools]
-
-
 def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
     """The request's messages (and tools) through the model's chat template, as token ids."""
     messages = [m.as_template_dict() for m in request.messages]
@@ -146,7 +138,7 @@ def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
         tokenizer,
         messages,
         prompt=True,
-        tools=_tools(request),
+        tools=request.template_tools,
         template_kwargs=request.template_kwargs,
     )
 
@@ -164,7 +156,11 @@ def message_boundary(tokenizer: object, request: ChatRequest, prompt: list[int])
     head = [m.as_template_dict() for m in request.messages[:-1]]
     try:
         ids = _render(
-            tokenizer, head, False, tools=_tools(request), template_kwargs=request.template_kwargs
+            tokenizer,
+            head,
+            False,
+            tools=request.template_tools,
+            template_kwargs=request.template_kwargs,
         )
     except Exception:  # a template that refuses a conversation without a user turn
         return 0

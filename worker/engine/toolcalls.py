@@ -24,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+
 from schemas import ChatRequest, InvalidRequestError
 from schemas.tools import FunctionCall, FunctionDef, NamedToolChoice, ToolCall
 
-#: Whitespace between a call's JSON tokens: one space at most (the arguments are
-#: re-serialized anyway; a model cannot spend its tokens on whitespace).
+#: Whitespace between a call's JSON tokens: one space at most (a model cannot spend
+#: its tokens on whitespace).
 CALL_WHITESPACE = "[\\x20]{0,1}"
 
 
@@ -118,8 +120,6 @@ def grammar(
     call is constrained (no tools, ``none``, or a family not constrained yet)."""
     if family is None or family.name not in CONSTRAINED or not request.tools:
         return None, ()
-    import llguidance
-
     forced = request.forced_call
     functions = forced if forced is not None else [t.function for t in request.tools]
     several = request.parallel_calls and not isinstance(request.tool_choice, NamedToolChoice)

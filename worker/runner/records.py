@@ -48,7 +48,7 @@ def completion_for(
     request = job.envelope.request
     tokenizer = generator.target.tokenizer
     family = toolcalls.family_of(tokenizer) if request.uses_tools else None
-    tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
+    tools = request.template_tools
     thinking = reasoning.thinking_of(tokenizer)
     thought = 0  # reasoning tokens, over the choices
 
@@ -63,7 +63,10 @@ def completion_for(
         if family is None:
             return msg, o.finish_reason
         content, calls = toolcalls.parse(
-            text, family, tools, lambda n: toolcalls.call_id(completion_id, choice, n)
+            text,
+            family,
+            tools,
+            lambda n: toolcalls.call_id(completion_id, choice, n),
         )
         if not calls:
             return msg, o.finish_reason

@@ -157,7 +157,5 @@ class Streamer:
         self._emit(REASONING, choice.message.reasoning_content or "")
         self._emit(CONTENT, choice.message.content or "")
         for n, call in enumerate(choice.message.tool_calls or ()):
-            if n > len(self.calls):
-                break  # (cannot happen: calls are streamed in order)
             self._call(n, call.function.name, call.function.arguments)
         self.writer.finish(choice.finish_reason, record.response.usage.model_dump())
