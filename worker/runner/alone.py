@@ -8,7 +8,9 @@ ends it with. Jobs run by a continuous batch go through ``worker.runner.continuo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 
 from redis import Redis
 
@@ -80,12 +82,18 @@ def _gave_up(decision: Decision, out: GenerationOutput) -> str:
     )
 
 
-def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
+#: What to do once a job's record is stored: a streamed job's final chunk (a reader
+#: that sees the stream end can then read the record), or nothing.
+AfterRecord = Callable[[], None] | None
+
+
+def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> tuple[ResultRecord, AfterRecord]:
     """Generate ``job`` on its own. Whatever goes wrong becomes its failed record; only
     BaseExceptions (a cold shutdown) escape.
 
     With ``stream: true`` the text is also appended to the job's chunk stream
-    (``worker.lifecycle.streaming``) as it is produced, ending with a final chunk.
+    (``worker.lifecycle.streaming``) as it is produced; the final chunk (or the error
+    chunk) is what the caller runs once it has stored the record.
     """
     req = job.envelope.request
     completion_id = records.new_completion_id()
@@ -109,7 +117,7 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
             need = projected([target], [prepared.length()] * req.n)
             with rt.cache.reserving(need, f"{req.n} x {prepared.label}"):
                 out = generator.generate_choices(prepared, deadline=deadline_of(job))
-            return records.success(
+            record = records.success(
                 job,
                 rt,
                 out,
@@ -118,6 +126,7 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
                 batched_with=req.n,
                 decision=decision,
             )
+            return record, None
         decision = None
         if proposer is not None:
             decision = rt.policy.choose(req.model, proposer, rt.policy.fixed_k(req))
@@ -147,8 +156,8 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
             job, rt, out, generator, completion_id=completion_id, decision=decision
         )
         if streamer is not None:
-            streamer.end(record)
-        return record
+            return record, functools.partial(streamer.end, record)
+        return record, None
     except MlxqError as e:
         record = records.failure(job, rt, e)
     except Exception as e:  # never let one job's surprise take the worker down
@@ -156,7 +165,6 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> ResultRecord:
         record = records.failure(job, rt, GenerationError(f"{type(e).__name__}: {e}"))
     if req.stream and record.error is not None:
         # Whatever failed, a streaming job's readers get a final (error) chunk.
-        ChunkWriter(conn, job.id, completion_id, req.model, ttl).error(
-            record.error.model_dump(mode="json")
-        )
-    return record
+        error = ChunkWriter(conn, job.id, completion_id, req.model, ttl).error
+        return record, functools.partial(error, record.error.model_dump(mode="json"))
+    return record, None

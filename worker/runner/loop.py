@@ -151,11 +151,13 @@ class Worker:
             return
         try:
             with self.computing():
-                record = run_alone(job, self.rt, self.conn)
+                record, after = run_alone(job, self.rt, self.conn)
         except BaseException:
             self.lifecycle.requeue(job)
             raise
         self.finish([(job, record)])
+        if after is not None:
+            after()  # a streamed job's final chunk, once its record can be read
 
     # -- what a continuous batch asks of its worker -----------------------
     def take_from(self, queue: str) -> Job | None:
