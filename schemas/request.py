@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.structured import ANY_OBJECT, SchemaError, grammar_for
+from schemas.structured import ANY_OBJECT, DEFAULT_LAYOUT, SchemaError, grammar_for
 from schemas.tools import FunctionDef, Tool, ToolCall, ToolChoice, called, check_tools
 
 #: Fields of the OpenAI API that mlxq does not implement yet. A request that
@@ -31,7 +31,13 @@ _UNSUPPORTED_KEYS = frozenset(UNSUPPORTED)
 
 #: The most choices a request may ask for; a worker's ``--max-n`` (default 16) may allow fewer.
 MAX_N = 128
-_EXTRA_PARAM_FIELDS = ("draft_model", "num_draft_tokens", "adapter", "speculation")
+_EXTRA_PARAM_FIELDS = (
+    "draft_model",
+    "num_draft_tokens",
+    "adapter",
+    "speculation",
+    "json_whitespace",
+)
 #: ``chat_template_kwargs``: its limits, and the names mlxq passes to templates itself.
 MAX_TEMPLATE_KWARGS = 32
 MAX_TEMPLATE_KWARGS_BYTES = 4096
@@ -115,12 +121,6 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return ANY_OBJECT
         return self.json_schema.json_schema if self.json_schema is not None else None
-
-    @property
-    def grammar(self) -> str | None:
-        """The llguidance grammar that enforces it (cached per schema); None for text."""
-        schema = self.schema_or_none
-        return None if schema is None else grammar_for(schema)
 
 
 class Speculation(BaseModel):
@@ -249,6 +249,7 @@ class ChatRequest(BaseModel):
     num_draft_tokens: int | None = Field(default=None, ge=1, le=32)
     adapter: str | None = Field(default=None, min_length=1, max_length=512)
     speculation: Speculation | None = None
+    json_whitespace: Literal["compact", "indented"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -343,6 +344,11 @@ class ChatRequest(BaseModel):
             raise ValueError("n > 1 cannot be streamed yet: drop stream, or submit n jobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.json_whitespace is not None and self.grammar is None:
+            raise ValueError(
+                "json_whitespace lays out a JSON response_format; this request has none "
+                "(tool call arguments are always compact)"
+            )
         if self.grammar is not None and self.stop:
             raise ValueError(
                 "stop cannot be combined with a JSON response_format: a stop string would "
@@ -394,8 +400,13 @@ class ChatRequest(BaseModel):
 
     @property
     def grammar(self) -> str | None:
-        """The llguidance grammar the output must follow; None for free text."""
-        return self.response_format.grammar if self.response_format is not None else None
+        """The llguidance grammar the output must follow (cached per schema and layout);
+        None for free text."""
+        fmt = self.response_format
+        schema = fmt.schema_or_none if fmt is not None else None
+        if schema is None:
+            return None
+        return grammar_for(schema, self.json_whitespace or DEFAULT_LAYOUT)
 
     @property
     def speculation_method(self) -> str | None:

@@ -23,9 +23,17 @@ import llguidance
 #: The largest ``json_schema.schema`` accepted, as compact JSON.
 MAX_SCHEMA_BYTES = 64 * 1024
 
-#: JSON whitespace between tokens: any of the four JSON whitespace characters, at most
-#: 16 in a row (pretty-printing fits; a model cannot stall on whitespace forever).
-WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+#: How JSON output may be laid out (a request's ``json_whitespace``), as llguidance's
+#: options. ``compact`` (the default): one line, ``", "`` between items and ``": "``
+#: after keys, no other whitespace, so a model that likes whitespace cannot spend its
+#: budget on it (vLLM's ``disable-any-whitespace`` answers the same failure).
+#: ``indented``: for models that write JSON better pretty-printed: each gap between
+#: tokens may hold one space, or one newline and at most 32 spaces or tabs of indent.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "compact": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    "indented": {"whitespace_flexible": True, "whitespace_pattern": r"\x20|\n[\x20\x09]{0,32}"},
+}
+DEFAULT_LAYOUT = "compact"
 
 #: ``{"type": "json_object"}``: any JSON object.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -35,32 +43,36 @@ class SchemaError(ValueError):
     """A schema llguidance cannot enforce; the message names what it cannot."""
 
 
-def canonical(schema: Any) -> str:
-    """``schema`` as compact JSON with sorted keys: the key of compiled grammars."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def compact(schema: Any) -> str:
+    """``schema`` as compact JSON, its keys in the order given: the order of an object's
+    properties is the order the output writes them (OpenAI's too), so a schema of
+    ``reasoning`` then ``answer`` reasons first. It is also the key of compiled grammars."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
-def grammar_for(schema: dict[str, Any] | bool) -> str:
-    """The llguidance grammar that enforces JSON ``schema``; :class:`SchemaError` if none.
+def grammar_for(schema: dict[str, Any] | bool, layout: str = DEFAULT_LAYOUT) -> str:
+    """The llguidance grammar that enforces JSON ``schema``, laid out as ``layout`` (one
+    of :data:`LAYOUTS`); :class:`SchemaError` if none.
 
     Keywords llguidance cannot enforce (``uniqueItems``, ``not``, ...) are errors,
-    never ignored: the output would not be guaranteed to validate.
+    never ignored: the output would not be guaranteed to validate. The layout
+    overrides any ``x-guidance`` options the schema carries.
     """
-    text = canonical(schema)
+    text = compact(schema)
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise SchemaError(
             f"the schema is {len(text.encode())} bytes as JSON; at most {MAX_SCHEMA_BYTES}"
         )
-    return _grammar(text)
+    if layout not in LAYOUTS:
+        raise SchemaError(f"json_whitespace {layout!r} is none of {', '.join(LAYOUTS)}")
+    return _grammar(text, layout)
 
 
 @functools.lru_cache(maxsize=256)
-def _grammar(text: str) -> str:
+def _grammar(text: str, layout: str) -> str:
     # Batch files repeat one schema on every line: each distinct schema compiles once.
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            text, defaults={"whitespace_pattern": WHITESPACE}
-        )
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=LAYOUTS[layout])
     except ValueError as e:
         raise SchemaError(str(e)) from None
     error = llguidance.LLMatcher.validate_grammar(grammar)

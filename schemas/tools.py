@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.structured import MAX_SCHEMA_BYTES, SchemaError, canonical, grammar_for
+from schemas.structured import MAX_SCHEMA_BYTES, SchemaError, compact, grammar_for
 
 #: The most tools one request may offer.
 MAX_TOOLS = 128
@@ -126,7 +126,7 @@ def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"tools: function names must be unique ({', '.join(twice)} twice)")
-    size = len(canonical([t.model_dump(exclude_none=True) for t in tools]).encode())
+    size = len(compact([t.model_dump(exclude_none=True) for t in tools]).encode())
     if size > MAX_SCHEMA_BYTES:
         raise ValueError(f"tools: {size} bytes as JSON; at most {MAX_SCHEMA_BYTES}")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:

@@ -165,18 +165,15 @@ def test_budget_ending_inside_the_json_is_finish_reason_length(conn, redis_url, 
             json.loads(choice.message.content)
 
 
-def test_a_real_vocabulary_byte_level_bpe(conn, redis_url, tmp_path):
+def test_a_real_vocabulary_byte_level_bpe(conn, redis_url, bpe):
     """The 32k byte-level tokenizer (llguidance reads it directly; the tiny models'
     Metaspace one goes through mlxq's byte table): batched and alone agree."""
-    from worker.dev.tinymodels import TinySpec, ensure_model
-
-    model = str(
-        ensure_model(
-            tmp_path / "bpe32k",
-            TinySpec(layers=1, hidden=64, intermediate=128, vocab=32000, tokenizer="bpe32k"),
-        )
-    )
-    jobs = _jobs(model, schema_format(), max_tokens=200)
+    model = bpe
+    # A random model writes digits without end in compact JSON (no whitespace to end a
+    # number on): a bias towards ',' and '}' lets numbers end (the mask still decides).
+    vocab = _vocab(model)
+    bias = {str(vocab[","]): 3, str(vocab["}"]): 3}
+    jobs = _jobs(model, schema_format(), max_tokens=200, logit_bias=bias)
     alone = run_jobs(conn, redis_url, jobs, "bpe-alone")
     batched = run_jobs(conn, redis_url, jobs, "bpe-batched", max_batch=8)
     assert _check_valid(alone) >= 3
@@ -333,3 +330,170 @@ def test_a_request_object_is_stored_in_openai_shape(conn, tiny):
     raw = conn.hget(keys.rq_job_key(s.job_ids[0]), "data")
     body = json.loads(zlib.decompress(raw))[2][0]["request"]
     assert body["response_format"]["json_schema"]["schema"] == SCHEMA
+
+
+# -- the order of properties, and the whitespace between tokens ------------------------
+
+#: Required properties in an order that is not alphabetical: the output writes them so.
+ORDERED = {
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string", "maxLength": 12},
+        "answer": {"type": "integer", "minimum": 0, "maximum": 99},
+        "confidence": {"enum": ["low", "high"]},
+    },
+    "required": ["reasoning", "answer", "confidence"],
+    "additionalProperties": False,
+}
+
+
+def _gaps(text: str) -> list[str]:
+    """The runs of whitespace outside JSON strings, each with the character before it."""
+    gaps, inside, escaped, run = [], False, False, ""
+    for i, ch in enumerate(text):
+        if inside:
+            inside = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch in " \n\r\t":
+            run += ch
+            continue
+        elif ch == '"':
+            inside = True
+        if run:
+            gaps.append(text[i - len(run) - 1] + run)
+            run = ""
+    return gaps + ([text[-len(run) - 1] + run] if run else [])
+
+
+def test_gaps_reads_whitespace_outside_strings_only():
+    assert _gaps('{"a b": [1, 2],\n  "c\\" d":"e"}') == [": ", ", ", ",\n  "]
+
+
+def test_properties_come_in_the_schema_order_on_every_path(conn, redis_url, tiny):
+    """Read from the raw content (a parse would lose the order): alone, batched, with a
+    draft and by prompt lookup (in a batch), the first key is the schema's first, not
+    the alphabet's."""
+    fmt = schema_format(ORDERED)
+    jobs = _jobs(tiny.target, fmt, max_tokens=60)
+    paths = {
+        "alone": run_jobs(conn, redis_url, jobs, "o-alone"),
+        "batched": run_jobs(conn, redis_url, jobs, "o-batched", max_batch=8),
+        "draft": run_jobs(
+            conn,
+            redis_url,
+            _jobs(tiny.target, fmt, max_tokens=60, draft_model=tiny.draft),
+            "o-draft",
+            policy=SpeculationPolicy("always"),
+        ),
+        "lookup": run_jobs(
+            conn,
+            redis_url,
+            _jobs(tiny.target, fmt, max_tokens=60, speculation={"method": "prompt_lookup"}),
+            "o-lookup",
+            max_batch=8,
+            policy=SpeculationPolicy("always"),
+        ),
+    }
+    for path, records in paths.items():
+        assert _texts(records) == _texts(paths["alone"]), path
+        for r in records.values():
+            content = r.response.choices[0].message.content
+            assert content.startswith('{"reasoning": "'), (path, content)
+            positions = [content.find(f'"{k}"') for k in ORDERED["properties"]]
+            found = [p for p in positions if p >= 0]
+            assert found == sorted(found) and found[0] == 1, (path, content)
+    assert any(  # not vacuous: some reach the last key
+        '"confidence": ' in r.response.choices[0].message.content for r in paths["alone"].values()
+    )
+
+
+#: Whitespace as the two tokenizers spell it: Metaspace's and byte-level BPE's.
+_WHITESPACE = set("▁\n\t\r ĠĊĉč")
+
+
+def _whitespace_bias(model: str) -> dict[str, float]:
+    """A logit bias that makes a model prefer whitespace tokens wherever the mask allows
+    them (the failure a real model showed: gaps filled until max_tokens)."""
+    vocab = _vocab(model)
+    bias = {str(i): 8.0 for t, i in vocab.items() if t and set(t) <= _WHITESPACE}
+    assert bias  # the tokenizer has whitespace tokens to prefer
+    return bias
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> str:
+    """A byte-level BPE model of 32k entries (newlines and runs of indent are tokens)."""
+    from worker.dev.tinymodels import TinySpec, ensure_model
+
+    spec = TinySpec(layers=1, hidden=64, intermediate=128, vocab=32000, tokenizer="bpe32k")
+    return str(ensure_model(tmp_path_factory.mktemp("bpe") / "bpe32k", spec))
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+@pytest.mark.parametrize("which", ["tiny", "bpe"])
+def test_compact_json_leaves_a_whitespace_loving_model_no_room(
+    conn, redis_url, request, which, max_batch
+):
+    model = (
+        request.getfixturevalue("tiny").target
+        if which == "tiny"
+        else request.getfixturevalue("bpe")
+    )
+    jobs = _jobs(model, schema_format(ORDERED), max_tokens=60, logit_bias=_whitespace_bias(model))
+    records = run_jobs(conn, redis_url, jobs, f"compact-{which}{max_batch}", max_batch=max_batch)
+    assert _check_valid(records, ORDERED) == len(jobs)  # each ends, within the budget
+    for r in records.values():
+        content = r.response.choices[0].message.content
+        assert set(_gaps(content)) <= {", ", ": "}, content
+
+
+def test_indented_json_is_the_switch_for_models_that_write_newlines(conn, redis_url, bpe):
+    fields = {"logit_bias": _whitespace_bias(bpe), "json_whitespace": "indented"}
+    jobs = _jobs(bpe, schema_format(ORDERED), max_tokens=200, **fields)
+    alone = run_jobs(conn, redis_url, jobs, "indented")
+    batched = run_jobs(conn, redis_url, jobs, "indented-b", max_batch=8)
+    assert _texts(batched) == _texts(alone)
+    assert _check_valid(alone, ORDERED) >= 6
+    newlines = 0
+    for r in alone.values():
+        for gap in _gaps(r.response.choices[0].message.content):
+            ws = gap[1:]
+            assert ws == " " or (ws[0] == "\n" and set(ws[1:]) <= {" ", "\t"}), repr(gap)
+            assert len(ws) <= 33, repr(gap)
+            newlines += ws[0] == "\n"
+    assert newlines > 0  # the switch lets the model lay the JSON out on lines
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"json_whitespace": "pretty", "response_format": {"type": "json_object"}}, "compact"),
+        ({"json_whitespace": "indented"}, "json_whitespace lays out a JSON response_format"),
+        (
+            {"json_whitespace": "indented", "response_format": {"type": "text"}},
+            "json_whitespace lays out",
+        ),
+    ],
+)
+def test_bad_json_whitespace_is_refused_naming_it(fields, expected):
+    assert expected in error_of(chat("m", **fields))
+
+
+@pytest.mark.parametrize("layout", ["compact", "indented"])
+def test_a_schema_cannot_bring_its_own_whitespace(loaded, tiny, layout):
+    """x-guidance options inside a job's schema do not loosen the layout: after the
+    opening brace only the first key may follow, never the schema's own whitespace."""
+    from worker.engine.constrain import constraint_for
+
+    _, tok = loaded
+    loose = ORDERED | {"x-guidance": {"whitespace_flexible": True, "whitespace_pattern": "▁+"}}
+    fields = {"json_whitespace": layout} if layout == "indented" else {}
+    req = ChatRequest.model_validate(
+        chat(tiny.target, response_format=schema_format(loose), **fields)
+    )
+    p = constraint_for(req, tok, 512).processor()
+    _allowed(p, [1])
+    after_brace = _allowed(p, [1, tok.convert_tokens_to_ids("{")])
+    space = tok.convert_tokens_to_ids("▁")
+    assert (space in after_brace) == (layout == "indented")  # one space, in indented only
+    assert tok.convert_tokens_to_ids('"') in after_brace
