@@ -24,6 +24,15 @@ UNSUPPORTED: dict[str, str] = {
     "store": "store is not supported",
 }
 
+#: Content parts other than text, and why each is refused.
+NON_TEXT: dict[str, str] = {
+    "image_url": "images are not supported: this worker serves text only",
+    "input_image": "images are not supported: this worker serves text only",
+    "input_audio": "audio input is not supported: this worker serves text only",
+    "file": "file parts are not supported: give the file's text as a text part",
+    "refusal": "a refusal part is not read: give the assistant's text as a text part",
+}
+
 #: Values of unsupported fields that mean "feature off" and are accepted.
 _HARMLESS = (None, False, [], {}, "auto", "default", "none")
 
@@ -166,6 +175,18 @@ class Message(BaseModel):
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
     name: str | None = Field(default=None, max_length=64)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(
+                        f"part {i} is {kind!r}: {NON_TEXT.get(kind, 'only text parts are read')}"
+                    )
+        return value
 
     @model_validator(mode="after")
     def _check_roles(self) -> Message:

@@ -161,6 +161,10 @@ def test_chat_completions_plain_streamed_and_with_a_draft(gateway, workers, tiny
     assert 0 <= timing["notice"] <= wall_ms
     # The worker publishes what it keeps warm every couple of seconds.
     wait_for(lambda: tiny.target in [m.id for m in client.models.list().data], timeout=15)
+    assert client.models.retrieve(tiny.target).id == tiny.target  # any model the list has
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve(tiny.target + "-nope")
+    assert e.value.body["code"] == "model_not_found" and "-nope" in e.value.body["message"]
     # Chat jobs went through the interactive queue.
     assert conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 0
 
@@ -190,6 +194,32 @@ def test_bad_requests_get_openai_errors(gateway):
         client.files.content("file-nope")
     with pytest.raises(openai.BadRequestError):
         client.batches.create(input_file_id="x", endpoint="/v1/embeddings", completion_window="24h")
+
+
+def test_what_mlxq_does_not_serve_is_refused_in_one_line_naming_it(gateway):
+    gw = gateway()
+    for method, path, expected in [
+        ("POST", "/v1/embeddings", "POST /v1/embeddings is not supported by mlxq (embeddings"),
+        ("POST", "/v1/responses", "POST /v1/responses is not supported by mlxq (the Responses"),
+        ("POST", "/v1/completions", "POST /v1/completions is not supported by mlxq (legacy"),
+        ("POST", "/v1/audio/speech", "POST /v1/audio/speech is not supported by mlxq"),
+        ("DELETE", "/v1/models", "DELETE /v1/models is not supported by mlxq"),
+    ]:
+        r = request(method, gw.url + path, {"model": "m", "input": "x"}, auth())
+        assert r.status in (404, 405), (path, r.status)
+        assert r.json()["error"]["message"].startswith(expected), (path, r.json())
+    image = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": image}], max_tokens=2
+        )
+    assert e.value.body["message"] == (
+        "messages.0.content: part 1 is 'image_url': images are not supported: "
+        "this worker serves text only"
+    )
 
 
 def test_unknown_and_disallowed_models_are_404(gateway, workers, tiny):

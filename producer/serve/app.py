@@ -129,9 +129,12 @@ def _errors(app: FastAPI) -> None:
         return error(400, f"{where}: {first.get('msg', 'invalid request')}".strip(": "))
 
     @app.exception_handler(HTTPException)
-    async def http(_: Request, e: HTTPException) -> JSONResponse:
+    async def http(request: Request, e: HTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed"}
-        return error(e.status_code, str(e.detail), code=codes.get(e.status_code))
+        detail = str(e.detail)
+        if e.status_code in (404, 405) and detail in ("Not Found", "Method Not Allowed"):
+            detail = unsupported(request.method, request.url.path)  # no such route
+        return error(e.status_code, detail, code=codes.get(e.status_code))
 
 
 async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
@@ -237,8 +240,36 @@ def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
     async def models(request: Request) -> dict[str, Any]:
         workers = await run_in_threadpool(live_workers, request.app.state.redis)
         names = sorted({m.name for w in workers for m in w.models if s.model_allowed(m.name)})
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "mlxq"} for n in names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [_model(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        workers = await run_in_threadpool(live_workers, request.app.state.redis)
+        if s.model_allowed(model_id) and any(m.name == model_id for w in workers for m in w.models):
+            return JSONResponse(_model(model_id))
+        return error(
+            404,
+            f"the model {model_id!r} is not loaded by any live worker (GET /v1/models lists them)",
+            code="model_not_found",
+        )
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "mlxq"}
+
+
+#: OpenAI endpoints mlxq does not serve, and what to say of them.
+NOT_SERVED = {
+    "/v1/embeddings": "embeddings are not served yet",
+    "/v1/responses": "the Responses API is not served yet: use POST /v1/chat/completions",
+    "/v1/completions": "legacy completions are not served: use POST /v1/chat/completions",
+}
+
+
+def unsupported(method: str, path: str) -> str:
+    """The one line a request to a route the gateway does not have gets."""
+    why = NOT_SERVED.get(path.rstrip("/"))
+    return f"{method} {path} is not supported by mlxq" + (f" ({why})" if why else "")
 
 
 _STATUS = {"model_not_found": 404, "context_length_exceeded": 400, "invalid_request": 400}
