@@ -190,6 +190,62 @@ def test_redis_restart_mid_job_and_while_idle(tmp_path, tiny, workers):
         server.stop()
 
 
+def _stopped_within(w, seconds: float) -> float:
+    """Seconds the worker process took to exit after the last signal (fails past ``seconds``)."""
+    sent = time.monotonic()
+    try:
+        w.wait(seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {seconds}s after the signal:\n{w.output}") from None
+    return time.monotonic() - sent
+
+
+def test_sigterm_stops_an_idle_worker_whose_redis_is_gone(tmp_path, tiny, workers):
+    """The worker holds no job and retries an unreachable Redis (redis-py's retries run
+    for minutes): one SIGTERM ends it within seconds, exit 0."""
+    server = LocalRedis().start()
+    try:
+        w = workers(name="gone", url=server.url)
+        conn = Redis.from_url(server.url)
+        wait_for(lambda: conn.exists(keys.worker_key("gone")), timeout=30)
+        assert f"worker gone: serving mlxq.interactive, mlxq from {server.url}" in w.output
+        server.stop()
+        time.sleep(3)  # the worker is retrying its take
+        assert w.proc.poll() is None
+        w.signal(signal.SIGTERM)
+        took = _stopped_within(w, 8)
+        assert w.proc.returncode == 0, w.output
+        assert "stopped while waiting for a job" in w.output
+        FAULT_REPORT.append({"test": "sigterm, redis gone, idle", "exit_s": round(took, 2)})
+    finally:
+        server.stop()
+
+
+def test_a_second_sigterm_stops_a_busy_worker_whose_redis_is_gone(tmp_path, tiny, workers):
+    """With a job held, the first SIGTERM lets it finish (its record cannot be written:
+    Redis is gone); the second ends the worker at once. The job is not lost: it stays
+    held in Redis, which hands it back when the lease ends."""
+    server = LocalRedis(data_dir=tmp_path / "aof", appendonly=True).start()
+    try:
+        conn = Redis.from_url(server.url)
+        s = Client(connection=conn).submit({"slow": slow_job(tiny)})
+        w = workers("--lease-seconds", "3", name="busy", url=server.url)
+        wait_for(lambda: running_execution(conn, s.job_ids[0]))
+        w.signal(signal.SIGTERM)  # warm: the job runs on
+        server.stop()
+        time.sleep(1)
+        assert w.proc.poll() is None
+        w.signal(signal.SIGTERM)
+        took = _stopped_within(w, 8)
+        assert "cold stop" in w.output, w.output
+        server.start()  # the job was held, not lost: another worker runs it
+        workers("--lease-seconds", "3", name="next", url=server.url)
+        assert one_result(conn, s.job_ids[0]).status == "succeeded"
+        FAULT_REPORT.append({"test": "2nd sigterm, redis gone, busy", "exit_s": round(took, 2)})
+    finally:
+        server.stop()
+
+
 def test_job_timeout_fails_clearly_and_the_worker_goes_on(conn, redis_url, tiny):
     client = Client(connection=conn)
     slow = client.submit([slow_job(tiny)], job_timeout=1)

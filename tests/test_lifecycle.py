@@ -153,7 +153,7 @@ def test_leases_run_on_redis_clock(conn):
     assert now_ms + 6000 < conn.zscore(keys.LEASES, lc.token) <= now_ms + 7000
 
 
-def test_a_dead_holders_job_is_requeued_then_poisoned_at_the_limit(conn):
+def test_a_dead_holders_job_is_requeued_then_poisoned_at_the_limit(conn, caplog):
     (job_id,) = submit(conn)
     other = submit(conn)[0]
     a = lifecycle(conn, "a", max_crashes=2)
@@ -161,6 +161,8 @@ def test_a_dead_holders_job_is_requeued_then_poisoned_at_the_limit(conn):
     b = lifecycle(conn, "b", max_crashes=2)
     expire(conn, a)
     assert [(r.kind, r.job_id, r.crashes) for r in b.recover()] == [("requeued", job_id, 1)]
+    # The log counts against --max-crashes as its help says (the 2nd crash fails it).
+    assert "crash 1 of 2 (--max-crashes; crash 2 fails it as poison)" in caplog.text
     assert conn.lrange(keys.rq_queue_key("mlxq"), 0, -1) == [job_id.encode(), other.encode()]
     assert conn.hget(keys.rq_job_key(job_id), "status") == b"queued"
     assert StartedJobRegistry(queue=rq_queue(conn)).get_job_ids() == []

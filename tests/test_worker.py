@@ -266,3 +266,12 @@ def test_job_whose_result_exists_is_not_run_again(conn, redis_url, tiny, max_bat
     assert again.stats.jobs_done == 0
     assert conn.get(keys.result_key(s.job_ids[0])) == before
     assert conn.llen(keys.rq_queue_key("mlxq")) == 0
+
+
+def test_worker_help_lists_its_commands():
+    from worker.cli import main as worker_main
+
+    out = CliRunner().invoke(worker_main, ["--help"]).output
+    assert "Commands:\n  import-gguf  Import a GGUF FILE" in out
+    bad = CliRunner().invoke(worker_main, ["import-gguf", "/nonexistent.gguf", "/tmp/out"])
+    assert bad.exit_code == 1 and "/nonexistent.gguf" in bad.output

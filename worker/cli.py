@@ -54,7 +54,21 @@ class BatchSize(click.ParamType):
         self.fail(f"{value!r} is neither 'auto' nor a whole number from 1 to 256", param, ctx)
 
 
-@click.command()
+class _Commands(click.Group):
+    """``worker`` serves jobs; its subcommands are loaded when named (click's lazy group)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return ["import-gguf"]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name != "import-gguf":
+            return None
+        from worker.gguf.cli import import_command
+
+        return import_command
+
+
+@click.group(cls=_Commands, invoke_without_command=True)
 @click.option(
     "--redis-url",
     envvar=ENV_REDIS_URL,
@@ -208,7 +222,9 @@ class BatchSize(click.ParamType):
 )
 @wait_replicas_option("writing records")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.pass_context
 def main(
+    ctx: click.Context,
     redis_url: str,
     queues: tuple[str, ...],
     models: tuple[str, ...],
@@ -231,10 +247,10 @@ def main(
     wait_replicas: int,
     verbose: int,
 ) -> None:
-    """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis.
-
-    Also: ``worker import-gguf FILE OUT`` writes a GGUF file as a model directory.
-    """
+    """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis
+    (no command), or run a command (worker import-gguf --help)."""
+    if ctx.invoked_subcommand is not None:
+        return
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Import the job code (mlx-lm, transformers: ~1-2 s) before registering, so
@@ -242,7 +258,7 @@ def main(
     from worker.engine.models import ModelCache
     from worker.runner import runtime
     from worker.runner.access import DEFAULT_MODEL_DIR, ModelAccess
-    from worker.runner.loop import Worker
+    from worker.runner.loop import ColdShutdown, StopWaiting, Worker
     from worker.schedule.policy import SpeculationPolicy
 
     try:  # fail fast on a wrong URL or password; retry only once we are running
@@ -294,21 +310,23 @@ def main(
         max_jobs=max_jobs,
         wait_replicas=wait_replicas,
     )
+    click.echo(
+        f"worker {rt.worker_id}: serving {', '.join(served)} from {redact_url(redis_url)} "
+        f"(max batch {max_batch or 'auto'}, speculative {speculative}, lookup {lookup})",
+        err=True,
+    )
     try:
         worker.work()
     except RuntimeError as e:  # e.g. the name is taken by a live worker
         raise click.ClickException(str(e)) from None
+    except (ColdShutdown, StopWaiting):  # a stop signal during the exit itself
+        pass
     sys.exit(0)
 
 
 def entry() -> None:
     """``worker [OPTIONS]`` serves jobs; ``worker import-gguf FILE OUT`` imports a GGUF file."""
-    if sys.argv[1:2] == ["import-gguf"]:
-        from worker.gguf.cli import import_command
-
-        import_command(args=sys.argv[2:], prog_name="worker import-gguf")
-    else:
-        main()
+    main()
 
 
 if __name__ == "__main__":

@@ -36,10 +36,12 @@ class Heartbeat(threading.Thread):
         self._renewed = self._recovered = now
         self._published = 0.0
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop beating; wait up to ``timeout`` for a beat under way (a stopping worker waits
+        little: a beat stuck on an unreachable Redis must not hold its exit)."""
         self._closed.set()
         if self.is_alive():
-            self.join(timeout=5)
+            self.join(timeout=timeout)
 
     def run(self) -> None:
         tick = min(self.renew_every, PUBLISH_EVERY_S, 1.0)

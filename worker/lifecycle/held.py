@@ -112,6 +112,14 @@ class Recovered:
     crashes: int
 
 
+def crash_note(r: Recovered, max_crashes: int) -> str:
+    """What a requeue after a crash says: the count against ``--max-crashes``."""
+    return (
+        f"lost its worker: crash {r.crashes} of {max_crashes} (--max-crashes; "
+        f"crash {max_crashes} fails it as poison); requeued"
+    )
+
+
 class Lifecycle:
     """One worker process's side of the lifecycle: its lease token and its transitions."""
 
@@ -470,13 +478,7 @@ class Lifecycle:
             if r.kind == "poison":
                 self._poison(r)
             elif r.kind == "requeued":
-                log.warning(
-                    "%s: job %s lost its worker (crash %d of %d allowed); requeued",
-                    self.name,
-                    r.job_id,
-                    r.crashes,
-                    self.max_crashes - 1,
-                )
+                log.warning("%s: job %s %s", self.name, r.job_id, crash_note(r, self.max_crashes))
             else:
                 log.info("%s: recovery: job %s %s", self.name, r.job_id, r.kind)
         return done

@@ -7,8 +7,12 @@ whatever runs it. One heartbeat thread keeps the process's lease (which covers
 all its jobs), runs recovery and publishes the worker's state.
 
 Signals: the first SIGTERM or SIGINT is a warm stop (no new jobs; running ones
-finish, a job taken at that moment is handed back; exit 0). A second one is a
-cold stop: running jobs go back to the front of their queue, unfinished.
+finish, a job taken at that moment is handed back; exit 0). A worker that holds no
+job stops at once, even while it waits for an unreachable Redis. A second signal is
+a cold stop, wherever the worker is: running jobs go back to the front of their
+queue, unfinished. From a stop on, each Redis command is tried once, so a Redis
+that is gone cannot hold the exit: what the worker could not hand back returns to
+its queue when the worker's lease ends, as after a crash.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from contextlib import contextmanager
 from types import FrameType
 
 from redis import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from schemas import ResultRecord
 from schemas.fleet import BatchInfo
@@ -46,6 +53,10 @@ log = logging.getLogger(__name__)
 
 class ColdShutdown(BaseException):
     """A second stop signal during a job: the job goes back to its queue, the worker exits."""
+
+
+class StopWaiting(BaseException):
+    """A stop signal while the worker waited for a job (or for Redis): it holds none."""
 
 
 class Worker:
@@ -80,7 +91,7 @@ class Worker:
         self.taken = 0  # jobs taken (refused ones included): what --max-jobs counts
         self.state = "starting"
         self.current: str | None = None
-        self._stop = self._cold = self._computing = False
+        self._stop = self._cold = self._computing = self._waiting = False
 
     @property
     def registry_ttl(self) -> int:
@@ -102,18 +113,53 @@ class Worker:
                 self._loop()
         except ColdShutdown:
             log.warning("worker %s: cold stop; running jobs handed back", self.name)
+        except StopWaiting:
+            log.warning("worker %s: stopped while waiting for a job", self.name)
+        except RedisError as e:
+            if not self._stop:
+                raise
+            log.warning(
+                "worker %s: %s; Redis unreachable (%s): the jobs it holds go back to their "
+                "queues when its lease ends",
+                self.name,
+                "cold stop" if self._cold else "stopping",
+                e,
+            )
         finally:
-            beat.close()
+            if self._stop:
+                self._fail_fast()
+            beat.close(timeout=1.0 if self._stop else 5.0)
             try:
-                self.lifecycle.unregister()
+                self._unregister()
             finally:
-                registry.rq_death(self.conn, self.name, self.queues)
-                registry.unpublish(self.conn, self.name)
                 restore()
+
+    def _unregister(self) -> None:
+        try:
+            self.lifecycle.unregister()
+            registry.rq_death(self.conn, self.name, self.queues)
+            registry.unpublish(self.conn, self.name)
+        except RedisError as e:
+            if not self._stop:
+                raise
+            log.warning(
+                "worker %s: Redis unreachable at exit (%s); the jobs it held go back to "
+                "their queues when its lease ends",
+                self.name,
+                e,
+            )
+
+    def _fail_fast(self) -> None:
+        """One try per Redis command from now on (a stop must not wait out an outage)."""
+        self.conn.set_retry(Retry(NoBackoff(), 0))
 
     def _loop(self) -> None:
         while self._may_take():
-            got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S)
+            self._waiting = True  # a stop signal now interrupts the take (StopWaiting)
+            try:
+                got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S)
+            finally:
+                self._waiting = False
             if got is None:
                 self.state, self.current = "idle", None
                 if self.burst:
@@ -193,16 +239,19 @@ class Worker:
 
     # -- signals ----------------------------------------------------------
     def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
-        """A stop signal: warm the first time, cold the second."""
+        """A stop signal: warm the first time (at once if no job is held), cold the second."""
         if not self._stop:
             self._stop = True
+            if self._waiting:
+                self._fail_fast()
+                raise StopWaiting(f"signal {signum}")
             log.warning(
                 "worker %s: stopping after the running job(s) (signal %s)", self.name, signum
             )
             return
         self._cold = True
-        if self._computing:
-            raise ColdShutdown("second stop signal")
+        self._fail_fast()
+        raise ColdShutdown("second stop signal")
 
     def _install_signals(self) -> Callable[[], None]:
         """Route SIGTERM and SIGINT to :meth:`request_stop`; returns what restores them."""
