@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -88,11 +89,33 @@ def batch_status(conn: Redis, batch_id: str) -> BatchStatus:
         raise BatchNotFoundError(
             f"no batch {batch_id!r} in this Redis (expired or never submitted)"
         )
-    return status_of(batch_id, meta, _running(conn, batch_id))
+    return status_of(batch_id, meta, _running(conn, batch_id), began=_began(conn, batch_id))
 
 
-def status_of(batch_id: str, meta: dict[str, str], running: int) -> BatchStatus:
-    """A batch's counts from its hash (``mlxq:batch:<id>``) and its jobs held now."""
+def _began(conn: Redis, batch_id: str) -> float | None:
+    """When the batch's work began: its first finished job's start (that job's
+    ``finished_at`` less its run time). None before any job has ended."""
+    first = conn.lindex(keys.batch_done_key(batch_id), 0)
+    raw = conn.get(keys.result_key(first.decode())) if first else None
+    if raw is None:
+        return None
+    record = ResultRecord.model_validate_json(raw)
+    run_s = record.metrics.total_time_s if record.metrics is not None else 0.0
+    return record.finished_at - (run_s or 0.0)
+
+
+def status_of(
+    batch_id: str,
+    meta: dict[str, str],
+    running: int,
+    began: float | None = None,
+    now: float | None = None,
+) -> BatchStatus:
+    """A batch's counts from its hash (``mlxq:batch:<id>``) and its jobs held now.
+
+    The rate is jobs ended over the wall time since the work ``began`` (to the last end
+    once all have ended, else to ``now``): a burst of jobs ending together does not
+    read as thousands of jobs/s, and a batch nobody works on slows down as it waits."""
     total = int(meta.get("total", 0))
     succeeded = int(meta.get("succeeded", 0))
     failed = int(meta.get("failed", 0))
@@ -105,9 +128,12 @@ def status_of(batch_id: str, meta: dict[str, str], running: int) -> BatchStatus:
         done = succeeded + failed + cancelled
     rate = eta = None
     first, last = meta.get("first_done_at"), meta.get("last_done_at")
-    if first and last and done >= 2 and float(last) > float(first):
-        rate = (done - 1) / (float(last) - float(first))
-        eta = (total - done) / rate
+    start = began if began is not None else float(first) if first else None
+    if start is not None and last and done >= 1:
+        end = float(last) if done >= total else (time.time() if now is None else now)
+        if end > start:
+            rate = done / (end - start)
+            eta = (total - done) / rate
     return BatchStatus(
         batch_id=batch_id,
         total=total,
@@ -121,6 +147,22 @@ def status_of(batch_id: str, meta: dict[str, str], running: int) -> BatchStatus:
         eta_s=None if cancelled_at is not None else eta,
         cancelled_at=cancelled_at,
     )
+
+
+class RateWindow:
+    """Jobs/s over the last ``span`` seconds of (time, jobs ended) samples: what ``--watch``
+    shows once it has watched ``least`` seconds (the rate of now, not of the whole batch)."""
+
+    def __init__(self, span: float = 60.0, least: float = 10.0) -> None:
+        self.span, self.least = span, least
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def add(self, t: float, done: int) -> float | None:
+        self.samples.append((t, done))
+        while len(self.samples) > 2 and t - self.samples[1][0] >= self.span:
+            self.samples.popleft()
+        t0, d0 = self.samples[0]
+        return (done - d0) / (t - t0) if t - t0 >= self.least else None
 
 
 def wait_for_batch(

@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from producer.batches import (
     BatchNotFoundError,
     BatchStatus,
+    RateWindow,
     batch_queues,
     batch_status,
     cancel_batch,
@@ -81,18 +82,23 @@ def _status_line(s: BatchStatus) -> str:
 def _watch(conn: Redis, batch_id: str, label: str) -> BatchStatus:
     """Show a progress bar (on a terminal) until every job of the batch has ended."""
     status = batch_status(conn, batch_id)
+    window = RateWindow()
     with click.progressbar(
         length=max(status.total, 1),
         label=label,
         file=sys.stderr,
-        show_eta=True,
         show_pos=True,
         item_show_func=lambda item: item,
     ) as bar:
         shown = 0
         while True:
-            rate = f"{status.rate_per_s:.2f} jobs/s" if status.rate_per_s else None
-            bar.update(status.done - shown, current_item=rate)
+            # The last minute's rate once there is one (the batch's own until then).
+            rate = window.add(time.monotonic(), status.done) or status.rate_per_s
+            left = status.total - status.done
+            shown_rate = (
+                f"{rate:.2f} jobs/s, ETA {_fmt_eta(left / rate)}" if rate and left else None
+            )
+            bar.update(status.done - shown, current_item=shown_rate)
             shown = status.done
             if status.finished:
                 return status
@@ -400,7 +406,8 @@ def results(batch_id: str, redis_url: str, output: Path | None, wait: bool) -> N
 @click.argument("batch_id")
 @_redis_option
 def cancel(batch_id: str, redis_url: str) -> None:
-    """Remove BATCH_ID's queued jobs (each gets a "cancelled" result); running ones finish."""
+    """Cancel BATCH_ID: its queued jobs never run (no record each: status and results count
+    them as cancelled, from the batch's flag); running ones finish."""
     conn = _connect(redis_url)
     try:
         cancelled, running = cancel_batch(conn, batch_id)

@@ -19,12 +19,13 @@ class PairStats(BaseModel):
     draft: str | None = None
     jobs: int = 0
     tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time with at least one of its jobs running (not their sum)
     accepted: int = 0
     proposed: int = 0
 
     @property
     def tokens_per_s(self) -> float | None:
+        """Throughput: tokens over the wall time the pair was busy."""
         return self.tokens / self.seconds if self.seconds else None
 
     @property

@@ -175,3 +175,21 @@ def test_cancel_lets_running_jobs_finish(conn, redis_url, tiny, workers):
     assert client.result(s.job_ids[1]).status == "cancelled"
     w.signal(signal.SIGTERM)
     w.wait()
+
+
+def test_a_pairs_throughput_is_tokens_over_wall_time_not_summed_job_time():
+    """Twenty jobs of 20 s run together in one batch: the pair was busy 20 s (plus a
+    later job's own 5 s), not 405 s."""
+    from worker.engine.output import GenerationOutput
+    from worker.runner.stats import WorkerStats
+
+    def out(seconds: float, tokens: int) -> GenerationOutput:
+        return GenerationOutput("x", "stop", 5, tokens, 0.1, 50.0, 1.0, seconds, 0, 0, 0.0, ())
+
+    stats = WorkerStats()
+    for i in range(20):  # they end together (a batch), each after 20 s
+        stats.add("m", None, out(20.0, 23), now=100.0 + i * 0.001)
+    stats.add("m", None, out(5.0, 5), now=130.0)  # alone, later
+    pair = stats.pairs[("m", None)]
+    assert pair.seconds == pytest.approx(25.019, abs=0.01)
+    assert pair.tokens_per_s == pytest.approx(465 / 25.019, rel=0.01)

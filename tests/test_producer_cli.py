@@ -259,3 +259,33 @@ def test_redis_reachable_via_env_var(tmp_path, conn, redis_url):
     r = invoke("submit", path, env={"MLXQ_REDIS_URL": redis_url})
     assert r.exit_code == 0
     assert Redis.from_url(redis_url).llen(keys.rq_queue_key("mlxq")) == 1
+
+
+def test_status_rate_is_jobs_over_wall_time_when_a_batch_ends_at_once(conn, redis_url, tiny):
+    """Eight jobs decoded together end within milliseconds of each other: the rate is
+    eight jobs over the batch's wall time, not seven over those milliseconds."""
+    import time
+
+    from producer.batches import batch_status
+    from tests.conftest import run_jobs
+
+    jobs = {f"c{i}": chat(tiny.target, max_tokens=24, temperature=0) for i in range(8)}
+    began = time.time()
+    run_jobs(conn, redis_url, jobs, "burst", max_batch=8)
+    wall = time.time() - began
+    s = batch_status(conn, "burst")
+    assert s.finished and s.eta_s == 0
+    assert 8 / wall <= s.rate_per_s <= 8 / (wall * 0.2), (s.rate_per_s, wall)
+    line = invoke("status", "burst", "--redis-url", redis_url).stdout
+    assert f"{s.rate_per_s:.2f} jobs/s" in line
+
+
+def test_watch_rate_is_the_last_minutes():
+    from producer.batches import RateWindow
+
+    w = RateWindow(span=60, least=10)
+    assert w.add(0.0, 0) is None and w.add(5.0, 100) is None  # too soon to say
+    assert w.add(10.0, 200) == 20.0
+    for t in range(15, 125, 5):  # then 1 job a second for a while
+        rate = w.add(float(t), 200 + (t - 10) // 5 * 5)
+    assert rate == pytest.approx(1.0, rel=0.1)  # the early burst has left the window

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from schemas import ResultRecord
@@ -26,6 +27,9 @@ class WorkerStats:
     latency: dict[str, Histogram] = field(
         default_factory=lambda: {name: Histogram() for name in LATENCIES}
     )
+    # Per pair, when its last counted job ended (monotonic): the wall time it was busy is
+    # the union of its jobs' spans, not their sum (a batch of 20 jobs of 20 s is 20 s).
+    busy_until: dict[tuple[str, str | None], float] = field(default_factory=dict)
 
     def ended(self, record: ResultRecord) -> None:
         """Count a record this worker wrote, and observe its latencies."""
@@ -49,11 +53,18 @@ class WorkerStats:
         self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
         self.peak_projected_kv_bytes = max(self.peak_projected_kv_bytes, projected_bytes)
 
-    def add(self, target: str, draft: str | None, out: GenerationOutput) -> None:
+    def add(
+        self, target: str, draft: str | None, out: GenerationOutput, now: float | None = None
+    ) -> None:
+        """Count a job that ended ``now`` (monotonic) after ``out.total_time_s``."""
         self.jobs_done += 1
-        pair = self.pairs.setdefault((target, draft), PairStats(target=target, draft=draft))
+        key = (target, draft)
+        pair = self.pairs.setdefault(key, PairStats(target=target, draft=draft))
         pair.jobs += 1
         pair.tokens += out.completion_tokens
-        pair.seconds += out.total_time_s
+        end = time.monotonic() if now is None else now
+        start = max(end - out.total_time_s, self.busy_until.get(key, 0.0))
+        pair.seconds += max(0.0, end - start)
+        self.busy_until[key] = max(end, self.busy_until.get(key, 0.0))
         pair.accepted += out.draft_tokens_accepted
         pair.proposed += out.draft_tokens_proposed
