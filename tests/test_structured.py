@@ -497,3 +497,25 @@ def test_a_schema_cannot_bring_its_own_whitespace(loaded, tiny, layout):
     space = tok.convert_tokens_to_ids("▁")
     assert (space in after_brace) == (layout == "indented")  # one space, in indented only
     assert tok.convert_tokens_to_ids('"') in after_brace
+
+
+def test_the_mask_allows_only_tokens_the_grammar_accepts(loaded, tiny):
+    """After a separator's space and a ``t`` as two tokens, the grammar forces ``rue``:
+    the mask must allow the token that spells ``r``, not ``▁r`` (the tiny Metaspace
+    tokenizer's fallback tokenized the forced text with its leading visible space, so
+    llguidance allowed a token it then refused, and the job failed its replay)."""
+    from worker.engine.constrain import constraint_for
+
+    _, tok = loaded
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    req = ChatRequest.model_validate(chat(tiny.target, response_format=schema_format(schema)))
+    c = constraint_for(req, tok, 512)
+    for pieces in (["▁", "t"], ["▁t"], ["▁", "f", "a"]):
+        body = [tok.convert_tokens_to_ids(p) for p in ["{", '"', "o", "k", '"', ":", *pieces]]
+        m = c.matcher()
+        assert m.try_consume_tokens(body) == len(body)
+        p = c.processor()
+        _allowed(p, [5])  # its first call: the prompt
+        allowed = _allowed(p, [5, *body])
+        refused = [t for t in allowed if m.deep_copy().try_consume_tokens([t]) != 1]
+        assert allowed and not refused, (pieces, [tok.convert_ids_to_tokens(t) for t in refused])

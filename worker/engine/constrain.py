@@ -282,13 +282,42 @@ class _ByteTokens:
                 text = text[len(base) :] if text.startswith(base) else hf.decode([i])
                 tokens.append(text.encode())
         self.tokens = tokens
+        self._by_bytes: dict[bytes, int] | None = None  # built on first use
+        self._widest = 1
 
     def __call__(self, text: str | bytes) -> list[int]:
-        """``text`` as tokens mid-text (no leading space a tokenizer adds at the start)."""
+        """``text`` as tokens mid-text (no leading space a tokenizer adds at the start).
+
+        llguidance tokenizes what a grammar forces next (the ``rue`` of ``true``) and
+        allows only its first token, so the tokens must spell exactly ``text``: the
+        tokenizer's own split after the anchor when it does, else the longest tokens
+        that do (a tokenizer that merges the anchor into the text, or puts its
+        visible space before it, would otherwise force a token the grammar refuses)."""
         if isinstance(text, bytes):
             raise TypeError("text, not bytes")
+        want = text.encode()
         ids = list(self.hf.encode(self._base + text, add_special_tokens=False))
         n = len(self._anchor)
-        if ids[:n] == self._anchor:
+        if ids[:n] == self._anchor and b"".join(self.tokens[i] for i in ids[n:]) == want:
             return ids[n:]
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self._longest(want)
+
+    def _longest(self, want: bytes) -> list[int]:
+        if self._by_bytes is None:
+            special = set(self.special_token_ids)
+            self._by_bytes = {}
+            for i, b in enumerate(self.tokens):
+                if b and i not in special:
+                    self._by_bytes.setdefault(b, i)
+            self._widest = max(map(len, self._by_bytes), default=1)
+        out, at = [], 0
+        while at < len(want):
+            for size in range(min(self._widest, len(want) - at), 0, -1):
+                i = self._by_bytes.get(want[at : at + size])
+                if i is not None:
+                    out.append(i)
+                    at += size
+                    break
+            else:  # a byte no token spells: llguidance treats it as untokenizable
+                return out
+        return out
