@@ -55,6 +55,7 @@ _READS = [
     ["exists", _KEY],
     ["llen", _KEY],
     ["lrange", _KEY, "0", "-1"],
+    ["lindex", _KEY, "0"],
     ["smembers", _KEY],
     ["scard", _KEY],
     ["zrange", _KEY, "0", "-1"],
