@@ -24,13 +24,14 @@ import llguidance
 MAX_SCHEMA_BYTES = 64 * 1024
 
 #: How JSON output may be laid out (a request's ``json_whitespace``), as llguidance's
-#: options. ``compact`` (the default): one line, ``", "`` between items and ``": "``
-#: after keys, no other whitespace, so a model that likes whitespace cannot spend its
-#: budget on it (vLLM's ``disable-any-whitespace`` answers the same failure).
-#: ``indented``: for models that write JSON better pretty-printed: each gap between
-#: tokens may hold one space, or one newline and at most 32 spaces or tabs of indent.
+#: options. ``compact`` (the default): no whitespace at all (``{"a":1,"b":[2,3]}``, as
+#: ``JSON.stringify`` writes it), so a model that likes whitespace cannot spend its
+#: budget on it (vLLM's ``disable-any-whitespace`` answers the same failure), and no
+#: vocabulary needs a token for a space to write it. ``indented``: for models that
+#: write JSON better pretty-printed: each gap between tokens may hold one space, or
+#: one newline and at most 32 spaces or tabs of indent.
 LAYOUTS: dict[str, dict[str, Any]] = {
-    "compact": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
     "indented": {"whitespace_flexible": True, "whitespace_pattern": r"\x20|\n[\x20\x09]{0,32}"},
 }
 DEFAULT_LAYOUT = "compact"

@@ -138,6 +138,6 @@ def test_it_reasons_before_it_answers_in_schema_order(conn, redis_url, smol):
     }
     (record,) = run_jobs(conn, redis_url, {"qa": job}, "smol-json").values()
     content = record.response.choices[0].message.content
-    assert content.startswith('{"reasoning": "'), content
+    assert content.startswith('{"reasoning":"'), content
     assert record.response.choices[0].finish_reason == "stop", content
     jsonschema.validate(json.loads(content), schema)
