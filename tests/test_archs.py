@@ -111,17 +111,27 @@ def test_speculative_logprobs_and_schema_match_plain(arch):
 
 
 def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch):
-    """Alone, a continuous batch, speculative (always and auto), streamed, n = 2 and a
-    shared system prompt, through a real worker: each job's text is the plain job's."""
+    """Alone, a continuous batch, speculative (always and auto), streamed, n = 2, with a
+    shared system prompt or a shared document in the user message (reused on tokens),
+    through a real worker: each job's text is the plain job's."""
     system = {"role": "system", "content": (LONG + " ") * 3}
 
     def job(i: int, **fields) -> dict:
-        messages = [system, {"role": "user", "content": f"item {i} " + "cache " * (i % 3)}]
+        # Even jobs share a system prompt; odd ones a document heading their only message.
+        item = f"item {i} " + "cache " * (i % 3)
+        messages = (
+            [system, {"role": "user", "content": item}]
+            if i % 2 == 0
+            else [{"role": "user", "content": f"{system['content']}\n{item}"}]
+        )
         base = {"model": arch.target, "messages": messages, "max_tokens": 24, "temperature": 0}
         return base | fields
 
-    plain = run_jobs(conn, redis_url, {f"j{i}": job(i) for i in range(4)}, f"{arch.name}-plain")
+    jobs = range(6)
+    plain = run_jobs(conn, redis_url, {f"j{i}": job(i) for i in jobs}, f"{arch.name}-plain")
     texts = {c: r.response.choices[0].message.content for c, r in plain.items()}
+    cached = [plain[f"j{i}"].response.usage.prompt_tokens_details.cached_tokens for i in jobs]
+    assert cached[0] == cached[1] == 0 and min(cached[2:]) > 2 * WINDOW, cached
     variants = {
         "batch": ({}, 4, "auto"),
         "spec-always": ({"draft_model": arch.noisy}, 4, "always"),
@@ -133,7 +143,7 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
         got = run_jobs(
             conn,
             redis_url,
-            {f"j{i}": job(i, **fields) for i in range(4)},
+            {f"j{i}": job(i, **fields) for i in jobs},
             f"{arch.name}-{name}",
             max_batch=max_batch,
             policy=SpeculationPolicy(mode),
@@ -144,26 +154,31 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
             assert [ch.message.content for ch in choices] == [texts[c]] * len(choices), name
 
 
-def test_prefix_cache_on_every_cache_type(arch):
-    """A shared system prompt is prefilled once and reused, and the text is the same."""
-    system = {"role": "system", "content": (LONG + " ") * 3}
+@pytest.mark.parametrize("shape", ["system", "document"])
+def test_prefix_cache_on_every_cache_type(arch, shape):
+    """A shared system prompt (a message boundary) is kept by its first job; a shared
+    document heading the only user message (tokens alone) by the first job that finds
+    it in a recent prompt. Either is reused, past the window, with the same text."""
+    shared = (LONG + " ") * 3
+
+    def messages(i: int) -> list[dict]:
+        if shape == "system":
+            return [{"role": "system", "content": shared}, {"role": "user", "content": f"q {i}"}]
+        return [{"role": "user", "content": f"{shared}\nq {i}"}]
+
     reqs = [
         ChatRequest.model_validate(
-            {
-                "model": arch.target,
-                "messages": [system, {"role": "user", "content": f"question {i}"}],
-                "max_tokens": 12,
-                "temperature": 0,
-            }
+            {"model": arch.target, "messages": messages(i), "max_tokens": 12, "temperature": 0}
         )
-        for i in range(3)
+        for i in range(4)
     ]
     cold = ChatGenerator.get_or_create(arch.target, cache=ModelCache(prefix_bytes=0))
     warm = ChatGenerator.get_or_create(arch.target, cache=ModelCache())
     outs = [warm.generate(r) for r in reqs]
     assert [o.text for o in outs] == [cold.generate(r).text for r in reqs]
-    assert outs[0].cached_tokens == 0
-    assert all(o.cached_tokens > 2 * WINDOW for o in outs[1:])
+    first = 1 if shape == "system" else 2  # the jobs before it had nothing to reuse
+    assert all(o.cached_tokens == 0 for o in outs[:first]), [o.cached_tokens for o in outs]
+    assert all(o.cached_tokens > 2 * WINDOW for o in outs[first:]), [o.cached_tokens for o in outs]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ same way (``worker.engine.request.prepare``); the runner reserves its KV memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,9 +22,9 @@ from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
-from worker.engine.prefix import PREFILL_STEP, starting_cache
+from worker.engine.prefix import MIN_TOKENS, PREFILL_STEP, common_prefix, starting_cache
 from worker.engine.protocol import NO_START, Start
-from worker.engine.request import Prepared, message_boundary, prepare
+from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
 from worker.engine.sequence import Deadline, OnText
 from worker.engine.single import generate
 
@@ -94,6 +94,7 @@ class ChatGenerator:
         deadline: Deadline | None = None,
         lookup: Lookup | None = None,
         give_up_below: float | None = None,
+        company: Sequence[Sequence[int]] = (),
     ) -> GenerationOutput:
         """Run ``request`` (its messages and sampling fields; or prepared) on these models.
 
@@ -101,7 +102,8 @@ class ChatGenerator:
         speculates with prompt lookup instead (the draft is not used); ``give_up_below``
         (tokens/s): stop speculating once it measures slower (a measuring job's rule);
         ``num_draft_tokens`` overrides the request's draft length. Past
-        ``deadline`` it raises :class:`schemas.JobTimeoutError`.
+        ``deadline`` it raises :class:`schemas.JobTimeoutError`. ``company``: prompts of
+        jobs queued after it (see :meth:`starting_cache`).
         """
         job = self._job(request, default_num_draft_tokens)
         if num_draft_tokens is not None:
@@ -109,7 +111,7 @@ class ChatGenerator:
         draft = self.draft if self.draft is not None and use_draft and not lookup else None
         # stream_generate's penalties see only what is prefilled: leave them their window.
         limit = len(job.prompt) - max(1, job.params.penalty_window)
-        start = self.starting_cache(job, limit, draft)
+        start = self.starting_cache(job, limit, draft, company)
         return generate(
             self.target.model,
             self.target.tokenizer,
@@ -185,16 +187,52 @@ class ChatGenerator:
         layers = snapshot(cache, held)
         return (layers, held, start.reused) if layers is not None else (None, 0, 0)
 
-    def starting_cache(self, job: Prepared, limit: int, draft: LoadedModel | None = None) -> Start:
+    def shares(self, job: Prepared) -> bool:
+        """Whether ``job``'s prompt has a prefix worth keeping that is known already: kept,
+        begun by a recent prompt, or a message boundary (a hint). A job without one may
+        look at the jobs queued after it (``company``): the first of a group then keeps
+        what the group shares."""
+        store = self.models.prefixes
+        if not store.enabled or job.request is None:
+            return True  # nothing to look for
+        key, prompt = self.target.key, job.prompt
+        matched = store.match(key, prompt)
+        return (
+            max(
+                store.shared(key, prompt),
+                matched[1] if matched is not None else 0,
+                message_boundary(self.target.tokenizer, job.request, prompt),
+            )
+            >= MIN_TOKENS
+        )
+
+    def prompt_of(self, request: ChatRequest) -> list[int]:
+        """``request``'s prompt tokens on the target (no other checks)."""
+        return prompt_tokens(self.target.tokenizer, request)
+
+    def starting_cache(
+        self,
+        job: Prepared,
+        limit: int,
+        draft: LoadedModel | None = None,
+        company: Sequence[Sequence[int]] = (),
+    ) -> Start:
         """Where ``job``'s prompt starts (see :func:`worker.engine.prefix.starting_cache`):
         the target's layers, then ``draft``'s; tokens they hold; tokens reused. Its first
-        ``limit`` tokens at most."""
+        ``limit`` tokens at most. ``company``: prompts of jobs queued after it."""
         if not self.models.prefixes.enabled or job.request is None:
             return NO_START
         prompt = job.prompt
-        boundary = message_boundary(self.target.tokenizer, job.request, prompt)
-        pairs = [(m.key, m.model) for m in (self.target, draft) if m is not None]
         store = self.models.prefixes
+        # What other jobs' prompts share with it (on tokens: recent ones and its company),
+        # or its last message boundary (a hint).
+        boundary = max(
+            store.shared(self.target.key, prompt),
+            message_boundary(self.target.tokenizer, job.request, prompt),
+            *(common_prefix(prompt, other) for other in company),
+        )
+        store.remember(self.target.key, prompt)
+        pairs = [(m.key, m.model) for m in (self.target, draft) if m is not None]
         cache, cached, reused = starting_cache(
             store, self.models.prefix_room, pairs, prompt, boundary, limit
         )

@@ -5,12 +5,20 @@ turns) and a short item. The KV state of that shared part is the same for
 every job on the same (model, adapter), so it is computed once and kept: a
 job whose prompt starts with a kept prefix prefills only the rest.
 
-- **What is kept.** A job's prompt up to its last message boundary (all its
-  messages but the last, as the chat template renders them), when that is at
-  least :data:`MIN_TOKENS` long. If no entry covers it yet, it is prefilled on
-  its own first and kept; the job (and every later job sharing it) starts from
-  a copy. So the first job of a batch pays the shared prefill once, and a batch
-  of jobs that share an uncached prefix prefills it once, not once per job.
+- **What is kept.** The part of a job's prompt that other jobs' prompts share, on
+  token ids, whatever the chat template does with the messages: the longest start
+  that a recent prompt of the same (model, adapter) also began with
+  (:meth:`PrefixCache.shared`: chained hashes of :data:`BLOCK`-token blocks of
+  recent prompts, as vLLM's automatic prefix caching, then exact; a shared system
+  prompt, few-shot turns, or a document at the head of a single user message). A
+  job that shares nothing known yet is compared with the jobs queued right after it
+  (``company``, from the runner), and its last message boundary (every message but
+  the last, as the template renders them) is a hint: so the first job of a group
+  keeps what the group shares, and a batch queued at once prefills it once. Each
+  must be at least :data:`MIN_TOKENS` long. If no entry covers it yet, it is prefilled on its own
+  first (from the longest entry that covers part of it) and kept; the job, and
+  every later job sharing it, starts from a copy. A prompt no other job shares
+  (and without a boundary hint) makes no entry.
 - **Matching.** On token ids: the longest common prefix of the prompt with any
   kept entry of the model (trimmed to it), always leaving at least one token to
   prefill. On KV layers any common prefix is reusable, not only whole messages:
@@ -40,6 +48,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from worker.engine.layers import nbytes as cache_nbytes
@@ -49,6 +58,12 @@ log = logging.getLogger(__name__)
 
 #: Prefixes shorter than this are not worth an entry (tokens).
 MIN_TOKENS = 32
+#: Prompts are compared in blocks of this many tokens (a shared part is found to the
+#: last whole block both prompts have).
+BLOCK = 16
+#: Block hashes of recent prompts remembered, least recently seen dropped first: about
+#: a million tokens of prompts (~10 MB with the prompts they point to), across models.
+RECENT_BLOCKS = 65536
 #: Tokens prefilled per forward pass when warming a prefix (mlx-lm's default step).
 PREFILL_STEP = 2048
 
@@ -79,13 +94,27 @@ class PrefixStats:
     tokens_reused: int = 0
 
 
-def prefill(model: nn.Module, tokens: Sequence[int]) -> Cache:
-    """A fresh cache holding ``tokens``' KV state (the model run over them, in steps)."""
-    cache = make_prompt_cache(model)
-    for i in range(0, len(tokens), PREFILL_STEP):
-        model(mx.array(tokens[i : i + PREFILL_STEP])[None], cache=cache)
+def prefill(
+    model: nn.Module, tokens: Sequence[int], cache: Cache | None = None, start: int = 0
+) -> Cache:
+    """A cache holding ``tokens``' KV state: ``cache`` (holding the first ``start`` of them)
+    or a fresh one, with the model run over the rest in steps."""
+    cache = make_prompt_cache(model) if cache is None else cache
+    for i in range(start, len(tokens), PREFILL_STEP):
+        model(mx.array(tokens[i : min(i + PREFILL_STEP, len(tokens))])[None], cache=cache)
         mx.eval([c.state for c in cache])
     return cache
+
+
+def block_hashes(prompt: Sequence[int]) -> list[int]:
+    """One hash per whole :data:`BLOCK` of ``prompt``, each over the block and the hash
+    before it: equal hashes at block i mean equal prompts up to block i's end (bar a
+    64-bit collision, which costs only a prefill: entries match on the tokens)."""
+    out, h = [], 0
+    for i in range(0, len(prompt) - BLOCK + 1, BLOCK):
+        h = hash((h, *prompt[i : i + BLOCK]))
+        out.append(h)
+    return out
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -104,6 +133,8 @@ class PrefixCache:
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], Entry] = OrderedDict()
         self._nbytes = 0  # kept up to date, so other threads can read it (fleet registry)
         self.stats = PrefixStats()
+        # (model, block hash) -> the last prompt that had that block (its tokens).
+        self._seen: OrderedDict[tuple[Hashable, int], np.ndarray] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -119,6 +150,31 @@ class PrefixCache:
     def entries(self) -> list[Entry]:
         """Kept entries, least recently used first."""
         return list(self._entries.values())
+
+    def shared(self, model: Hashable, prompt: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt`` a prompt of ``model`` seen before
+        (:meth:`remember`) also began with: found by whole blocks, then counted exactly
+        against the last prompt that had the deepest block."""
+        other = None
+        for h in block_hashes(prompt):
+            seen = self._seen.get((model, h))
+            if seen is None:
+                break
+            other = seen
+        if other is None:
+            return 0
+        n = min(len(other), len(prompt))
+        differ = np.flatnonzero(other[:n] != np.asarray(prompt[:n], dtype=np.int64))
+        return int(differ[0]) if differ.size else n
+
+    def remember(self, model: Hashable, prompt: Sequence[int]) -> None:
+        """Note ``prompt``'s blocks for the prompts after it (the oldest are forgotten)."""
+        tokens = np.asarray(prompt, dtype=np.int64)  # one copy, shared by its blocks
+        for h in block_hashes(prompt):
+            self._seen[(model, h)] = tokens
+            self._seen.move_to_end((model, h))
+        while len(self._seen) > RECENT_BLOCKS:
+            self._seen.popitem(last=False)
 
     def match(self, model: Hashable, prompt: Sequence[int]) -> tuple[Entry, int] | None:
         """The entry of ``model`` sharing the longest prefix with ``prompt``, and its length."""
@@ -168,9 +224,11 @@ class PrefixCache:
         return freed
 
     def drop_model(self, model: Hashable) -> None:
-        """Forget every entry of ``model`` (it is being evicted)."""
+        """Forget every entry of ``model`` and the prompts it saw (it is being evicted)."""
         for key in [k for k in self._entries if k[0] == model]:
             self._remove(key)
+        for seen in [k for k in self._seen if k[0] == model]:
+            del self._seen[seen]
 
 
 def starting_cache(
@@ -187,9 +245,10 @@ def starting_cache(
     ``models`` are (cache key, model) pairs, the target first (then the draft of a
     speculative job); the cache holds their layers in that order, all at the same
     length. When no entry covers the prompt's shared part (its first ``boundary``
-    tokens) for a model, that part is prefilled on its own and kept first (``room()``:
-    bytes the model cache can spare). This job takes at most ``limit`` tokens of it,
-    and always leaves at least one token to prefill.
+    tokens) for a model, that part is prefilled on its own (from the entry covering the
+    most of it) and kept first (``room()``: bytes the model cache can spare). This job
+    takes at most ``limit`` tokens of it, and always leaves at least one token to
+    prefill.
     """
     if not store.enabled:
         return None, 0, 0
@@ -197,16 +256,19 @@ def starting_cache(
     boundary = min(boundary, len(prompt) - 1)  # kept whole; this job may use less of it
     store.stats.lookups += 1
     found: list[tuple[Cache, int]] = []
-    reused = True
+    earlier = len(prompt)  # the target's tokens that entries kept before this job hold
     for i, (key, model) in enumerate(models):
         matched = store.match(key, prompt)
         if boundary >= MIN_TOKENS and (matched is None or matched[1] < boundary):
-            layers = snapshot(prefill(model, prompt[:boundary]), boundary)
+            base, held = None, 0  # extend the entry that covers part of it, if any
+            if matched is not None:
+                base, held = restore(matched[0].layers, matched[1]), matched[1]
+            layers = snapshot(prefill(model, prompt[:boundary], base, held), boundary)
             if layers is None:
                 return None, 0, 0
             store.put(key, prompt[:boundary], layers, room())
             found.append((layers, boundary))
-            reused = reused and i > 0  # the target's own prefix was computed here
+            earlier = held if i == 0 else earlier
         elif matched is not None:
             found.append((matched[0].layers, matched[1]))
         else:
@@ -214,7 +276,8 @@ def starting_cache(
     n = min(min(k for _, k in found), limit)
     if n < MIN_TOKENS or any(n < shortest(layers, k) for layers, k in found):
         return None, 0, 0
+    reused = min(earlier, n)
     if reused:
         store.stats.hits += 1
-        store.stats.tokens_reused += n
-    return [layer for layers, _ in found for layer in restore(layers, n)], n, n if reused else 0
+        store.stats.tokens_reused += reused
+    return [layer for layers, _ in found for layer in restore(layers, n)], n, reused

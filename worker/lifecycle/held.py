@@ -31,6 +31,7 @@ from redis.exceptions import NoScriptError
 
 from schemas import (
     ENDED_JOB_DATA,
+    ChatRequest,
     InvalidRequestError,
     JobEnvelope,
     JobRefused,
@@ -402,6 +403,24 @@ class Lifecycle:
                 ENDED_JOB_DATA if ok else "",
             ],
         )
+
+    def peek(self, queue: str, n: int) -> list[ChatRequest]:
+        """The requests of the next ``n`` jobs waiting in ``queue``: read, not taken (jobs
+        whose hash does not read are left out; taking them refuses them)."""
+        ids = [i.decode() for i in self.conn.lrange(keys.rq_queue_key(queue), 0, n - 1)]
+        if not ids:
+            return []
+        pipe = self.conn.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(keys.rq_job_key(job_id), "data", "timeout")
+        out = []
+        for job_id, (data, timeout) in zip(ids, pipe.execute(), strict=True):
+            fields = {k: v for k, v in ((b"data", data), (b"timeout", timeout)) if v is not None}
+            try:
+                out.append(read_job_hash(job_id, fields).envelope.request)
+            except JobRefused:
+                continue
+        return out
 
     def waiting(self, queue: str) -> int:
         """How many jobs wait in ``queue`` now."""

@@ -22,6 +22,7 @@ from worker.engine.sequence import Deadline, OnText
 from worker.lifecycle.held import Job
 from worker.lifecycle.streaming import ChunkWriter
 from worker.runner import records
+from worker.runner.company import Upcoming, company
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.streamer import Streamer
@@ -56,10 +57,12 @@ def generate_reserved(
     deadline: Deadline | None = None,
     lookup: bool = False,
     give_up_below: float | None = None,
+    upcoming: Upcoming | None = None,
 ) -> GenerationOutput:
     """``job`` alone (with the draft when ``speculative``; by prompt lookup instead with
     ``lookup``), its KV caches reserved in the model cache while it runs: they must fit,
-    or it fails naming the numbers, and kept prefixes keep out of that room."""
+    or it fails naming the numbers, and kept prefixes keep out of that room.
+    ``upcoming``: the jobs queued after it (``worker.runner.company``)."""
     models = [generator.target]
     if speculative and generator.draft is not None and not lookup:
         models.append(generator.draft)
@@ -71,6 +74,7 @@ def generate_reserved(
             deadline=deadline,
             lookup=job.params.lookup if speculative and lookup else None,
             give_up_below=give_up_below,
+            company=company(generator, job, upcoming),
         )
 
 
@@ -87,7 +91,9 @@ def _gave_up(decision: Decision, out: GenerationOutput) -> str:
 AfterRecord = Callable[[], None] | None
 
 
-def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> tuple[ResultRecord, AfterRecord]:
+def run_alone(
+    job: Job, rt: WorkerRuntime, conn: Redis, upcoming: Upcoming | None = None
+) -> tuple[ResultRecord, AfterRecord]:
     """Generate ``job`` on its own. Whatever goes wrong becomes its failed record; only
     BaseExceptions (a cold shutdown) escape.
 
@@ -147,6 +153,7 @@ def run_alone(job: Job, rt: WorkerRuntime, conn: Redis) -> tuple[ResultRecord, A
             deadline=deadline_of(job),
             lookup=proposer == LOOKUP,
             give_up_below=decision.give_up_below if decision is not None else None,
+            upcoming=upcoming,
         )
         if decision is not None and proposer is not None:
             rt.policy.record(req.model, proposer, decision, speed_of(out))

@@ -33,6 +33,7 @@ jobs run alone (``worker.lifecycle.held``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ from worker.engine.specbatch import SpecBatchEngine
 from worker.lifecycle.held import Job, Lifecycle
 from worker.runner import records
 from worker.runner.alone import deadline_of
+from worker.runner.company import PEEK, company
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.admission import Length, Verdict, admit
@@ -237,9 +239,12 @@ class ContinuousBatch:
             prepared = self.generator.prepare(req)
             if not self._room_for(job, prepared):
                 return False
+            upcoming = functools.partial(self.host.lifecycle.peek, self.queue, PEEK)
+            others = company(self.generator, prepared, upcoming)
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
                 draft = self.generator.draft if self.key.draft else None
-                start = self.generator.starting_cache(prepared, len(prepared.prompt) - 1, draft)
+                held = len(prepared.prompt) - 1
+                start = self.generator.starting_cache(prepared, held, draft, others)
             with self.host.computing():
                 engine.add(job.id, prepared, start)
         except CannotTake as e:

@@ -17,6 +17,7 @@ its queue when the worker's lease ends, as after a crash.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -43,6 +44,7 @@ from worker.lifecycle.held import (
     Refused,
 )
 from worker.runner.alone import run_alone
+from worker.runner.company import PEEK
 from worker.runner.continuous import AUTO_CAP, ContinuousBatch
 from worker.runner.fleet import worker_info
 from worker.runner.runtime import WorkerRuntime
@@ -197,7 +199,8 @@ class Worker:
             return
         try:
             with self.computing():
-                record, after = run_alone(job, self.rt, self.conn)
+                upcoming = functools.partial(self.lifecycle.peek, job.queue, PEEK)
+                record, after = run_alone(job, self.rt, self.conn, upcoming)
         except BaseException:
             self.lifecycle.requeue(job)
             raise
