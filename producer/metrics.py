@@ -181,6 +181,13 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
     lookups = CounterMetricFamily(
         "mlxq_worker_prefix_cache_lookups", "Jobs that looked one up.", labels=["worker"]
     )
+    reused = CounterMetricFamily(
+        "mlxq_worker_prefix_cache_reused_tokens",
+        "Prompt tokens taken from kept prefixes, not prefilled.",
+        labels=["worker"],
+    )
+    entries = gauge("mlxq_worker_prefix_cache_entries", "Prefixes the worker keeps.")
+    kept = gauge("mlxq_worker_prefix_cache_bytes", "Bytes of the prefixes the worker keeps.")
     shortfalls = CounterMetricFamily(
         "mlxq_worker_replica_shortfalls",
         "Record writes fewer replicas acknowledged than --wait-replicas asks.",
@@ -215,6 +222,9 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
         if (pc := w.prefix_cache) is not None:
             hits.add_metric([w.name], pc.hits)
             lookups.add_metric([w.name], pc.lookups)
+            reused.add_metric([w.name], pc.tokens_reused)
+            entries.add_metric([w.name], pc.entries)
+            kept.add_metric([w.name], pc.used_mb * 1e6)
         shortfalls.add_metric([w.name], w.replica_shortfalls)
         if w.lease_s is not None and w.name in lease_left:
             renew.add_metric([w.name], max(w.lease_s - lease_left[w.name], 0.0))
@@ -223,7 +233,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             if h is not None:
                 family.add_metric([w.name], h.cumulative(), h.sum)
     yield from (rq_workers, up, jobs, tokens, tps, accept, batch, limit, kv, memory)
-    yield from (hits, lookups, shortfalls, renew, *hists.values())
+    yield from (hits, lookups, reused, entries, kept, shortfalls, renew, *hists.values())
 
 
 def registry_for(conn: Redis, recent_batches: int = RECENT_BATCHES) -> CollectorRegistry:

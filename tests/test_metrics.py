@@ -88,6 +88,11 @@ def test_a_scrape_equals_status_and_fleet(conn, redis_url, tiny, workers, tmp_pa
         samples, "mlxq_worker_tokens_per_second", worker="metrics-w", target=tiny.target, draft=""
     )
     assert abs(tps - pair.tokens_per_s) < 1e-9
+    pc = info.prefix_cache  # the prefix cache: as producer fleet shows it
+    assert value(samples, "mlxq_worker_prefix_cache_entries", worker="metrics-w") == pc.entries
+    assert value(samples, "mlxq_worker_prefix_cache_bytes", worker="metrics-w") == pc.used_mb * 1e6
+    reused = value(samples, "mlxq_worker_prefix_cache_reused_tokens_total", worker="metrics-w")
+    assert reused == pc.tokens_reused
     renew = value(samples, "mlxq_worker_lease_renew_age_seconds", worker="metrics-w")
     assert 0 <= renew <= 6
     # Latency histograms: the records' own figures, every job observed once.
