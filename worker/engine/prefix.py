@@ -259,7 +259,9 @@ def starting_cache(
     earlier = len(prompt)  # the target's tokens that entries kept before this job hold
     for i, (key, model) in enumerate(models):
         matched = store.match(key, prompt)
-        if boundary >= MIN_TOKENS and (matched is None or matched[1] < boundary):
+        # A new entry only for MIN_TOKENS more than a kept one gives (a prompt seen before
+        # whole, e.g. a job run again, would otherwise keep itself for a few tokens more).
+        if boundary >= MIN_TOKENS and (matched is None or boundary - matched[1] >= MIN_TOKENS):
             base, held = None, 0  # extend the entry that covers part of it, if any
             if matched is not None:
                 base, held = restore(matched[0].layers, matched[1]), matched[1]
