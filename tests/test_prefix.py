@@ -315,3 +315,17 @@ def test_a_longer_shared_part_extends_the_entry_it_starts_from(tiny):
     assert cached[5] > cached[2] + MIN_TOKENS  # and the rest start from the longer one
     first, second = gen.models.prefixes.entries()  # (the first ends "Q", not " Annex")
     assert len(second.tokens) > len(first.tokens) + MIN_TOKENS
+
+
+def test_a_queue_of_unrelated_prompts_is_read_now_and_then():
+    from worker.runner.company import MISSES, Scout
+
+    scout = Scout()
+    looks = []
+    for _ in range(5 * MISSES):
+        looks.append(scout.due())
+        scout.found(False)
+    assert looks[:MISSES] == [True] * MISSES  # every job looks at first
+    assert sum(looks[MISSES:]) == 4  # then one job in MISSES
+    scout.found(True)
+    assert scout.due() and scout.misses == 0  # a find: every job looks again

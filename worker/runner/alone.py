@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from redis import Redis
 
@@ -57,12 +57,12 @@ def generate_reserved(
     deadline: Deadline | None = None,
     lookup: bool = False,
     give_up_below: float | None = None,
-    upcoming: Upcoming | None = None,
+    others: Sequence[Sequence[int]] = (),
 ) -> GenerationOutput:
     """``job`` alone (with the draft when ``speculative``; by prompt lookup instead with
     ``lookup``), its KV caches reserved in the model cache while it runs: they must fit,
     or it fails naming the numbers, and kept prefixes keep out of that room.
-    ``upcoming``: the jobs queued after it (``worker.runner.company``)."""
+    ``others``: prompts of jobs queued after it (``worker.runner.company``)."""
     models = [generator.target]
     if speculative and generator.draft is not None and not lookup:
         models.append(generator.draft)
@@ -74,7 +74,7 @@ def generate_reserved(
             deadline=deadline,
             lookup=job.params.lookup if speculative and lookup else None,
             give_up_below=give_up_below,
-            company=company(generator, job, upcoming),
+            company=others,
         )
 
 
@@ -153,7 +153,7 @@ def run_alone(
             deadline=deadline_of(job),
             lookup=proposer == LOOKUP,
             give_up_below=decision.give_up_below if decision is not None else None,
-            upcoming=upcoming,
+            others=company(generator, prepared, upcoming, rt.scout),
         )
         if decision is not None and proposer is not None:
             rt.policy.record(req.model, proposer, decision, speed_of(out))

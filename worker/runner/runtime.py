@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
 from worker.engine.models import ModelCache
 from worker.runner.access import ModelAccess
+from worker.runner.company import Scout
 from worker.runner.stats import WorkerStats
 from worker.schedule.policy import SpeculationPolicy
 
@@ -27,6 +28,7 @@ class WorkerRuntime:
     stats: WorkerStats = field(default_factory=WorkerStats)
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     max_n: int = 16  # the most choices (``n``) one job may ask for here (``--max-n``)
+    scout: Scout = field(default_factory=Scout)  # when a job looks at its queue's next jobs
 
     def check_allowed(self, name: str, what: str = "model") -> None:
         """Raise :class:`ModelNotAllowedError` unless ``name`` may be served here
