@@ -9,9 +9,9 @@ cold, round 2 with whatever the arm kept from round 1):
 - ``doc1500``: one user message that starts with a shared ~1,500-token document, then
   its own question (the RAG / extraction shape).
 
-Arms: mlxq with its prefix cache (one in-process worker, batches of 8, the same
-worker for both rounds), mlxq with ``--prefix-cache-gb 0`` (round 1 only: without a
-cache both rounds cost the same), and ``mlx_lm.server`` (its prompt cache on, the same
+Arms: mlxq with its prefix cache (one in-process worker, ``--max-batch auto`` as
+workers run by default, the same worker for both rounds), mlxq with
+``--prefix-cache-gb 0`` (round 1 only: without a cache both rounds cost the same), and ``mlx_lm.server`` (its prompt cache on, the same
 server for both rounds, 32 requests at once; its clients retry reset connections).
 Prints jobs/s per round and the ratios; JSON in ``bench/out/autoprefix.json``.
 
@@ -69,15 +69,17 @@ def bodies(target: str, shape: str, shared: str, n: int, max_tokens: int) -> lis
     ]
 
 
-def mlxq_rounds(conn: Redis, target: str, reqs: list[dict], prefix_gb: float, rounds: int):
+def mlxq_rounds(
+    conn: Redis, target: str, reqs: list[dict], prefix_gb: float, rounds: int, batch: int | None
+):
     cache = ModelCache(prefix_bytes=int(prefix_gb * 1e9))
     cache.get(target)
     rt = runtime.WorkerRuntime(cache=cache, worker_id=f"bench-autoprefix-{prefix_gb}")
     warm = [{"model": target, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}]
-    burst(conn, warm, rt, 8)
+    burst(conn, warm, rt, batch)
     out = []
     for _ in range(rounds):
-        records, elapsed = burst(conn, reqs, rt, 8)
+        records, elapsed = burst(conn, reqs, rt, batch)
         cached = [r.response.usage.prompt_tokens_details.cached_tokens for r in records]
         out.append(
             {
@@ -112,18 +114,29 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--max-batch", type=int, default=None, help="[default: auto, as workers]")
+    ap.add_argument("--arms", default="mlxq,no-cache,server")
     args = ap.parse_args()
     target = gemma_with_template()
     tokenizer = ModelCache().get(target)[0].tokenizer
-    report: dict = {"target": target, "jobs": args.jobs, "max_tokens": args.max_tokens}
+    report: dict = {
+        "target": target,
+        "jobs": args.jobs,
+        "max_tokens": args.max_tokens,
+        "max_batch": args.max_batch or "auto",
+    }
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
         for name in args.workloads.split(","):
             shape, size = WORKLOADS[name]
             reqs = bodies(target, shape, system_prompt(tokenizer, size), args.jobs, args.max_tokens)
             started = time.perf_counter()
-            on, prefixes = mlxq_rounds(conn, target, reqs, 1.0, 2)
-            off, _ = mlxq_rounds(conn, target, reqs, 0.0, 1)
+            arms = args.arms.split(",")
+            on, prefixes = mlxq_rounds(conn, target, reqs, 1.0, 2, args.max_batch)
+            if "no-cache" not in arms or "server" not in arms:  # a quick look at mlxq alone
+                print(name, [round(r["jobs_per_s"], 3) for r in on], file=sys.stderr)
+                continue
+            off, _ = mlxq_rounds(conn, target, reqs, 0.0, 1, args.max_batch)
             srv = server_rounds(target, reqs, 2)
             row = {
                 "prompt_tokens": on[0]["prompt_tokens"],
