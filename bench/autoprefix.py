@@ -11,8 +11,9 @@ cold, round 2 with whatever the arm kept from round 1):
 
 Arms: mlxq with its prefix cache (one in-process worker, ``--max-batch auto`` as
 workers run by default, the same worker for both rounds), mlxq with
-``--prefix-cache-gb 0`` (round 1 only: without a cache both rounds cost the same), and ``mlx_lm.server`` (its prompt cache on, the same
-server for both rounds, 32 requests at once; its clients retry reset connections).
+``--prefix-cache-gb 0`` (round 1 only: without a cache both rounds cost the same),
+and ``mlx_lm.server`` (its prompt cache on, the same server for both rounds, 32
+requests at once; its clients retry reset connections).
 Prints jobs/s per round and the ratios; JSON in ``bench/out/autoprefix.json``.
 
     .venv/bin/python -m bench.autoprefix [--jobs 32] [--workloads system700,system1500,doc1500]
