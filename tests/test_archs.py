@@ -131,7 +131,10 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
     plain = run_jobs(conn, redis_url, {f"j{i}": job(i) for i in jobs}, f"{arch.name}-plain")
     texts = {c: r.response.choices[0].message.content for c, r in plain.items()}
     cached = [plain[f"j{i}"].response.usage.prompt_tokens_details.cached_tokens for i in jobs]
-    assert cached[0] == cached[1] == 0 and min(cached[2:]) > 2 * WINDOW, cached
+    # j0 keeps the system prompt (a boundary), j2 and j4 reuse it; the document: j1 keeps
+    # it on plain KV caches (it looks at the queue), else j3 (it finds j1's in the recent
+    # prompts); j5 reuses it either way.
+    assert cached[0] == cached[1] == 0 and min(cached[2], cached[4], cached[5]) > 2 * WINDOW
     variants = {
         "batch": ({}, 4, "auto"),
         "spec-always": ({"draft_model": arch.noisy}, 4, "always"),

@@ -49,7 +49,7 @@ def company(
     shares is known) and the ``scout`` says a look is due."""
     if upcoming is None or job.request is None or len(job.prompt) <= MIN_TOKENS:
         return []
-    if generator.shares(job):
+    if not generator.cuts_anywhere() or generator.shares(job):
         return []
     if not scout.due():
         scout.found(False)
