@@ -62,6 +62,30 @@ def _alone(arch: Arch, req: ChatRequest, draft: str | None = None, k: int = 3):
     return gen.generate(req.model_copy(update={"draft_model": draft}), num_draft_tokens=k)
 
 
+#: Top-two logit gap under which greedy decoding is a coin toss: batched arithmetic
+#: (another summation order) may break such a tie either way.
+TIE = 1e-4
+
+
+def _same_greedy(gen: ChatGenerator, req: ChatRequest, got, want) -> bool:
+    """True when ``got`` is ``want``. False when they part only at a tie of the target
+    (its top two logits within :data:`TIE` where they part, and ``got`` took one of
+    them); any other difference fails the test."""
+    import mlx.core as mx
+
+    got, want = list(got), list(want)
+    if got == want:
+        return True
+    j = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    j = min(len(got), len(want)) if j is None else j
+    logits = gen.target.model(mx.array([gen.prompt_of(req) + want[:j]]))[0, -1]
+    order = mx.argsort(-logits.astype(mx.float32)).tolist()
+    gap = float(logits[order[0]] - logits[order[1]])
+    assert gap < TIE, f"parted at token {j}, where the top two logits differ by {gap}"
+    assert j == len(got) or got[j] in order[:2], f"token {j}: {got[j]} is not a top-two token"
+    return False
+
+
 def test_the_matrix_covers_every_cache_kind(arch):
     gen = ChatGenerator.get_or_create(arch.target, cache=ModelCache())
     from mlx_lm.models.cache import make_prompt_cache
@@ -296,7 +320,8 @@ def test_speculative_batches_are_exact_on_every_cache_type(arch, planner):
     assert max(sizes) >= 3
     for i, r in enumerate(reqs):
         plain = _alone(arch, r)
-        assert outs[i].token_ids == plain.token_ids, i
+        if not _same_greedy(gen, r, outs[i].token_ids, plain.token_ids):
+            continue  # parted at a tie: the counts after it are another text's
         if not planner:
             alone = _alone(arch, r, arch.noisy, 3)
             assert (outs[i].draft_tokens_proposed, outs[i].draft_tokens_accepted) == (
