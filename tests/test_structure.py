@@ -140,7 +140,9 @@ def test_no_module_rebinds_module_level_state():
     assert users == []
 
 
-@pytest.mark.parametrize("module", ["worker.lifecycle.held", "worker.schedule.policy"])
+@pytest.mark.parametrize(
+    "module", ["worker.lifecycle.held", "worker.lifecycle.upkeep", "worker.schedule.policy"]
+)
 def test_the_lifecycle_and_the_scheduler_import_no_mlx_at_run_time(module):
     code = f"import sys, {module}; print(sorted(m for m in ('mlx', 'redis') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

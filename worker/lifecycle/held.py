@@ -1,8 +1,10 @@
-"""The job lifecycle: take, refuse, start, renew, end, requeue, recover. Redis only, no MLX.
+"""A job's transitions: take (and start), refuse, end, requeue. Redis only, no MLX.
 
 Every job a worker runs goes through these functions, whichever engine makes
 its tokens (alone, batched, speculative, streamed); the state transitions are
-the Lua scripts of :mod:`worker.lifecycle.scripts`, where the key layout is documented.
+the Lua scripts of :mod:`worker.lifecycle.scripts`, where the key layout is documented
+(states and scripts: docs/lifecycle.md). The lease these jobs ride on and the fleet's
+upkeep (recovery, poison, reconcile, pruning) are :mod:`worker.lifecycle.upkeep`'s.
 
 mlxq owns this lifecycle on RQ's data model: producers enqueue with RQ
 (``enqueue_many``), jobs are RQ job hashes on RQ queue lists, and a worker
@@ -37,7 +39,6 @@ from schemas import (
     JobRefused,
     Metrics,
     MlxqError,
-    PoisonJobError,
     ResultRecord,
     UnsafeJobError,
     keys,
@@ -47,15 +48,12 @@ from schemas.connect import WAIT_TIMEOUT_MS, wait_for_replicas
 from schemas.keys import rq_time
 from schemas.store import write_once_call
 from worker.lifecycle import scripts
+from worker.lifecycle.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30
 DEFAULT_MAX_CRASHES = 3
-#: How long a job's crash counter is kept.
-CRASH_MEMORY_S = 7 * 24 * 3600
-#: Expired registry entries one prune call removes per registry (about 2 ms of Redis).
-PRUNE_STEP = 2000
 #: Longest single blocking wait (seconds): a stop request is seen at least this often.
 BLOCK_S = 1.0
 
@@ -103,25 +101,7 @@ class _Ending:
     error: str = ""
 
 
-@dataclass(frozen=True)
-class Recovered:
-    """One job a recovery pass acted on (``kind`` as returned by ``scripts.RECOVER``)."""
-
-    kind: str
-    job_id: str
-    queue: str
-    crashes: int
-
-
-def crash_note(r: Recovered, max_crashes: int) -> str:
-    """What a requeue after a crash says: the count against ``--max-crashes``."""
-    return (
-        f"lost its worker: crash {r.crashes} of {max_crashes} (--max-crashes; "
-        f"crash {max_crashes} fails it as poison); requeued"
-    )
-
-
-class Lifecycle:
+class Lifecycle(Upkeep):
     """One worker process's side of the lifecycle: its lease token and its transitions."""
 
     def __init__(
@@ -166,47 +146,6 @@ class Lifecycle:
     def _released(self, *job_ids: str) -> None:
         with self._holding_lock:
             self.holding.difference_update(job_ids)
-
-    @property
-    def worker_ttl(self) -> int:
-        """Seconds RQ's worker record (``registry``) outlives the last heartbeat."""
-        return max(60, 3 * self.lease_ms // 1000)
-
-    # -- the lease --------------------------------------------------------
-    def register(self) -> None:
-        """Start this process's lease, end those of dead earlier processes of the same name on
-        this host (a restart after a crash), and give back the jobs of every dead holder now
-        rather than a lease from now."""
-        for token, raw in self.conn.hgetall(keys.HOLDERS).items():
-            try:
-                info = json.loads(raw)
-                ours = info["name"] == self.name and info["host"] == self.host
-                dead = ours and info["pid"] != self.pid and not alive(int(info["pid"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-            if dead:
-                self.conn.zadd(keys.LEASES, {token: 0}, xx=True)
-                log.warning(
-                    "worker %s: previous process (pid %s) died; name reclaimed",
-                    self.name,
-                    info["pid"],
-                )
-        self.renew()
-        self.recover()
-
-    def unregister(self) -> list[str]:
-        """End the lease; whatever is still held or in the inbox goes back to its queue."""
-        ids = self.conn.eval(
-            scripts.UNREGISTER,
-            4,
-            *(keys.RUNNING, keys.LEASES, keys.HOLDERS, self.inbox),
-            *(self.token, keys.rq_job_key(""), keys.rq_started_key(""), keys.rq_queue_key("")),
-            self.queues[0],
-        )
-        handed = [i.decode() for i in ids]
-        if handed:
-            log.warning("worker %s: jobs %s handed back at exit", self.name, ", ".join(handed))
-        return handed
 
     # -- the transitions --------------------------------------------------
     def take(self, queues: list[str] | None = None, block_s: float = 0.0) -> Job | Refused | None:
@@ -286,7 +225,6 @@ class Lifecycle:
         unless it was merely an invalid request with a record. True if a record was written.
         """
         r = refused.refusal
-        ids = self._ids(refused.id, r.payload)
         error: MlxqError = (
             UnsafeJobError(r.reason)
             if r.kind == "unsafe"
@@ -294,12 +232,25 @@ class Lifecycle:
                 r.reason if r.kind == "invalid" else f"job could not be read: {r.reason}"
             )
         )
-        if r.kind != "invalid" or ids is None:
+        if r.kind != "invalid" or self._ids(refused.id, r.payload) is None:
             dead_letter(self.conn, refused.id, r.reason)
+        return self._fail_unrun(refused.id, refused.queue, r.payload, error, r.reason)
+
+    def _fail_unrun(
+        self,
+        job_id: str,
+        queue: str,
+        payload: dict[str, Any] | None,
+        error: MlxqError,
+        reason: str = "",
+    ) -> bool:
+        """End a job that did not run with a failed record (when it names its batch, see
+        :meth:`_ids`). True if a record was written."""
+        ids = self._ids(job_id, payload)
         record = None
         if ids is not None:
             record = ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name))
-        ending = _Ending(refused.id, refused.queue, record, _ttl(r.payload), 0.0, r.reason)
+        ending = _Ending(job_id, queue, record, _ttl(payload), 0.0, reason or str(error))
         return self._send([ending])[0]
 
     def _ids(self, job_id: str, payload: dict[str, Any] | None) -> tuple[str, str, str] | None:
@@ -443,94 +394,6 @@ class Lifecycle:
             )
         )
 
-    def reconcile(self) -> list[str]:
-        """Hand back jobs Redis lists as held by this process that it is not running.
-
-        A step whose reply was lost (a failover, a timeout) and was sent again can
-        leave one: a take applied twice holds a second job nobody runs, and a record
-        acknowledged by a primary that then died is gone while the job still reads
-        as held here. Such a job would never be recovered (this process's lease is
-        alive), so it goes back to its queue, after two passes in a row find it (a
-        take in flight is in ``holding`` by the next pass). Returns the ids handed
-        back."""
-        mine = {}
-        for job_id, value in self.conn.hgetall(keys.RUNNING).items():
-            token, _, queue = value.decode().partition(" ")
-            if token == self.token:
-                mine[job_id.decode()] = queue
-        with self._holding_lock:
-            orphans = set(mine) - self.holding
-        confirmed, self._suspects = orphans & self._suspects, orphans - self._suspects
-        back = [j for j in sorted(confirmed) if self._requeue(j, mine[j])]
-        for job_id in back:
-            log.warning(
-                "%s: job %s was held here in Redis but not running (a reply lost in a "
-                "failover?); handed back to its queue",
-                self.name,
-                job_id,
-            )
-        return back
-
-    def renew(self) -> bool:
-        """Extend this process's lease (every job it holds). False if it had ended."""
-        return bool(
-            self.conn.eval(
-                scripts.RENEW,
-                3,
-                *(keys.LEASES, keys.HOLDERS, self.worker_key),
-                *(self.token, self.lease_ms, self.holder, rq_time(), self.worker_ttl),
-            )
-        )
-
-    def recover(self) -> list[Recovered]:
-        """Give back the jobs of processes whose lease ended; fail poison jobs (taken here)."""
-        reply = self.conn.eval(
-            scripts.RECOVER,
-            3,
-            *(keys.RUNNING, keys.LEASES, keys.HOLDERS),
-            *(self.token, self.max_crashes, CRASH_MEMORY_S),
-            *(keys.rq_job_key(""), keys.result_key(""), keys.rq_started_key("")),
-            *(keys.rq_queue_key(""), keys.crashes_key(""), keys.inbox_key("")),
-        )
-        done = [Recovered(k.decode(), i.decode(), q.decode(), int(n)) for k, i, q, n in reply]
-        for r in done:
-            if r.kind == "poison":
-                self._poison(r)
-            elif r.kind == "requeued":
-                log.warning("%s: job %s %s", self.name, r.job_id, crash_note(r, self.max_crashes))
-            else:
-                log.info("%s: recovery: job %s %s", self.name, r.job_id, r.kind)
-        return done
-
-    def prune(self, step: int = PRUNE_STEP, most: int = 10) -> int:
-        """Drop expired entries of RQ's finished / failed registries of this worker's queues,
-        ``step`` per registry per script call, at most ``most`` calls; how many went."""
-        registries = [f(q) for q in self.queues for f in (keys.rq_finished_key, keys.rq_failed_key)]
-        removed = 0
-        for _ in range(most):
-            n = int(self.conn.eval(scripts.PRUNE, len(registries), *registries, step))
-            removed += n
-            if n < step:
-                break
-        return removed
-
-    def _poison(self, r: Recovered) -> None:
-        error = PoisonJobError(
-            f"the worker running this job died {r.crashes} times (its lease ended each time); "
-            "not retried again"
-        )
-        fields = self.conn.hgetall(keys.rq_job_key(r.job_id))
-        try:
-            payload: dict[str, Any] | None = read_job_hash(r.job_id, fields).envelope.model_dump()
-        except JobRefused as e:
-            payload = e.payload
-        ids = self._ids(r.job_id, payload)
-        record = (
-            ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name)) if ids else None
-        )
-        self._send([_Ending(r.job_id, r.queue, record, _ttl(payload), 0.0, str(error))])
-        log.warning("%s: job %s failed: %s", self.name, r.job_id, error)
-
 
 def dead_letter(conn: Redis, job_id: str, reason: str) -> None:
     """Record a job that could not run at all on ``mlxq:dead`` (newest first, capped)."""
@@ -545,14 +408,3 @@ def dead_letter(conn: Redis, job_id: str, reason: str) -> None:
 def _ttl(payload: dict[str, Any] | None) -> int:
     ttl = (payload or {}).get("result_ttl")
     return ttl if isinstance(ttl, int) and ttl > 0 else keys.DEFAULT_RESULT_TTL
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -20,7 +20,7 @@ from redis import Redis
 from schemas import keys
 from schemas.fleet import WorkerInfo
 from schemas.keys import rq_time
-from worker.lifecycle.held import alive
+from worker.lifecycle.upkeep import alive
 
 
 def publish(conn: Redis, info: WorkerInfo, ttl: int) -> None:
