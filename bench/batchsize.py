@@ -172,9 +172,9 @@ def throughput(
         ],
         "measured_rates": {
             str(s): round(a.value, 1)
-            for s, a in sorted(warm.batches[(target, None)].by_size.items())
+            for s, a in sorted(warm.sizes.plain[(target, None)].by_size.items())
         },
-        "auto_limit_after": warm.batch_limit(target, None)[1],
+        "auto_limit_after": warm.sizes.limit(target, None)[1],
         "mlxq_outputs_equal": all(
             x["texts"] == reference for a, v in runs.items() if a != "mlx_lm.server" for x in v
         ),

@@ -109,9 +109,9 @@ def auto_pass(url: str, jobs: list[dict], rt: Any, max_batch: int) -> dict:
     warm = serve(url, jobs, rt(policy), max_batch)
     measured = {
         str(k): {str(n): round(a.value, 1) for n, a in v.by_size.items()}
-        for k, v in (policy.batches | policy.spec_batches).items()
+        for k, v in (policy.sizes.plain | policy.sizes.spec).items()
     }
-    measured |= {f"whole {k}": round(a.value, 1) for k, a in policy.whole.items()}
+    measured |= {f"whole {k}": round(a.value, 1) for k, a in policy.sizes.whole.items()}
     return {"cold": cold, "warm": warm, "measured": measured, "reason": warm["reason"]}
 
 

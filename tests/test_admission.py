@@ -210,7 +210,7 @@ def test_auto_grows_past_its_start_when_a_larger_batch_measures_faster(
     largest = max(r.metrics.batch_size for r in records.values())
     if max_batch is None:  # started at 32, measured it, grew: all of them together
         assert largest == n
-        assert rt.policy.batches[(tiny.target, None)].by_size[START_BATCH].runs >= 1
+        assert rt.policy.sizes.plain[(tiny.target, None)].by_size[START_BATCH].runs >= 1
     else:
         assert largest == max_batch
 
@@ -218,7 +218,7 @@ def test_auto_grows_past_its_start_when_a_larger_batch_measures_faster(
 def test_auto_stays_small_where_larger_batches_measured_slower(conn, redis_url, tiny):
     policy = SpeculationPolicy()
     for size, rate in ((2, 40.0), (4, 60.0), (8, 45.0)):
-        policy.record_batch(tiny.target, None, size, int(rate * 10), 10.0)
+        policy.sizes.record(tiny.target, None, size, int(rate * 10), 10.0)
     bodies = {f"j{i:02}": _body(tiny.target, 5, 20, logit_bias=EOS_OFF) for i in range(8)}
     records, _ = _serve(conn, redis_url, bodies, ModelCache(), None, policy)
     assert max(r.metrics.batch_size for r in records.values()) == 4

@@ -8,7 +8,8 @@ from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from worker.engine.models import ModelCache
 from worker.runner import runtime
-from worker.schedule.policy import ADAPTIVE, PLAIN, Decision, SpeculationPolicy
+from worker.schedule.batchsize import ADAPTIVE, PLAIN
+from worker.schedule.policy import Decision, SpeculationPolicy
 
 
 def _jobs(tiny):
@@ -171,14 +172,14 @@ def test_deep_queue_of_draft_jobs_is_batched_when_batching_measures_faster(conn,
                 assert r.metrics.num_draft_tokens == 6
                 assert r.metrics.draft_tokens_accepted <= r.metrics.draft_tokens_proposed
     # Both batch kinds' aggregate speeds were measured and fed back to the policy.
-    assert policy.batches[(tiny.target, None)].by_size
-    assert policy.spec_batches[(tiny.target, None, tiny.draft, ADAPTIVE)].by_size
+    assert policy.sizes.plain[(tiny.target, None)].by_size
+    assert policy.sizes.spec[(tiny.target, None, tiny.draft, ADAPTIVE)].by_size
 
 
 def test_deep_queue_of_draft_jobs_speculates_when_batching_measures_slower(conn, redis_url, tiny):
     policy = _seeded_policy(tiny)
-    policy.record_batch(tiny.target, None, 4, tokens=1, seconds=10.0)  # batches crawl
-    policy.record_batch(tiny.target, None, 4, 1, 10.0, draft=tiny.draft, k=6, adaptive=True)
+    policy.sizes.record(tiny.target, None, 4, tokens=1, seconds=10.0)  # batches crawl
+    policy.sizes.record(tiny.target, None, 4, 1, 10.0, draft=tiny.draft, k=6, adaptive=True)
     s = Client(connection=conn).submit(_draft_jobs(tiny, 4))
     run_worker(
         redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache(), policy=policy), max_batch=4

@@ -126,14 +126,14 @@ def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
     first = policy.batch_instead("t", "d", None, depth=8)
     assert first is not None and first.k == PLAIN and "measuring batching" in first.reason
     alone = max(true_speed(k, 0.8) for k in range(1, 9))
-    policy.record_batch("t", None, 8, tokens=int(40 * alone), seconds=10.0)  # 4x alone
+    policy.sizes.record("t", None, 8, tokens=int(40 * alone), seconds=10.0)  # 4x alone
     second = policy.batch_instead("t", "d", None, depth=7)  # then a speculative batch
     assert second is not None and second.k == 6 and second.adaptive  # k per round, up to 2x3
     assert "measuring speculative batching" in second.reason
-    policy.record_batch("t", None, 8, tokens=int(20 * alone), seconds=10.0, draft="d", k=6)
+    policy.sizes.record("t", None, 8, tokens=int(20 * alone), seconds=10.0, draft="d", k=6)
     third = policy.batch_instead("t", "d", None, depth=7)  # a fixed k=6 batch is another
     assert third is not None and third.adaptive and "measuring" in third.reason
-    policy.record_batch("t", None, 8, int(20 * alone), 10.0, draft="d", k=6, adaptive=True)
+    policy.sizes.record("t", None, 8, int(20 * alone), 10.0, draft="d", k=6, adaptive=True)
     won = policy.batch_instead("t", "d", None, depth=7)  # nearest measured size: 8
     assert won is not None and won.k == PLAIN and "beats one at a time" in won.reason
     fixed = policy.batch_instead("t", "d", None, depth=8, fixed_k=2)  # the job's k rules
@@ -143,18 +143,18 @@ def test_deep_queue_batches_instead_of_speculating_when_measured_faster():
     )
     # A speculative batch measured faster than both (again and again): it runs.
     for _ in range(4):
-        policy.record_batch("t", None, 8, int(100 * alone), 10.0, draft="d", k=6, adaptive=True)
+        policy.sizes.record("t", None, 8, int(100 * alone), 10.0, draft="d", k=6, adaptive=True)
     spec = policy.batch_instead("t", "d", None, depth=8)
     assert spec is not None and spec.k == 6 and spec.adaptive
     assert "speculative batch (k per round, up to 6" in spec.reason
-    assert policy.batch_limit("t", None, "d", 6, True)[1].startswith("speed: 8 measured fastest")
-    fixed6, adaptive6 = (policy.batch_limit("t", None, "d", 6, a)[1] for a in (False, True))
+    assert policy.sizes.limit("t", None, "d", 6, True)[1].startswith("speed: 8 measured fastest")
+    fixed6, adaptive6 = (policy.sizes.limit("t", None, "d", 6, a)[1] for a in (False, True))
     assert fixed6 != adaptive6  # measured apart
 
     slow = SpeculationPolicy("auto", default_k=3)
     drive(slow, p=0.8, jobs=3)
-    slow.record_batch("t", None, 8, tokens=int(5 * alone), seconds=10.0)  # 0.5x alone
-    slow.record_batch("t", None, 8, int(6 * alone), 10.0, draft="d", k=6, adaptive=True)
+    slow.sizes.record("t", None, 8, tokens=int(5 * alone), seconds=10.0)  # 0.5x alone
+    slow.sizes.record("t", None, 8, int(6 * alone), 10.0, draft="d", k=6, adaptive=True)
     assert slow.batch_instead("t", "d", None, depth=8) is None  # speculating one at a time wins
 
     always = SpeculationPolicy("always", default_k=4).batch_instead("t", "d", None, depth=8)
@@ -171,9 +171,9 @@ def test_a_speculative_batch_must_beat_a_plain_one_by_a_margin():
         policy = SpeculationPolicy("auto", default_k=3)
         drive(policy, p=0.8, jobs=3)
         alone = max(true_speed(k, 0.8) for k in range(1, 9))
-        policy.record_batch("t", None, 8, tokens=int(40 * alone), seconds=10.0)
+        policy.sizes.record("t", None, 8, tokens=int(40 * alone), seconds=10.0)
         rate = over * 4 * alone
-        policy.record_batch("t", None, 8, int(10 * rate), 10.0, draft="d", k=6, adaptive=True)
+        policy.sizes.record("t", None, 8, int(10 * rate), 10.0, draft="d", k=6, adaptive=True)
         decision = policy.batch_instead("t", "d", None, depth=8)
         assert decision is not None and decision.adaptive is wins, over
 
@@ -186,18 +186,18 @@ def test_whole_batches_decide_which_kind_of_batch():
     drive(policy, p=0.8, jobs=3)
     assert policy.acceptance("t", "d") == pytest.approx(0.8, abs=0.1)  # a batch's prior
     alone = max(true_speed(k, 0.8) for k in range(1, 9))
-    policy.record_batch("t", None, 8, tokens=int(40 * alone), seconds=10.0)  # 4x alone
+    policy.sizes.record("t", None, 8, tokens=int(40 * alone), seconds=10.0)  # 4x alone
     full = 1.5 * 4 * alone  # while full, 1.5x the plain batch
-    policy.record_batch("t", None, 8, int(10 * full), 10.0, draft="d", k=6, adaptive=True)
+    policy.sizes.record("t", None, 8, int(10 * full), 10.0, draft="d", k=6, adaptive=True)
     assert policy.batch_instead("t", "d", None, depth=8).adaptive  # per-size only: spec
-    policy.record_whole_batch("t", None, int(30 * alone), 10.0)
-    policy.record_whole_batch("t", None, int(27 * alone), 10.0, "d", 6, adaptive=True)
+    policy.sizes.record_whole("t", None, int(30 * alone), 10.0)
+    policy.sizes.record_whole("t", None, int(27 * alone), 10.0, "d", 6, adaptive=True)
     plain = policy.batch_instead("t", "d", None, depth=8)  # whole: 0.9x the plain batch
     assert plain.k == PLAIN and "a speculative batch (" in plain.reason
-    policy.record_whole_batch("t", None, int(27 * alone), 10.0, "d", 3)  # fixed k: apart
+    policy.sizes.record_whole("t", None, int(27 * alone), 10.0, "d", 3)  # fixed k: apart
     assert policy.batch_instead("t", "d", None, depth=8).k == PLAIN
     for _ in range(3):
-        policy.record_whole_batch("t", None, int(40 * alone), 10.0, "d", 6, adaptive=True)
+        policy.sizes.record_whole("t", None, int(40 * alone), 10.0, "d", 6, adaptive=True)
     spec = policy.batch_instead("t", "d", None, depth=8)
     assert spec.adaptive and "beats batching without the draft" in spec.reason
 

@@ -183,7 +183,7 @@ class ContinuousBatch:
         """How many jobs the batch may hold now, and why (before memory)."""
         if self.host.max_batch is not None:
             return self.cap, f"cap: --max-batch {self.cap}"
-        limit, reason = self.rt.policy.batch_limit(*self.key)
+        limit, reason = self.rt.policy.sizes.limit(*self.key)
         return (limit, reason) if limit < self.cap else (self.cap, f"cap: {self.cap} (auto)")
 
     def _fill(self) -> None:

@@ -6,7 +6,8 @@ milliseconds. The runner feeds it measurements and asks it questions:
 - ``policy``: plain or speculative, and k, per (target, draft) pair; a batch or
   one at a time; which kind of batch (``--speculative auto``);
 - ``goodput``: each round's k inside a speculative batch;
-- ``batchsize``: how large a batch grows (``--max-batch auto``);
+- ``batchsize``: what batches measured (``BatchMemory``) and how large a batch grows
+  (``--max-batch auto``); the policy reads it to choose a batch or one at a time;
 - ``grouping``: which jobs may share a batch;
 - ``admission``: the KV bytes a batch can grow to;
 - ``estimators``: the running averages, cost lines and acceptance they all use.

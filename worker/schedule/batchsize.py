@@ -1,14 +1,22 @@
 """How large a continuous batch should grow (``--max-batch auto``): measured speed by size.
 
 Pure Python: the runner feeds it the aggregate decoding speed of batches it ran,
-by size; it answers with the largest size those measurements favour, and why.
+by size (:class:`BatchMemory`, one :class:`BatchRates` per target and batch kind); it
+answers with the largest size those measurements favour, and why. The speculation
+policy reads the same memory to choose between a batch and one job at a time.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from worker.schedule.estimators import Running
+
+#: k of a batch without speculation.
+PLAIN = 0
+#: k of a speculative batch that chooses each round's k itself, in the measurements' keys.
+ADAPTIVE = -1
 
 #: The batch size a target starts at before anything is measured (``--max-batch auto``).
 START_BATCH = 32
@@ -71,3 +79,99 @@ class BatchRates:
             f"speed: {good} measured {rates[good]:.1f} tok/s, {above} {rates[above]:.1f} "
             "(a larger batch does not pay)"
         )
+
+
+def batch_kind(draft: str | None, k: int, adaptive: bool) -> tuple[str | None, int]:
+    """A batch's kind in the measurements: (None, PLAIN) without a draft, else (draft, k),
+    k being :data:`ADAPTIVE` for a batch that chooses k each round."""
+    if draft is None or k == PLAIN:
+        return None, PLAIN
+    return draft, ADAPTIVE if adaptive else k
+
+
+class BatchMemory:
+    """What a worker's batches measured, per (target, adapter) and kind of batch (plain,
+    or speculative at a draft and k): speed by size while decoding (:class:`BatchRates`),
+    and whole batches first step to last (joins and the tail included). Thread-safe."""
+
+    def __init__(self) -> None:
+        self.plain: dict[tuple[str, str | None], BatchRates] = {}
+        # (target, adapter, draft, k) -> a speculative batch's speeds by size
+        self.spec: dict[tuple[str, str | None, str, int], BatchRates] = {}
+        # (target, adapter, draft or None, k) -> whole batches' tokens/s
+        self.whole: dict[tuple[str, str | None, str | None, int], Running] = {}
+        self._lock = threading.Lock()
+
+    def _rates(
+        self, target: str, adapter: str | None, draft: str | None, k: int, adaptive: bool
+    ) -> BatchRates:
+        draft, k = batch_kind(draft, k, adaptive)
+        if draft is None:
+            return self.plain.setdefault((target, adapter), BatchRates())
+        return self.spec.setdefault((target, adapter, draft, k), BatchRates())
+
+    def record(
+        self,
+        target: str,
+        adapter: str | None,
+        size: int,
+        tokens: int,
+        seconds: float,
+        draft: str | None = None,
+        k: int = PLAIN,
+        adaptive: bool = False,
+    ) -> None:
+        """``tokens`` decoded in ``seconds`` by a batch of ``size`` jobs (a speculative one
+        when ``draft`` and ``k`` are given)."""
+        if size < 1 or tokens < 1 or seconds <= 0:
+            return
+        with self._lock:
+            self._rates(target, adapter, draft, k, adaptive).record(size, tokens / seconds)
+
+    def record_whole(
+        self,
+        target: str,
+        adapter: str | None,
+        tokens: int,
+        seconds: float,
+        draft: str | None = None,
+        k: int = PLAIN,
+        adaptive: bool = False,
+    ) -> None:
+        """What a whole batch decoded (every step, prefills included)."""
+        if tokens < 1 or seconds <= 0:
+            return
+        key = (target, adapter, *batch_kind(draft, k, adaptive))
+        with self._lock:
+            self.whole.setdefault(key, Running()).update(tokens / seconds, 0, weight=0.5)
+
+    def limit(
+        self,
+        target: str,
+        adapter: str | None,
+        draft: str | None = None,
+        k: int = PLAIN,
+        adaptive: bool = False,
+    ) -> tuple[int, str]:
+        """The batch size measured speed favours for (target, adapter), and why."""
+        with self._lock:
+            return self._rates(target, adapter, draft, k, adaptive).limit()
+
+    def rate(
+        self, target: str, adapter: str | None, size: int, draft: str | None = None
+    ) -> float | None:
+        """Measured speed near ``size`` of a plain batch, or (``draft``) of an adaptive
+        speculative one; None before any."""
+        with self._lock:
+            if draft is None:
+                rates = self.plain.get((target, adapter))
+            else:
+                rates = self.spec.get((target, adapter, draft, ADAPTIVE))
+            return rates.rate(size) if rates else None
+
+    def whole_rate(self, target: str, adapter: str | None, draft: str | None) -> float | None:
+        """Whole batches' speed, plain or (``draft``) adaptive speculative; None before any."""
+        key = (target, adapter, *batch_kind(draft, ADAPTIVE, adaptive=True))
+        with self._lock:
+            whole = self.whole.get(key)
+            return whole.value if whole is not None else None

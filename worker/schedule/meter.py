@@ -48,11 +48,11 @@ class BatchMeter:
             self._report(size)
         if self.peak_size > 1:
             model, adapter, draft, k, adaptive = self.key
-            self.policy.record_whole_batch(
+            self.policy.sizes.record_whole(
                 model, adapter, self.tokens, self.seconds, draft, k, adaptive
             )
 
     def _report(self, size: int) -> None:
         seconds, _, tokens = self._speeds.pop(size)
         model, adapter, draft, k, adaptive = self.key
-        self.policy.record_batch(model, adapter, size, int(tokens), seconds, draft, k, adaptive)
+        self.policy.sizes.record(model, adapter, size, int(tokens), seconds, draft, k, adaptive)

@@ -41,10 +41,9 @@ import threading
 from dataclasses import dataclass, field
 
 from schemas import ChatRequest
-from worker.schedule.batchsize import BatchRates
+from worker.schedule.batchsize import PLAIN, BatchMemory
 from worker.schedule.estimators import Acceptance, AffineCost, Running, expected_tokens
 
-PLAIN = 0
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 8)
 MODES = ("auto", "always", "never")
 #: The "draft" of jobs that speculate by prompt lookup (``worker.engine.lookup``), in the
@@ -115,9 +114,6 @@ class PairStats:
 #: speculative batch must measure than a plain batch for auto to choose it: what a
 #: draft costs besides its passes (its weights and KV cache in memory) must buy something.
 SPEC_BATCH_MARGIN = 1.05
-#: The k of a speculative batch that chooses its k each round (``worker.goodput``) in
-#: the policy's measurements.
-ADAPTIVE = -1
 
 
 class SpeculationPolicy:
@@ -131,6 +127,7 @@ class SpeculationPolicy:
         probe_every: int = 10,
         lookup: str = "never",
         lookup_k: int = 4,
+        sizes: BatchMemory | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"speculative mode must be one of {MODES}, not {mode!r}")
@@ -139,12 +136,8 @@ class SpeculationPolicy:
         self.mode, self.default_k, self.ks, self.probe_every = mode, default_k, ks, probe_every
         self.lookup, self.lookup_k = lookup, lookup_k
         self.pairs: dict[tuple[str, str], PairStats] = {}
-        self.batches: dict[tuple[str, str | None], BatchRates] = {}
-        # speculative batches: (target, adapter, draft, k) -> their measured speeds
-        self.spec_batches: dict[tuple[str, str | None, str, int], BatchRates] = {}
-        # whole batches, first step to last (joins and the tail included):
-        # (target, adapter, draft or None, k) -> tokens/s
-        self.whole: dict[tuple[str, str | None, str | None, int], Running] = {}
+        # what batches measured (fed by the runner's meters; read to choose batching)
+        self.sizes = sizes if sizes is not None else BatchMemory()
         # (target, draft) pairs a speculative batch cannot hold, and why
         self.no_spec_batch: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
@@ -220,8 +213,7 @@ class SpeculationPolicy:
             if pair is None or self._to_measure(pair, draft) is not None:
                 return None  # measure the pair one job at a time first
             alone = max(pair.arms[PLAIN].value, *pair.predicted(self._ks(draft)).values())
-            rates = self.batches.get((target, adapter))
-            batched = rates.rate(depth) if rates else None
+            batched = self.sizes.rate(target, adapter, depth)
             if batched is None:
                 return Decision(PLAIN, f"auto: measuring batching ({depth} jobs waiting)")
             if refused is not None:
@@ -229,18 +221,17 @@ class SpeculationPolicy:
                     return Decision(PLAIN, f"auto: {refused}; batched without the draft")
                 return None
             cap = self._explore(draft)[-1]
-            rates_k = self.spec_batches.get((target, adapter, draft, ADAPTIVE))
-            spec_rate = rates_k.rate(depth) if rates_k else None
+            spec_rate = self.sizes.rate(target, adapter, depth, draft)
             if spec_rate is None:
                 reason = f"auto: measuring speculative batching (k per round, up to {cap})"
                 return Decision(cap, reason, adaptive=True)
             # Which kind of batch: by what whole batches of each kind delivered, once
             # known (a speculative batch's rows end unevenly, each at its own acceptance,
             # so a finite queue ends in a tail its per-size rates do not show).
-            plain_whole = self.whole.get((target, adapter, None, PLAIN))
-            spec_whole = self.whole.get((target, adapter, draft, ADAPTIVE))
+            plain_whole = self.sizes.whole_rate(target, adapter, None)
+            spec_whole = self.sizes.whole_rate(target, adapter, draft)
             if plain_whole is not None and spec_whole is not None:
-                spec_vs, plain_vs = spec_whole.value, plain_whole.value
+                spec_vs, plain_vs = spec_whole, plain_whole
             else:
                 spec_vs, plain_vs = spec_rate, batched
             over_batched = spec_vs >= SPEC_BATCH_MARGIN * plain_vs or batched < alone
@@ -260,61 +251,6 @@ class SpeculationPolicy:
                     f"({plain_vs:.1f}) a speculative batch ({spec_vs:.1f})",
                 )
             return None
-
-    def record_batch(
-        self,
-        target: str,
-        adapter: str | None,
-        size: int,
-        tokens: int,
-        seconds: float,
-        draft: str | None = None,
-        k: int = PLAIN,
-        adaptive: bool = False,
-    ) -> None:
-        """Feed back ``tokens`` decoded in ``seconds`` by a batch of ``size`` jobs (a
-        speculative one when ``draft`` and ``k`` are given)."""
-        if size < 1 or tokens < 1 or seconds <= 0:
-            return
-        with self._lock:
-            self._rates(target, adapter, draft, k, adaptive).record(size, tokens / seconds)
-
-    def record_whole_batch(
-        self,
-        target: str,
-        adapter: str | None,
-        tokens: int,
-        seconds: float,
-        draft: str | None = None,
-        k: int = PLAIN,
-        adaptive: bool = False,
-    ) -> None:
-        """Feed back what a whole batch decoded (every step, prefills included)."""
-        if tokens < 1 or seconds <= 0:
-            return
-        key = (target, adapter, *_kind(draft, k, adaptive))
-        with self._lock:
-            self.whole.setdefault(key, Running()).update(tokens / seconds, 0, weight=0.5)
-
-    def batch_limit(
-        self,
-        target: str,
-        adapter: str | None,
-        draft: str | None = None,
-        k: int = PLAIN,
-        adaptive: bool = False,
-    ) -> tuple[int, str]:
-        """The batch size measured speed favours for (target, adapter), and why."""
-        with self._lock:
-            return self._rates(target, adapter, draft, k, adaptive).limit()
-
-    def _rates(
-        self, target: str, adapter: str | None, draft: str | None, k: int, adaptive: bool
-    ) -> BatchRates:
-        draft, k = _kind(draft, k, adaptive)
-        if draft is None:
-            return self.batches.setdefault((target, adapter), BatchRates())
-        return self.spec_batches.setdefault((target, adapter, draft, k), BatchRates())
 
     def _explore(self, draft: str) -> tuple[int, ...]:
         ks, k = self._ks(draft), self._k(draft)
@@ -425,14 +361,6 @@ class SpeculationPolicy:
                 row |= {f"k={k}": round(v, 2) for k, v in p.predicted(self._ks(d)).items()}
             out[f"{t} + {d}"] = row
         return out
-
-
-def _kind(draft: str | None, k: int, adaptive: bool) -> tuple[str | None, int]:
-    """A batch's kind in the policy's measurements: (None, PLAIN) without a draft, else
-    (draft, k), k being :data:`ADAPTIVE` for a batch that chooses k each round."""
-    if draft is None or k == PLAIN:
-        return None, PLAIN
-    return draft, ADAPTIVE if adaptive else k
 
 
 def _fixed(draft: str) -> str:
