@@ -17,6 +17,51 @@ from redis import Redis
 
 from producer.localredis import LocalRedis
 
+#: The quick tier (``bash tests/run.sh -m quick``, about a minute here): the pure modules'
+#: tests and the engines' on the smallest tiny models, plus one job through a real worker
+#: and Redis on each path (alone, batched, speculative, speculative batch, prompt lookup,
+#: streamed, ``n``, a reused prefix, a schema, tools, reasoning). CI runs everything.
+QUICK_FILES = {
+    "test_batching.py",
+    "test_cache.py",
+    "test_choices.py",
+    "test_coalesce.py",
+    "test_engine.py",
+    "test_goodput.py",
+    "test_lifecycle.py",
+    "test_logprobs.py",
+    "test_lookup.py",
+    "test_notify.py",
+    "test_policy.py",
+    "test_producer_cli.py",
+    "test_schemas.py",
+    "test_specbatch.py",
+    "test_store.py",
+    "test_structure.py",
+    "test_twice.py",
+    "test_worker.py",
+}
+QUICK_TESTS = {
+    "tests/test_fleet.py::test_stream_chunks_concatenate_to_the_final_message",
+    "tests/test_prefix.py::test_same_output_with_and_without_the_cache_and_cached_tokens_say_so",
+    "tests/test_structured.py::test_schema_is_enforced_alone_batched_speculative_and_streamed",
+    "tests/test_structured.py::test_bad_response_formats_are_refused_naming_the_problem",
+    "tests/test_tools.py::test_hostile_tool_requests_are_refused_by_name",
+    "tests/test_tools.py::test_forced_calls_validate_and_agree_on_every_path",
+    "tests/test_reasoning.py::test_the_split_and_the_count",
+    "tests/test_hostile.py::test_hostile_hashes_run_nothing_and_every_worker_goes_on",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the quick tier (:data:`QUICK_FILES`, :data:`QUICK_TESTS`); never a slow or
+    real-model test."""
+    for item in items:
+        slow = item.get_closest_marker("slow") or item.get_closest_marker("real")
+        quick = item.path.name in QUICK_FILES or item.nodeid.split("[")[0] in QUICK_TESTS
+        if quick and not slow:
+            item.add_marker(pytest.mark.quick)
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory) -> Iterator[LocalRedis]:
