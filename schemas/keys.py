@@ -1,6 +1,6 @@
 """The Redis key layout: the one place that spells mlxq's keys.
 
-Every key an app may read is documented in the README ("Redis keys").
+Every key an app may read is documented in docs/results.md ("Redis keys").
 """
 
 from __future__ import annotations

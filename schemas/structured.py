@@ -6,7 +6,7 @@ and a worker refuses it again (a job hash may come from anywhere) with the same
 message. Workers build the token mask from the grammar (``worker.engine.constrain``).
 
 Why llguidance (``bench/grammar.py`` measures llguidance, xgrammar and outlines-core
-on a 32,000-entry byte-level BPE; figures in the README): no dependencies (xgrammar
+on a 32,000-entry byte-level BPE; figures in docs/benchmarks.md): no dependencies (xgrammar
 requires torch), no per-schema compile stall (about 1 ms, lazily; outlines-core
 takes ~300 ms per schema), rollback and draft-token masks for speculative decoding,
 and it names the keyword it cannot enforce instead of ignoring it.

@@ -148,3 +148,57 @@ def test_the_lifecycle_and_the_scheduler_import_no_mlx_at_run_time(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     expected = "['redis']" if "lifecycle" in module else "[]"
     assert out.stdout.strip() == expected, out.stderr
+
+
+#: The folders whose modules the README's Layout lists one by one.
+LAID_OUT = (
+    "schemas",
+    "producer",
+    "producer/serve",
+    "worker",
+    *(f"worker/{p}" for p in PACKAGES),
+    "bench",
+    "tests",
+)
+
+
+def readme_layout() -> dict[str, set[str]]:
+    """The README's Layout block: folder -> the ``*.py`` names listed under it (a line that
+    starts with ``folder/`` opens a folder; indented lines go on with it)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed: dict[str, set[str]] = {}
+    folder = ""
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            folder = line.split()[0].rstrip("/")
+            listed.setdefault(folder, set())
+        listed.setdefault(folder, set()).update(
+            w.strip("(),") for w in line.split() if w.strip("(),").endswith(".py") and "*" not in w
+        )
+    return listed
+
+
+def test_the_readme_layout_lists_every_module():
+    listed = readme_layout()
+    for folder in LAID_OUT:
+        names = {p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py"}
+        if folder == "tests":
+            names = {n for n in names if not n.startswith("test_")}
+        assert listed.get(folder, set()) == names, (
+            f"README Layout, {folder}/: missing {sorted(names - listed.get(folder, set()))}, "
+            f"not in the tree {sorted(listed.get(folder, set()) - names)}"
+        )
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
