@@ -49,8 +49,9 @@ from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import ChatRequest
 from worker.engine import Prepared, params_for, prompt_tokens
-from worker.engine.batch import PREFILL_STEP, BatchEngine
+from worker.engine.batch import BatchEngine
 from worker.engine.models import ModelCache
+from worker.engine.prefill import PREFILL_STEP
 from worker.runner import runtime
 from worker.schedule.admission import batch_peak_bytes
 from worker.schedule.policy import SpeculationPolicy

@@ -22,13 +22,13 @@ from tests.templates import FAMILIES, with_template
 from worker.engine import prompt_tokens
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
+from worker.engine.prefill import prefill
 from worker.engine.prefix import (
     BLOCK,
     MIN_TOKENS,
     PrefixCache,
     cache_nbytes,
     common_prefix,
-    prefill,
     restore,
     snapshot,
 )

@@ -13,14 +13,12 @@ from collections.abc import Hashable
 from mlx_lm.generate import BatchGenerator
 
 from worker.engine.models import LoadedModel
+from worker.engine.prefill import PREFILL_STEP
 from worker.engine.protocol import NO_START, Finished, Start, Step
 from worker.engine.request import Prepared
 from worker.engine.sampling import logits_processors, sampler_for
 from worker.engine.sequence import OnText, Sequence
 
-#: Prompt tokens per sequence prefilled between two decoding steps: a long prompt
-#: joining a running batch is prefilled in chunks while the others keep decoding.
-PREFILL_STEP = 512
 #: Sequences prefilled together (their chunks are one forward pass).
 PREFILL_BATCH = 8
 #: Architectures whose padded batch prefill is not exact in mlx-lm 0.32 (their SSM

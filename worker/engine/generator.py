@@ -13,7 +13,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from schemas import ChatRequest, MlxqError
@@ -22,7 +21,8 @@ from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
-from worker.engine.prefix import MIN_TOKENS, PREFILL_STEP, common_prefix, starting_cache
+from worker.engine.prefill import prefill
+from worker.engine.prefix import MIN_TOKENS, common_prefix, starting_cache
 from worker.engine.protocol import NO_START, Start
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
 from worker.engine.rewind import leaves
@@ -181,10 +181,7 @@ class ChatGenerator:
         cache, cached = start.cache, start.cached
         if cache is None:
             cache, cached = make_prompt_cache(self.target.model), 0
-        model = self.target.model
-        for i in range(cached, held, PREFILL_STEP):
-            model(mx.array(prompt[i : min(i + PREFILL_STEP, held)])[None], cache=cache)
-            mx.eval([c.state for c in cache])
+        prefill(self.target.model, prompt, cache, cached, held)
         layers = snapshot(cache, held)
         return (layers, held, start.reused) if layers is not None else (None, 0, 0)
 

@@ -46,13 +46,12 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from worker.engine.layers import nbytes as cache_nbytes
 from worker.engine.layers import restore, shortest, snapshot
+from worker.engine.prefill import prefill
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +63,6 @@ BLOCK = 16
 #: Block hashes of recent prompts remembered, least recently seen dropped first: about
 #: a million tokens of prompts (~10 MB with the prompts they point to), across models.
 RECENT_BLOCKS = 65536
-#: Tokens prefilled per forward pass when warming a prefix (mlx-lm's default step).
-PREFILL_STEP = 2048
 
 Cache = list[Any]
 
@@ -92,18 +89,6 @@ class PrefixStats:
     lookups: int = 0
     hits: int = 0
     tokens_reused: int = 0
-
-
-def prefill(
-    model: nn.Module, tokens: Sequence[int], cache: Cache | None = None, start: int = 0
-) -> Cache:
-    """A cache holding ``tokens``' KV state: ``cache`` (holding the first ``start`` of them)
-    or a fresh one, with the model run over the rest in steps."""
-    cache = make_prompt_cache(model) if cache is None else cache
-    for i in range(start, len(tokens), PREFILL_STEP):
-        model(mx.array(tokens[i : min(i + PREFILL_STEP, len(tokens))])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-    return cache
 
 
 def block_hashes(prompt: Sequence[int]) -> list[int]:
@@ -265,7 +250,7 @@ def starting_cache(
             base, held = None, 0  # extend the entry that covers part of it, if any
             if matched is not None:
                 base, held = restore(matched[0].layers, matched[1]), matched[1]
-            layers = snapshot(prefill(model, prompt[:boundary], base, held), boundary)
+            layers = snapshot(prefill(model, prompt, base, held, boundary), boundary)
             if layers is None:
                 return None, 0, 0
             store.put(key, prompt[:boundary], layers, room())

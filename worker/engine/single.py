@@ -21,6 +21,7 @@ from schemas import MlxqError
 from worker.engine.layers import count as cache_count
 from worker.engine.lookup import Lookup, NgramIndex
 from worker.engine.output import GenerationOutput
+from worker.engine.prefill import PREFILL_STEP
 from worker.engine.request import GenerationParams
 from worker.engine.sampling import logits_processors, plain_sampler
 from worker.engine.sequence import Deadline, OnText, Sequence
@@ -88,6 +89,7 @@ def generate(
         kwargs: dict[str, object] = {
             "sampler": plain_sampler(params),
             "logits_processors": logits_processors(params),
+            "prefill_step_size": PREFILL_STEP,
         }
         if cache is not None:
             kwargs["prompt_cache"] = cache

@@ -38,7 +38,7 @@ from worker.engine.batch import UNPADDED_PREFILL
 from worker.engine.layers import count as cache_count
 from worker.engine.lookup import NgramIndex
 from worker.engine.models import LoadedModel
-from worker.engine.prefix import PREFILL_STEP
+from worker.engine.prefill import prefill
 from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished, Start, Step
 from worker.engine.request import Prepared
 from worker.engine.sampling import logits_processors, sampler_for
@@ -198,9 +198,7 @@ class SpecBatchEngine:
             if width:
                 for c in batch:
                     c.prepare(lengths=[len(r) for r in rests], right_padding=pad)
-                for i in range(0, width, PREFILL_STEP):
-                    model(tokens[:, i : i + PREFILL_STEP], cache=batch)
-                    mx.eval([c.state for c in batch])
+                prefill(model, tokens, batch)
                 for c in batch:
                     c.finalize()
             batches.append(batch)

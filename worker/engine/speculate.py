@@ -30,7 +30,7 @@ import mlx.nn as nn
 
 from worker.engine import rewind
 from worker.engine.lookup import NgramIndex
-from worker.engine.prefix import PREFILL_STEP
+from worker.engine.prefill import prefill
 
 Cache = list[Any]
 Sampler = Callable[[mx.array], mx.array]
@@ -67,12 +67,6 @@ class Token:
     from_draft: bool
 
 
-def _prefill(model: nn.Module, cache: Cache, tokens: list[int]) -> None:
-    for i in range(0, len(tokens), PREFILL_STEP):
-        model(mx.array(tokens[i : i + PREFILL_STEP])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-
-
 class Proposer(Protocol):
     """What offers each round's tokens for the target to verify."""
 
@@ -91,7 +85,7 @@ class DraftProposer:
 
     def __init__(self, model: nn.Module, cache: Cache, prompt: list[int], cached: int) -> None:
         self.model, self.cache = model, cache
-        _prefill(model, cache, prompt[cached:-1])
+        prefill(model, prompt, cache, cached, len(prompt) - 1)
         self.unseen = [prompt[-1]]  # what the draft has not seen yet
         self.replay = rewind.needs_replay(cache)
         self.mark: list[Any] | None = None
@@ -185,7 +179,7 @@ def speculative_tokens(
     ``cached`` prompt tokens (the rest is prefilled here). Stop iterating to end the
     sequence early."""
     tally = tally if tally is not None else Tally()
-    _prefill(model, target_cache, prompt[cached:-1])
+    prefill(model, prompt, target_cache, cached, len(prompt) - 1)
     history = list(prompt)  # prompt + tokens emitted
     replay = rewind.needs_replay(target_cache)
 
