@@ -236,3 +236,41 @@ def test_a_batch_keeps_its_terms_when_the_policy_changes_its_mind(conn, redis_ur
     assert got["fixed"].metrics.num_draft_tokens == 2
     assert "first" not in got["fixed"].metrics.speculation_reason
     assert "first" not in got["other"].metrics.speculation_reason
+
+
+def test_each_take_routes_the_job_once(conn, redis_url, tiny):
+    """The policy is asked about a job once per take (``worker.schedule.route``), whatever
+    path it runs: batched, alone with prompt lookup, streamed, n choices; a job handed
+    back (it cannot join the running batch) is routed again when taken again."""
+    from redis import Redis
+
+    from worker.runner.loop import Worker
+
+    class Counting(SpeculationPolicy):
+        asked = chosen = 0
+
+        def proposer(self, req):
+            self.asked += 1
+            return super().proposer(req)
+
+        def choose(self, *args, **kwargs):
+            self.chosen += 1
+            return super().choose(*args, **kwargs)
+
+    jobs = {f"p{i}": chat(tiny.target, f"plain {i}", max_tokens=6, temperature=0) for i in range(5)}
+    jobs["stream"] = chat(tiny.target, "streamed", max_tokens=6, stream=True)
+    jobs["n"] = chat(tiny.target, "two", max_tokens=6, n=2, temperature=0)
+    lookup = {"speculation": {"method": "prompt_lookup"}, "temperature": 0}
+    jobs["lookup"] = chat(tiny.target, "look up look up", max_tokens=6, **lookup)
+    jobs["p5"] = chat(tiny.target, "plain after", max_tokens=6, temperature=0)
+    s = Client(connection=conn).submit(jobs, batch_id="routed")
+    policy = Counting("auto")
+    rt = runtime.WorkerRuntime(cache=ModelCache(), worker_id="routed", policy=policy)
+    worker = Worker(Redis.from_url(redis_url), ["mlxq"], rt, name="routed", max_batch=4, burst=True)
+    worker.work()
+    records = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    assert all(r.status == "succeeded" for r in records.values())
+    assert worker.taken > len(jobs)  # some were handed back by the batch and taken again
+    assert policy.asked == worker.taken
+    assert policy.chosen == 1  # the lookup job, which ran alone, decided once
+    assert records["lookup"].metrics.speculation_reason

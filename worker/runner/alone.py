@@ -27,6 +27,7 @@ from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.streamer import Streamer
 from worker.schedule.policy import LOOKUP, Decision, JobSpeed
+from worker.schedule.route import Route
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +93,11 @@ AfterRecord = Callable[[], None] | None
 
 
 def run_alone(
-    job: Job, rt: WorkerRuntime, conn: Redis, upcoming: Upcoming | None = None
+    job: Job, route: Route, rt: WorkerRuntime, conn: Redis, upcoming: Upcoming | None = None
 ) -> tuple[ResultRecord, AfterRecord]:
-    """Generate ``job`` on its own. Whatever goes wrong becomes its failed record; only
-    BaseExceptions (a cold shutdown) escape.
+    """Generate ``job`` on its own, as ``route`` says (``worker.schedule.route``: plain or
+    speculative, k and why, decided when it was taken). Whatever goes wrong becomes its
+    failed record; only BaseExceptions (a cold shutdown) escape.
 
     With ``stream: true`` the text is also appended to the job's chunk stream
     (``worker.lifecycle.streaming``) as it is produced; the final chunk (or the error
@@ -107,7 +109,6 @@ def run_alone(
     writer = None
     try:
         rt.check_request(req)
-        proposer = rt.policy.proposer(req)  # a draft, prompt lookup, or nothing
         generator = ChatGenerator.get_or_create(
             req.model, req.draft_model, req.adapter, cache=rt.cache
         )
@@ -117,9 +118,6 @@ def run_alone(
             writer.start()
         prepared = generator.prepare(req, rt.default_num_draft_tokens)
         if req.n > 1:
-            decision = None
-            if proposer is not None:
-                decision = Decision(0, f"n={req.n}: the choices decode as one batch, plainly")
             need = projected([target], [prepared.length()] * req.n)
             with rt.cache.reserving(need, f"{req.n} x {prepared.label}"):
                 out = generator.generate_choices(prepared, deadline=deadline_of(job))
@@ -130,17 +128,11 @@ def run_alone(
                 generator,
                 completion_id=completion_id,
                 batched_with=req.n,
-                decision=decision,
+                route=route,
             )
             return record, None
-        decision = None
-        if proposer is not None:
-            decision = rt.policy.choose(req.model, proposer, rt.policy.fixed_k(req))
-            if req.stream:  # say why a streamed job never shares a speculative batch
-                reason = f"{decision.reason}; streamed, so alone (streams are not batched)"
-                decision = dataclasses.replace(decision, reason=reason)
-        speculative = decision is not None and decision.speculative
-        if speculative and decision is not None:
+        decision = route.decision
+        if route.speculative and decision is not None:
             prepared = prepared.with_params(num_draft_tokens=decision.k)
         streamer = None
         if writer is not None:
@@ -148,20 +140,19 @@ def run_alone(
         out = generate_reserved(
             generator,
             prepared,
-            speculative,
+            route.speculative,
             on_text=streamer,
             deadline=deadline_of(job),
-            lookup=proposer == LOOKUP,
+            lookup=route.proposer == LOOKUP,
             give_up_below=decision.give_up_below if decision is not None else None,
             others=company(generator, prepared, upcoming, rt.scout),
         )
-        if decision is not None and proposer is not None:
-            rt.policy.record(req.model, proposer, decision, speed_of(out))
+        if decision is not None and route.proposer is not None:
+            rt.policy.record(req.model, route.proposer, decision, speed_of(out))
             if out.gave_up_after:
                 decision = dataclasses.replace(decision, reason=_gave_up(decision, out))
-        record = records.success(
-            job, rt, out, generator, completion_id=completion_id, decision=decision
-        )
+        route = route.with_decision(decision)
+        record = records.success(job, rt, out, generator, completion_id=completion_id, route=route)
         if streamer is not None:
             return record, functools.partial(streamer.end, record)
         return record, None

@@ -1,6 +1,6 @@
 """Continuous batching of jobs: while a batch runs, the worker keeps taking jobs into it.
 
-When the worker takes a job that may share a batch (:func:`batch_key`: not
+When the worker takes a job whose route (``worker.schedule.route``) names a batch (not
 streaming, one choice, greedy or unseeded, since a seeded sampling job runs
 alone so that its seed means what it says; a job with a draft when the
 speculation policy says how to batch it; ``worker.schedule.grouping``), it runs a
@@ -20,7 +20,7 @@ How many join (admission), checked before each job joins:
   do not overtake it). A job that would not fit even alone fails with
   ``context_too_large``, naming the numbers.
 - speed (``--max-batch auto``): the batch grows while a larger batch measures
-  faster (``worker.schedule.policy.BatchRates.limit``);
+  faster (``worker.schedule.batchsize.BatchMemory.limit``);
 - ``--max-batch N``: never more than N.
 
 A job that cannot join (another model, streaming...) is given back to the
@@ -33,6 +33,7 @@ jobs run alone (``worker.lifecycle.held``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -56,9 +57,10 @@ from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.admission import Length, Verdict, admit
 from worker.schedule.goodput import Goodput
-from worker.schedule.grouping import BatchKey, batch_key, batchable
+from worker.schedule.grouping import BatchKey, batchable
 from worker.schedule.meter import BatchMeter
 from worker.schedule.policy import LOOKUP, Decision
+from worker.schedule.route import Route, route
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class Host(Protocol):
 @dataclass
 class _Slot:
     job: Job
-    decision: Decision | None
+    route: Route
     peak: int = 1  # the most jobs decoding together while this one ran
 
 
@@ -119,19 +121,19 @@ class ContinuousBatch:
     def peak_size(self) -> int:
         return self.meter.peak_size
 
-    def run(self, first: Job, decision: Decision | None = None) -> None:
-        """Decode ``first`` and every job that joins until the batch is empty.
+    def run(self, first: Job, first_route: Route) -> None:
+        """Decode ``first`` (routed to this batch) and every job that joins until the batch
+        is empty.
 
         A BaseException (a cold shutdown) gives every job still in the batch back
         to its queue; an unexpected error fails them.
         """
-        req = first.envelope.request
-        self.decision = decision
+        self.decision = first_route.decision
         # jobs like the first join on its terms when the policy (not the job) chose them
-        fixed = self.rt.policy.fixed_k(req) is not None
-        self.draft_named = self.rt.policy.proposer(req) if not fixed else None
+        fixed = first_route.fixed_k is not None
+        self.draft_named = first_route.proposer if not fixed else None
         try:
-            self._admit(first, decision)
+            self._admit(first, first_route)
             self._fill()  # the queued companions join before the first step
             while self.slots:
                 assert self.engine is not None
@@ -201,33 +203,33 @@ class ContinuousBatch:
                 self._reason = QUEUE_EMPTY
                 return
             depth = max(self.depth, len(self.slots) + 1)
-            taken = batch_key(job.envelope.request, self.rt.policy, depth)
-            if (taken is None or taken[0] != self.key) and self._same_kind(job):
-                taken = self.key, self.decision  # the policy's new mind is for the next batch
-            if taken is None or taken[0] != self.key:
+            r = route(job.envelope.request, self.rt.policy, depth, decide_alone=False)
+            if r.batch != self.key and self._same_kind(job, r):
+                # the policy's new mind is for the next batch
+                r = dataclasses.replace(r, batch=self.key, decision=self.decision)
+            if r.batch != self.key:
                 self.host.lifecycle.requeue(job)
                 self._pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
                 return
-            if not self._admit(job, taken[1]):
+            if not self._admit(job, r):
                 return
 
-    def _same_kind(self, job: Job) -> bool:
+    def _same_kind(self, job: Job, r: Route) -> bool:
         """Whether ``job`` is like the draft jobs this batch was started for, which the
         policy decided how to batch (not the job: it leaves k to the policy): it joins
         on the batch's terms until the queue runs dry, so a batch (and what the policy
         measures of it) is not starved when the policy changes its mind mid-batch."""
         req = job.envelope.request
-        policy = self.rt.policy
         return (
             self.decision is not None
             and self.draft_named is not None
-            and policy.proposer(req) == self.draft_named
-            and policy.fixed_k(req) is None
+            and r.proposer == self.draft_named
+            and r.fixed_k is None
             and (req.model, req.adapter) == (self.key.model, self.key.adapter)
             and batchable(req)
         )
 
-    def _admit(self, job: Job, decision: Decision | None) -> bool:
+    def _admit(self, job: Job, r: Route) -> bool:
         """Put ``job`` into the batch (True); hand it back to wait for memory, or end it
         at once with what stops it (False)."""
         req = job.envelope.request
@@ -258,7 +260,7 @@ class ContinuousBatch:
             error = GenerationError(f"{type(e).__name__}: {e}")
             self._end([(job, records.failure(job, self.rt, error))])
             return False
-        self.slots[job.id] = _Slot(job, decision)
+        self.slots[job.id] = _Slot(job, r)
         self._reserve()
         return True
 
@@ -364,7 +366,7 @@ class ContinuousBatch:
                 out,
                 self.generator,
                 batched_with=slot.peak,
-                decision=slot.decision,
+                route=slot.route,
             )
             ended.append((slot.job, record))
         if ended:

@@ -48,7 +48,7 @@ from worker.runner.company import PEEK
 from worker.runner.continuous import AUTO_CAP, ContinuousBatch
 from worker.runner.fleet import worker_info
 from worker.runner.runtime import WorkerRuntime
-from worker.schedule.grouping import batch_key
+from worker.schedule.route import route
 
 log = logging.getLogger(__name__)
 
@@ -188,19 +188,18 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         self.state, self.current = "busy", job.id
-        depth, taken = 1, None
-        if self.max_batch != 1:
-            if self.rt.policy.proposer(job.envelope.request):  # batch or speculate: how many wait?
-                waiting = self.lifecycle.waiting(job.queue)
-                depth += min(waiting, (self.max_batch or AUTO_CAP) - 1)
-            taken = batch_key(job.envelope.request, self.rt.policy, depth)
-        if taken is not None:
-            ContinuousBatch(self, job.queue, taken[0], depth).run(job, taken[1])
+
+        def depth() -> int:  # batch or speculate: how many wait?
+            return 1 + min(self.lifecycle.waiting(job.queue), (self.max_batch or AUTO_CAP) - 1)
+
+        r = route(job.envelope.request, self.rt.policy, depth, batching=self.max_batch != 1)
+        if r.batch is not None:
+            ContinuousBatch(self, job.queue, r.batch, r.depth).run(job, r)
             return
         try:
             with self.computing():
                 upcoming = functools.partial(self.lifecycle.peek, job.queue, PEEK)
-                record, after = run_alone(job, self.rt, self.conn, upcoming)
+                record, after = run_alone(job, r, self.rt, self.conn, upcoming)
         except BaseException:
             self.lifecycle.requeue(job)
             raise

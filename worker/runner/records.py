@@ -23,7 +23,7 @@ from worker.engine.generator import ChatGenerator
 from worker.engine.logprobs import render
 from worker.lifecycle.held import Job
 from worker.runner.runtime import WorkerRuntime
-from worker.schedule.policy import LOOKUP, Decision
+from worker.schedule.route import Route
 
 
 @functools.cache
@@ -124,12 +124,14 @@ def success(
     *,
     completion_id: str | None = None,
     batched_with: int = 1,
-    decision: Decision | None = None,
+    route: Route | None = None,
 ) -> ResultRecord:
-    """The succeeded record (completion and metrics) for a finished generation."""
+    """The succeeded record (completion and metrics) for a finished generation, run as
+    ``route`` says (None: plainly, no proposer)."""
     req = job.envelope.request
     rt.stats.add(req.model, req.draft_model, out)
-    speculative = bool(decision and decision.speculative)
+    decision = route.decision if route is not None else None
+    speculative = route is not None and route.speculative
     metrics = base_metrics(rt, job).model_copy(
         update={
             "load_time_s": generator.load_time_s,
@@ -139,7 +141,7 @@ def success(
             "generation_tokens_per_s": out.generation_tokens_per_s,
             "num_draft_tokens": decision.k if decision and speculative else None,
             "speculative": speculative,
-            "speculation_method": _method(job, rt) if speculative else None,
+            "speculation_method": route.method if route is not None else None,
             "speculation_reason": decision.reason if decision else None,
             "draft_tokens_proposed": out.draft_tokens_proposed,
             "draft_tokens_accepted": out.draft_tokens_accepted,
@@ -158,11 +160,6 @@ def success(
         metrics=metrics,
         finished_at=time.time(),
     )
-
-
-def _method(job: Job, rt: WorkerRuntime) -> str:
-    """How a speculative job's tokens were proposed: "draft" or "prompt_lookup"."""
-    return "prompt_lookup" if rt.policy.proposer(job.envelope.request) == LOOKUP else "draft"
 
 
 def failure(job: Job, rt: WorkerRuntime, error: MlxqError) -> ResultRecord:

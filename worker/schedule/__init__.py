@@ -8,6 +8,7 @@ milliseconds. The runner feeds it measurements and asks it questions:
 - ``goodput``: each round's k inside a speculative batch;
 - ``batchsize``: what batches measured (``BatchMemory``) and how large a batch grows
   (``--max-batch auto``); the policy reads it to choose a batch or one at a time;
+- ``route``: a job's route, decided once when it is taken (every question above);
 - ``grouping``: which jobs may share a batch;
 - ``admission``: the KV bytes a batch can grow to;
 - ``estimators``: the running averages, cost lines and acceptance they all use.

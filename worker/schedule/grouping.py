@@ -4,7 +4,8 @@ A job may share a batch (:func:`batchable`) unless it streams, asks for n > 1
 choices (a batch of its own) or samples with a seed (it runs alone so that its
 seed means what it says). Jobs share a batch when their :class:`BatchKey` is equal:
 same (model, adapter), and for jobs that name a draft, what the speculation policy
-decided: batched without the draft, or in a speculative batch with it at k.
+decided (``worker.schedule.route``): batched without the draft, or in a speculative
+batch with it at k.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from schemas import ChatRequest
-from worker.schedule.policy import Decision, SpeculationPolicy
 
 
 class BatchKey(NamedTuple):
@@ -29,25 +29,3 @@ def batchable(req: ChatRequest) -> bool:
     """Whether a request may share a batch at all (n > 1: its choices are a batch of
     their own; a seeded sampling job runs alone so that its seed means what it says)."""
     return not (req.stream or req.n > 1 or (req.seed is not None and req.temperature > 0))
-
-
-def batch_key(
-    req: ChatRequest, policy: SpeculationPolicy, depth: int
-) -> tuple[BatchKey, Decision | None] | None:
-    """The batch a job may join, or None if it runs alone.
-
-    A job naming a draft (or speculating by prompt lookup) joins a batch when the
-    speculation policy says so: without
-    the draft (k 0) or in a speculative batch with it at k; the policy's decision
-    (and why) comes along for its metrics.
-    """
-    if not batchable(req):
-        return None
-    proposer = policy.proposer(req)  # a draft, prompt lookup, or nothing
-    if proposer is None:
-        return BatchKey(req.model, req.adapter, None, 0), None
-    decision = policy.batch_instead(req.model, proposer, req.adapter, depth, policy.fixed_k(req))
-    if decision is None:
-        return None
-    draft = proposer if decision.speculative else None
-    return BatchKey(req.model, req.adapter, draft, decision.k, decision.adaptive), decision
