@@ -20,6 +20,7 @@ from tests.test_gateway import gateway  # noqa: F401 (a fixture)
 from worker.dev.tinymodels import ensure_thinking_model
 from worker.engine import reasoning
 from worker.engine.models import ModelCache
+from worker.engine.parser import split_reasoning
 from worker.engine.request import prompt_tokens
 from worker.schedule.policy import SpeculationPolicy
 
@@ -82,14 +83,58 @@ def test_hostile_template_switches_are_refused_by_name(change, word):
 
 def test_the_split_and_the_count():
     t = reasoning.Thinking("<think>", "</think>", (9,))
-    assert reasoning.split("plan\n</think>\n\nanswer", t, True) == ("plan", "answer")
-    assert reasoning.split("cut short", t, True) == ("cut short", "")
-    assert reasoning.split("<think>a</think>b", t, False) == ("a", "b")
-    assert reasoning.split("no thinking", t, False) == (None, "no thinking")
-    assert reasoning.split("</think>only", t, True) == (None, "only")
+    assert split_reasoning("plan\n</think>\n\nanswer", t, True) == ("plan", "answer")
+    assert split_reasoning("cut short", t, True) == ("cut short", "")
+    assert split_reasoning("<think>a</think>b", t, False) == ("a", "b")
+    assert split_reasoning("no thinking", t, False) == (None, "no thinking")
+    assert split_reasoning("</think>only", t, True) == (None, "only")
+    assert split_reasoning("<thi", t, False, final=False) == (None, None)  # may open a block
+    assert split_reasoning("plan </thi", t, True, final=False) == ("plan", None)  # held
     assert reasoning.reasoning_tokens((1, 2, 9, 3), t, True) == 3
     assert reasoning.reasoning_tokens((1, 2), t, True) == 2  # never closed: all of it
     assert reasoning.reasoning_tokens((1, 2), t, False) == 0
+
+
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_every_live_view_is_a_prefix_of_the_final_message(in_reasoning):
+    """The one parser, fed a text piece by piece (every split point of several texts):
+    each live view of the reasoning, the answer and each call's arguments is a prefix of
+    the finished message's, so what a stream sends adds up to the record."""
+    import json
+
+    from mlx_lm.tool_parsers import json_tools
+
+    from worker.engine.parser import OutputParser
+    from worker.engine.toolcalls import Family
+
+    t = reasoning.Thinking("<think>", "</think>", (9,))
+    family = Family("json_tools", "<tool_call>", "</tool_call>", json_tools.parse_tool_call)
+    call = (
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc", "n": [1, 2]}}\n</tool_call>'
+    )
+    opening = "" if in_reasoning else "<think>"
+    texts = [
+        f"{opening}weigh it </think>\n\nThe answer.  ",
+        f"{opening} plan\n</think>Let me check. {call}",
+        f"{opening}cut short <",
+        "no thinking at all < <tool",
+        f"{opening}x</think>{call}{call} and after",
+    ]
+    for text in texts:
+        for cut in range(len(text) + 1):
+            parser = OutputParser(t, in_reasoning, family)
+            for piece in (text[:cut], text[cut:]):
+                parser.feed(piece)
+                live = parser.live()
+                final = OutputParser(t, in_reasoning, family, text).message("stop")[0]
+                assert (final.reasoning_content or "").startswith(live.reasoning or ""), text
+                assert (final.content or "").startswith(live.content or ""), (text, cut)
+                for n, (name, args) in enumerate(live.calls):
+                    done = final.tool_calls[n].function
+                    assert done.name == name and done.arguments.startswith(args), (text, cut)
+            if "tool_call>" in text and text.endswith("</tool_call>"):
+                calls = OutputParser(t, in_reasoning, family, text).message("stop")[0].tool_calls
+                assert [json.loads(c.function.arguments)["zone"] for c in calls] == ["utc"]
 
 
 def test_template_switches_reach_the_template(thinker):

@@ -45,20 +45,6 @@ def opens_in_reasoning(tokenizer: Any, prompt: list[int]) -> bool:
     return int(tokenizer.rfind_think_start(prompt)) > int(tokenizer.rfind_think_end(prompt))
 
 
-def split(text: str, thinking: Thinking, in_reasoning: bool) -> tuple[str | None, str]:
-    """``text`` as (reasoning, answer). Reasoning is None when there is none; a block cut
-    short (``max_tokens`` inside the reasoning) is all reasoning."""
-    if not in_reasoning:
-        stripped = text.lstrip()
-        if not stripped.startswith(thinking.start):
-            return None, text
-        text = stripped[len(thinking.start) :]
-    at = text.find(thinking.end)
-    if at < 0:
-        return text.strip() or None, ""
-    return text[:at].strip() or None, text[at + len(thinking.end) :].lstrip()
-
-
 def reasoning_tokens(tokens: tuple[int, ...], thinking: Thinking, opened: bool) -> int:
     """How many of the completion's tokens are reasoning (through the end marker);
     ``opened``: the completion is in a thinking block (all of it, if never closed)."""

@@ -21,6 +21,7 @@ from worker.engine import GenerationOutput, reasoning, toolcalls
 from worker.engine.constrain import token_bytes
 from worker.engine.generator import ChatGenerator
 from worker.engine.logprobs import render
+from worker.engine.parser import OutputParser
 from worker.lifecycle.held import Job
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.route import Route
@@ -54,24 +55,15 @@ def completion_for(
 
     def message(o: GenerationOutput, choice: int) -> tuple[AssistantMessage, str]:
         nonlocal thought
-        thinks, text = None, o.text
-        if thinking is not None:
-            thinks, text = reasoning.split(o.text, thinking, o.in_reasoning)
-            opened = o.in_reasoning or thinks is not None
-            thought += reasoning.reasoning_tokens(o.token_ids, thinking, opened)
-        msg = AssistantMessage(content=text, reasoning_content=thinks)
-        if family is None:
-            return msg, o.finish_reason
-        content, calls = toolcalls.parse(
-            text,
-            family,
-            tools,
-            lambda n: toolcalls.call_id(completion_id, choice, n),
+        parser = OutputParser(thinking, o.in_reasoning, family)
+        parser.feed(o.text)
+        msg, reason = parser.message(
+            o.finish_reason, tools, lambda n: toolcalls.call_id(completion_id, choice, n)
         )
-        if not calls:
-            return msg, o.finish_reason
-        reason = "tool_calls" if o.finish_reason == "stop" else o.finish_reason
-        return msg.model_copy(update={"content": content, "tool_calls": calls}), reason
+        if thinking is not None:
+            opened = o.in_reasoning or msg.reasoning_content is not None
+            thought += reasoning.reasoning_tokens(o.token_ids, thinking, opened)
+        return msg, reason
 
     choices = []
     for i, o in enumerate((out, *out.others)):

@@ -1,7 +1,7 @@
 """What a streamed job sends as it goes: its reasoning, its answer, its tool calls.
 
-The text a sequence writes is split as the final record splits it
-(``worker.engine.reasoning``, ``worker.engine.toolcalls``), so the streamed pieces
+The text a sequence writes goes through the job's output parser
+(``worker.engine.parser``), the one the record is made with, so the streamed pieces
 of each field concatenate to exactly that field of the record:
 
 - a reasoning model's thinking goes out as ``delta.reasoning_content`` (text that
@@ -22,25 +22,14 @@ from schemas import ResultRecord
 from worker.engine.constrain import token_bytes
 from worker.engine.logprobs import LogprobEntry, render
 from worker.engine.models import LoadedModel
+from worker.engine.parser import OutputParser
 from worker.engine.reasoning import Thinking, thinking_of
 from worker.engine.request import Prepared
-from worker.engine.toolcalls import Family, family_of, live_calls
+from worker.engine.toolcalls import Family, family_of
 from worker.engine.toolcalls import call_id as call_id_of
 from worker.lifecycle.streaming import ChunkWriter
 
 REASONING, CONTENT = "reasoning_content", "content"
-
-
-def shown_until(text: str, marker: str) -> int:
-    """How much of ``text`` can be shown: up to ``marker``, or to a suffix that could
-    begin it."""
-    at = text.find(marker)
-    if at >= 0:
-        return at
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
 
 
 class Streamer:
@@ -55,13 +44,11 @@ class Streamer:
         thinking: Thinking | None = None,
         in_reasoning: bool = False,
     ) -> None:
-        self.writer, self.family = writer, family
-        self.marker = family.start if family is not None else None
+        self.writer = writer
+        self.parser = OutputParser(thinking, in_reasoning, family)
         self.completion_id = str(writer.base["id"])
         self.calls: list[tuple[str, str]] = []  # per call streamed: (name, arguments so far)
-        self.thinking, self.in_reasoning = thinking, in_reasoning
         self.bytes_of = token_bytes(target.tokenizer, target.vocab_size) if logprobs else None
-        self.text = ""  # everything the sequence wrote
         self.sent = {REASONING: "", CONTENT: ""}  # what each field streamed so far
         self.entries: list[LogprobEntry] = []  # logprobs not sent yet
 
@@ -78,49 +65,14 @@ class Streamer:
     def __call__(self, delta: str, entries: Sequence[LogprobEntry]) -> None:
         if not delta and not entries:
             return
-        self.text += delta
+        self.parser.feed(delta)
         self.entries.extend(entries)
-        reasoning, answer = self._parts()
-        if reasoning is not None:
-            self._emit(REASONING, reasoning)
-        if answer is None:
-            return
-        if self.marker is None:
-            self._emit(CONTENT, answer)
-            return
-        self._emit(CONTENT, answer[: shown_until(answer, self.marker)])
-        if (at := answer.find(self.marker)) >= 0:
-            self._stream_calls(answer[at:])
-
-    def _parts(self) -> tuple[str | None, str | None]:
-        """What can be shown now of the reasoning, and the answer so far (None: none yet)."""
-        text, t = self.text, self.thinking
-        if t is None:
-            return None, text
-        if not self.in_reasoning:
-            stripped = text.lstrip()
-            if len(stripped) < len(t.start) and t.start.startswith(stripped):
-                return None, None  # it may be opening a thinking block
-            if not stripped.startswith(t.start):
-                return None, text
-            text = stripped[len(t.start) :]
-        at = text.find(t.end)
-        if at < 0:
-            return text[: shown_until(text, t.end)].strip(), None
-        return text[:at].strip(), text[at + len(t.end) :].lstrip()
-
-    def _stream_calls(self, text: str) -> None:
-        """The calls in ``text`` (from the first call marker on) as far as written."""
-        family = self.family
-        assert family is not None
-        live: list[tuple[str, str, bool]] = []
-        for part in text.split(family.start)[1:]:
-            body = part
-            if family.end:
-                at = part.find(family.end)
-                body = part[:at] if at >= 0 else part[: shown_until(part, family.end)]
-            live.extend(live_calls(family, body))
-        for n, (name, arguments, _) in enumerate(live):
+        live = self.parser.live()
+        if live.reasoning is not None:
+            self._emit(REASONING, live.reasoning)
+        if live.content is not None:
+            self._emit(CONTENT, live.content)
+        for n, (name, arguments) in enumerate(live.calls):
             self._call(n, name, arguments)
 
     def _call(self, n: int, name: str, arguments: str) -> None:
