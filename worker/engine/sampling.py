@@ -75,3 +75,17 @@ def sampler_for(params: GenerationParams) -> Any:
 def plain_sampler(params: GenerationParams) -> Any:
     """The sampler of a sequence decoded alone (the global random state, seeded per job)."""
     return make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+
+
+def pick(
+    logits: mx.array, context: list[int] | mx.array, processors: list[Any], sampler: Any
+) -> tuple[mx.array, mx.array]:
+    """A token from ``logits`` after ``processors`` (seeing ``context``: prompt and tokens
+    so far), and the log-probability vector it was sampled from: what the speculative
+    paths, alone and batched, sample every position with."""
+    if processors:
+        ctx = context if isinstance(context, mx.array) else mx.array(context, mx.uint32)
+        for p in processors:
+            logits = p(ctx, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sampler(logprobs), logprobs

@@ -146,6 +146,13 @@ class Sequence:
         self._stream()
         return finish_reason
 
+    def emit(self, token: int, eos: frozenset[int], logprobs: mx.array | None) -> str | None:
+        """:meth:`advance` for a token mlxq's own loops chose (the speculative ones, alone
+        and batched): it ends the sequence as EOS ("stop") or as its last ("length")."""
+        at_limit = len(self.tokens) + 1 >= self.params.max_tokens
+        reason = "stop" if token in eos else ("length" if at_limit else None)
+        return self.advance(token, reason, logprobs)
+
     def _stream(self) -> None:
         """Hand ``on_text`` what can be shown now."""
         if self.on_text is None or (safe := self._scan.safe(self.text)) <= self._shown:

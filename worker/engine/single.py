@@ -141,9 +141,7 @@ def _speculative(
     )
     finish = "length"
     for t in tokens:
-        at_limit = len(seq.tokens) + 1 >= params.max_tokens
-        reason = "stop" if t.token in eos else ("length" if at_limit else None)
-        ended = seq.advance(t.token, reason, t.logprobs)
+        ended = seq.emit(t.token, eos, t.logprobs)
         seq.draft_proposed, seq.draft_accepted = tally.proposed, tally.accepted
         seq.draft_rejections, seq.idle_rounds = tally.rejections, tally.idle
         seq.gave_up = tally.gave_up

@@ -41,7 +41,7 @@ from worker.engine.models import LoadedModel
 from worker.engine.prefill import prefill
 from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished, Start, Step
 from worker.engine.request import Prepared
-from worker.engine.sampling import logits_processors, sampler_for
+from worker.engine.sampling import logits_processors, pick, sampler_for
 from worker.engine.sequence import OnText, Sequence
 
 Cache = list[Any]
@@ -266,9 +266,7 @@ class SpecBatchEngine:
                 else:
                     row.draft_proposed += ks[i] - a
                     row.draft_rejections += a < ks[i]
-                at_limit = len(row.tokens) + 1 >= row.params.max_tokens
-                reason = "stop" if token in self.eos else ("length" if at_limit else None)
-                finish = row.advance(token, reason, vectors(i, j))
+                finish = row.emit(token, self.eos, vectors(i, j))
                 if finish is not None:
                     break
             row.idle_rounds += caps[i] > 0 and ks[i] == 0  # (a lookup that found nothing)
@@ -379,12 +377,7 @@ class SpecBatchEngine:
 
     @staticmethod
     def _sample_one(row: _Row, logits: mx.array, context: list[int]) -> tuple[mx.array, mx.array]:
-        if row.processors:
-            ctx = mx.array(context, mx.uint32)
-            for p in row.processors:
-                logits = p(ctx, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return row.sampler(logprobs), logprobs
+        return pick(logits, context, row.processors, row.sampler)
 
     def _sample_verify(
         self, logits: mx.array, drafts: list[list[int]], ks: list[int]

@@ -31,6 +31,7 @@ import mlx.nn as nn
 from worker.engine import rewind
 from worker.engine.lookup import NgramIndex
 from worker.engine.prefill import prefill
+from worker.engine.sampling import pick as sample
 
 Cache = list[Any]
 Sampler = Callable[[mx.array], mx.array]
@@ -184,12 +185,7 @@ def speculative_tokens(
     replay = rewind.needs_replay(target_cache)
 
     def pick(logits: mx.array, context: list[int] | mx.array) -> tuple[mx.array, mx.array]:
-        if processors:
-            ctx = context if isinstance(context, mx.array) else mx.array(context, mx.uint32)
-            for p in processors:
-                logits = p(ctx, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs
+        return sample(logits, context, processors, sampler)
 
     y = [prompt[-1]]  # what the target has not seen yet
     emitted = 0
