@@ -49,6 +49,7 @@ QUICK_TESTS = {
     "tests/test_tools.py::test_hostile_tool_requests_are_refused_by_name",
     "tests/test_tools.py::test_forced_calls_validate_and_agree_on_every_path",
     "tests/test_reasoning.py::test_the_split_and_the_count",
+    "tests/test_reasoning.py::test_every_live_view_is_a_prefix_of_the_final_message",
     "tests/test_hostile.py::test_hostile_hashes_run_nothing_and_every_worker_goes_on",
 }
 

@@ -202,3 +202,16 @@ def test_the_readme_is_short_and_its_links_resolve():
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def test_the_quick_tier_names_tests_that_exist():
+    """A renamed test would drop out of ``-m quick`` silently: every name it lists exists."""
+    from tests.conftest import QUICK_FILES, QUICK_TESTS
+
+    for name in QUICK_FILES:
+        assert (ROOT / "tests" / name).is_file(), name
+    for node in QUICK_TESTS:
+        path, func = node.split("::")
+        tree = ast.parse((ROOT / path).read_text())
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert func in names, node
