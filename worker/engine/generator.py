@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import ChatRequest, MlxqError
 from worker.engine.batch import BatchEngine
@@ -25,7 +25,6 @@ from worker.engine.prefill import prefill
 from worker.engine.prefix import MIN_TOKENS, common_prefix, starting_cache
 from worker.engine.protocol import NO_START, Start
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
-from worker.engine.rewind import leaves
 from worker.engine.sequence import Deadline, OnText
 from worker.engine.single import generate
 
@@ -203,14 +202,6 @@ class ChatGenerator:
             )
             >= MIN_TOKENS
         )
-
-    def cuts_anywhere(self) -> bool:
-        """Whether the target's caches are plain KV (a kept prefix serves any shorter one).
-        Sliding windows and recurrent state are kept only where a prompt boundary or an
-        earlier prompt says so: a job does not plan its prefix from the queued jobs (on a
-        sliding-window model that changed a tool job's greedy text in tests; not yet
-        understood)."""
-        return all(type(c) is KVCache for c in leaves(make_prompt_cache(self.target.model)))
 
     def prompt_of(self, request: ChatRequest) -> list[int]:
         """``request``'s prompt tokens on the target (no other checks)."""

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from schemas import (
     ContextTooLargeError,
@@ -41,6 +42,7 @@ from worker.engine.memory import (
     kv_profile,
 )
 from worker.engine.prefix import PrefixCache
+from worker.engine.rewind import leaves
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class LoadedModel:
     uses: int = 0
     _vocab: dict[str, int] | None = field(default=None, repr=False)
     _kv: KVProfile | None = field(default=None, repr=False)
+    _plain_kv: bool | None = field(default=None, repr=False)
 
     @property
     def key(self) -> CacheKey:
@@ -102,6 +105,16 @@ class LoadedModel:
         if self._kv is None:
             self._kv = kv_profile(self.model)
         return self._kv
+
+    @property
+    def plain_kv(self) -> bool:
+        """Whether every layer's cache is a plain KV cache (no sliding window, no recurrent
+        state): rewound by cutting positions off, and a kept prefix serves any shorter one.
+        Found once, from an empty cache of the model."""
+        if self._plain_kv is None:
+            cache = leaves(make_prompt_cache(self.model))
+            self._plain_kv = all(type(c) is KVCache for c in cache)
+        return self._plain_kv
 
     def vocab(self) -> dict[str, int]:
         """The tokenizer's token -> id map (computed once)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, dynamic_roll, make_prompt_cache
+from mlx_lm.models.cache import dynamic_roll, make_prompt_cache
 
 from worker.engine import rewind
 from worker.engine.batch import UNPADDED_PREFILL
@@ -56,10 +56,6 @@ class _Row(Sequence):
     history: list[int] = field(default_factory=list)  # prompt + generated
     pending: list[int] = field(default_factory=list)  # tokens the draft has not seen yet
     index: NgramIndex | None = None  # prompt lookup's, without a draft model
-
-
-def _all_kv(model: Any) -> bool:
-    return all(type(c) is KVCache for c in rewind.leaves(make_prompt_cache(model)))
 
 
 def _extend(batch: Cache | None, rows: Cache) -> Cache:
@@ -124,8 +120,8 @@ class SpecBatchEngine:
         self.rounds = 0
         self.replays = 0  # target passes that re-ran kept tokens (recurrent state)
         # Layers that are not all plain KV are rewound by checkpoint and replay.
-        self.t_replay = not _all_kv(target.model)
-        self.d_replay = draft is not None and not _all_kv(draft.model)
+        self.t_replay = not target.plain_kv
+        self.d_replay = draft is not None and not draft.plain_kv
 
     # -- the Engine interface ------------------------------------------------
     @property

@@ -232,26 +232,32 @@ class Lifecycle(Upkeep):
                 r.reason if r.kind == "invalid" else f"job could not be read: {r.reason}"
             )
         )
-        if r.kind != "invalid" or self._ids(refused.id, r.payload) is None:
+        ids = self._ids(refused.id, r.payload)
+        if r.kind != "invalid" or ids is None:
             dead_letter(self.conn, refused.id, r.reason)
-        return self._fail_unrun(refused.id, refused.queue, r.payload, error, r.reason)
+        return self._end_unrun(refused.id, refused.queue, ids, _ttl(r.payload), error, r.reason)
 
     def _fail_unrun(
-        self,
-        job_id: str,
-        queue: str,
-        payload: dict[str, Any] | None,
-        error: MlxqError,
-        reason: str = "",
+        self, job_id: str, queue: str, payload: dict[str, Any] | None, error: MlxqError
     ) -> bool:
         """End a job that did not run with a failed record (when it names its batch, see
         :meth:`_ids`). True if a record was written."""
         ids = self._ids(job_id, payload)
+        return self._end_unrun(job_id, queue, ids, _ttl(payload), error, str(error))
+
+    def _end_unrun(
+        self,
+        job_id: str,
+        queue: str,
+        ids: tuple[str, str, str] | None,
+        ttl: int,
+        error: MlxqError,
+        reason: str,
+    ) -> bool:
         record = None
         if ids is not None:
             record = ResultRecord.failed(*ids, error, metrics=Metrics(worker_id=self.name))
-        ending = _Ending(job_id, queue, record, _ttl(payload), 0.0, reason or str(error))
-        return self._send([ending])[0]
+        return self._send([_Ending(job_id, queue, record, ttl, 0.0, reason)])[0]
 
     def _ids(self, job_id: str, payload: dict[str, Any] | None) -> tuple[str, str, str] | None:
         """(job id, batch id, custom_id) to put on a refused job's record, if it has a batch."""

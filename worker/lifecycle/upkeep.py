@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,18 +74,9 @@ class Upkeep:
         """Seconds RQ's worker record (``registry``) outlives the last heartbeat."""
         return max(60, 3 * self.lease_ms // 1000)
 
-    def _requeue(self, job_id: str, queue: str) -> bool:
-        raise NotImplementedError
-
-    def _fail_unrun(
-        self,
-        job_id: str,
-        queue: str,
-        payload: dict[str, Any] | None,
-        error: MlxqError,
-        reason: str = "",
-    ) -> bool:
-        raise NotImplementedError
+    # a job's transitions (``held.Lifecycle``), which upkeep uses
+    _requeue: Callable[[str, str], bool]
+    _fail_unrun: Callable[[str, str, dict[str, Any] | None, MlxqError], bool]
 
     def register(self) -> None:
         """Start this process's lease, end those of dead earlier processes of the same name on
