@@ -190,6 +190,20 @@ class _Commands(click.Group):
     "faster; N (1-256): at most N (memory still applies); 1 disables batching.",
 )
 @click.option(
+    "--share-figures/--no-share-figures",
+    envvar="MLXQ_SHARE_FIGURES",
+    default=True,
+    show_default=True,
+    help="Keep what auto measures (speeds, acceptance, batch sizes) in Redis per machine "
+    "kind and model weights, and start from what the fleet measured.",
+)
+@click.option(
+    "--machine-kind",
+    envvar="MLXQ_MACHINE_KIND",
+    default=None,
+    help="The kind whose figures this worker shares [default: chip, memory and device].",
+)
+@click.option(
     "--max-n",
     envvar="MLXQ_MAX_N",
     type=click.IntRange(1, 128),
@@ -240,6 +254,8 @@ def main(
     lookup: str,
     lookup_tokens: int,
     max_batch: int | None,
+    share_figures: bool,
+    machine_kind: str | None,
     max_n: int,
     lease_seconds: int,
     max_crashes: int,
@@ -283,6 +299,8 @@ def main(
             speculative, default_k=num_draft_tokens, lookup=lookup, lookup_k=lookup_tokens
         ),
         max_n=max_n,
+        share_figures=share_figures,
+        machine_kind=machine_kind,
     )
     if name:
         rt.worker_id = name

@@ -46,6 +46,7 @@ from worker.lifecycle.held import (
 from worker.runner.alone import run_alone
 from worker.runner.company import PEEK
 from worker.runner.continuous import AUTO_CAP, ContinuousBatch
+from worker.runner.figures import SharedFigures
 from worker.runner.fleet import worker_info
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.route import route
@@ -91,6 +92,12 @@ class Worker:
         self.max_batch, self.burst, self.max_jobs = max_batch, burst, max_jobs
         self.batch: BatchInfo | None = None  # the running batch's state (``producer fleet``)
         self.taken = 0  # jobs taken (refused ones included): what --max-jobs counts
+        # The policy's figures, shared with the fleet (``--share-figures``).
+        self.figures = (
+            SharedFigures(conn, rt.policy, rt.cache.locate, name, rt.machine_kind)
+            if rt.share_figures
+            else None
+        )
         self.state = "starting"
         self.current: str | None = None
         self._stop = self._cold = self._computing = self._waiting = False
@@ -137,6 +144,8 @@ class Worker:
                 restore()
 
     def _unregister(self) -> None:
+        if self.figures is not None:
+            self.figures.publish()  # what the last jobs measured (never raises)
         try:
             self.lifecycle.unregister()
             registry.rq_death(self.conn, self.name, self.queues)
@@ -284,3 +293,5 @@ class Worker:
             replica_shortfalls=self.lifecycle.wait_shortfalls,
         )
         registry.publish(self.conn, info, self.registry_ttl)
+        if self.figures is not None:
+            self.figures.publish()

@@ -29,6 +29,10 @@ class WorkerRuntime:
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     max_n: int = 16  # the most choices (``n``) one job may ask for here (``--max-n``)
     scout: Scout = field(default_factory=Scout)  # when a job looks at its queue's next jobs
+    # Share the policy's figures with the fleet in Redis (``worker.runner.figures``), as
+    # this kind of machine (None: found from the chip, memory and device).
+    share_figures: bool = False
+    machine_kind: str | None = None
 
     def check_allowed(self, name: str, what: str = "model") -> None:
         """Raise :class:`ModelNotAllowedError` unless ``name`` may be served here

@@ -102,6 +102,11 @@ class BatchMemory:
         self.whole: dict[tuple[str, str | None, str | None, int], Running] = {}
         self._lock = threading.Lock()
 
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while the figures change (``worker.schedule.shared`` reads them)."""
+        return self._lock
+
     def _rates(
         self, target: str, adapter: str | None, draft: str | None, k: int, adaptive: bool
     ) -> BatchRates:

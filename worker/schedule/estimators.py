@@ -33,6 +33,12 @@ class Running:
     value: float = 0.0
     runs: int = 0
     measured_at: int = -1  # the caller's counter at the last measurement
+    seeded: int = 0  # of ``runs``, those taken from the fleet's figures (not measured here)
+
+    @property
+    def own(self) -> int:
+        """Measurements made here (not taken from the fleet's figures)."""
+        return self.runs - self.seeded
 
     def update(self, value: float, at: int = -1, weight: float = EWMA) -> None:
         self.value = ewma(self.value if self.runs else None, value, weight)

@@ -38,6 +38,7 @@ meets a measured pair, it batches once each way to measure.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas import ChatRequest
@@ -93,6 +94,8 @@ class PairStats:
     jobs: int = 0
     last_probe: int = 0  # the job counter at the last re-measurement
     probe_interval: int = 0  # jobs between draft probes while plain wins (0: not yet set)
+    own_spec_jobs: int = 0  # speculative jobs measured here (behind ``accept``'s own part)
+    fleet_jobs: int = 0  # job measurements taken from the fleet's figures (0: none)
 
     @property
     def acceptance(self) -> float:
@@ -141,6 +144,25 @@ class SpeculationPolicy:
         # (target, draft) pairs a speculative batch cannot hold, and why
         self.no_spec_batch: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
+        #: Called before the first decision on (target, adapter, proposer) in this process
+        #: (``worker.runner.figures``: the fleet's figures are read then).
+        self.on_first_use: Callable[[str, str | None, str | None], None] | None = None
+        self._used: set[tuple[str, str | None, str | None]] = set()
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while the pairs' figures change (``worker.schedule.shared`` reads them)."""
+        return self._lock
+
+    def first_use(self, target: str, adapter: str | None, proposer: str | None) -> None:
+        """Before deciding for a (target, adapter, proposer): the first time, call
+        :attr:`on_first_use` (which may seed measurements); then nothing."""
+        key = (target, adapter, proposer)
+        if key in self._used:
+            return
+        self._used.add(key)
+        if self.on_first_use is not None:
+            self.on_first_use(target, adapter, proposer)
 
     def proposer(self, req: ChatRequest) -> str | None:
         """What proposes a job's speculative tokens, as the policy names it: the draft it
@@ -320,7 +342,7 @@ class SpeculationPolicy:
                 best,
                 f"auto: {_name(best)} fastest (predicted k={best_k} "
                 f"{predicted[best_k]:.1f} tok/s at acceptance {pair.acceptance:.2f}; "
-                f"plain {plain:.1f} tok/s measured)",
+                f"plain {plain:.1f} tok/s measured{_fleet(pair)})",
             )
 
     def record(self, target: str, draft: str, decision: Decision, job: JobSpeed) -> None:
@@ -337,6 +359,7 @@ class SpeculationPolicy:
             if rounds <= 0:
                 return
             arm.update(job.decode_s / rounds, pair.jobs)
+            pair.own_spec_jobs += 1
             # Older evidence fades; a probe after a long plain stretch is a fresh
             # look at today's workload, so it mostly replaces what came before.
             pair.accept.add(job.accepted, job.rejections, fade=0.1 if decision.probe else 0.9)
@@ -366,6 +389,11 @@ class SpeculationPolicy:
 def _fixed(draft: str) -> str:
     """What a job fixes its k with, for this proposer."""
     return "speculation.num_tokens" if draft == LOOKUP else "num_draft_tokens"
+
+
+def _fleet(pair: PairStats) -> str:
+    """Where figures came from the fleet (``worker.schedule.shared``): how many jobs."""
+    return f"; fleet figures of {pair.fleet_jobs} job(s) included" if pair.fleet_jobs else ""
 
 
 def _name(k: int) -> str:

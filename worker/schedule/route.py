@@ -63,6 +63,7 @@ def route(
     A job alone gets its decision from :meth:`SpeculationPolicy.choose` (which counts the
     job towards the policy's probes, so only when ``decide_alone``: the job will run)."""
     proposer = policy.proposer(req)  # a draft, prompt lookup, or nothing
+    policy.first_use(req.model, req.adapter, proposer)  # the fleet's figures, once
     fixed = policy.fixed_k(req)
     waiting = 1
     if batching and batchable(req):

@@ -1,0 +1,213 @@
+"""Auto's measurements shared across the fleet and restarts (``schemas.figures``).
+
+Pure: merging (weights, decay, age), hostile entries, export and adoption by a
+fresh policy. End to end: two workers in sequence on one Redis, the second
+starting from the first's decision (no measuring records) for a bad draft, a good
+draft, prompt lookup and batch sizes; not across machine kinds, not for other
+weights under the same name, and not from hostile entries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from schemas.figures import (
+    HALF_LIFE_S,
+    INDEX,
+    MAX_AGE_S,
+    MAX_ENTRY_BYTES,
+    BatchFigures,
+    Measured,
+    PairFigures,
+    TargetFigures,
+    merge,
+    read_entries,
+    scope_key,
+    scope_of,
+)
+from tests.conftest import chat, run_jobs
+from tests.models import noisy_copy
+from tests.test_policy import drive
+from worker.engine.models import ModelCache
+from worker.runner.figures import SharedFigures
+from worker.runner.identity import weights_identity
+from worker.schedule.policy import LOOKUP, PLAIN, SpeculationPolicy
+from worker.schedule.shared import adopt, export
+
+KIND = "test-kind, 8 GB, cpu"
+
+
+def entry(worker: str, at: float, plain: float, runs: int = 4, **kw) -> TargetFigures:
+    pair = PairFigures(arms={PLAIN: Measured(value=plain, runs=runs)}, **kw)
+    return TargetFigures(worker=worker, at=at, target="t1", kind=KIND, mlx="m", pairs={"d1": pair})
+
+
+# -- pure ---------------------------------------------------------------------
+def test_merge_weighs_by_jobs_and_halves_with_age():
+    now = 1e9
+    same_age = merge([entry("a", now, 10.0, runs=1), entry("b", now, 40.0, runs=3)], now)
+    assert same_age.pairs["d1"].arms[PLAIN].value == pytest.approx(32.5)
+    assert same_age.pairs["d1"].arms[PLAIN].runs == 4
+    old = merge([entry("a", now - HALF_LIFE_S, 10.0), entry("b", now, 40.0)], now)
+    assert old.pairs["d1"].arms[PLAIN].value == pytest.approx((10 * 0.5 + 40) / 1.5)
+
+
+def test_read_entries_skips_hostile_foreign_and_stale_ones():
+    now = time.time()
+    good = entry("a", now, 10.0)
+    raw = {
+        b"good": good.model_dump_json(),
+        b"not-json": "{{{",
+        b"list": "[1, 2]",
+        b"negative": entry("x", now, 1.0).model_dump_json().replace('"value":1.0', '"value":-5'),
+        b"nan": good.model_dump_json().replace('"value":10.0', '"value":NaN'),
+        b"extra": json.dumps(good.model_dump() | {"exec": "rm -rf /"}),
+        b"v2": json.dumps(good.model_dump() | {"v": 2}),
+        b"huge": " " * (MAX_ENTRY_BYTES + 1),
+        b"other-kind": good.model_copy(update={"kind": "M2 Ultra"}).model_dump_json(),
+        b"other-model": good.model_copy(update={"target": "t2"}).model_dump_json(),
+        b"stale": good.model_copy(update={"at": now - MAX_AGE_S - 1}).model_dump_json(),
+    }
+    usable, skipped = read_entries(raw, "t1", KIND, "m", now)
+    assert usable == [good]
+    assert len(skipped) == 9  # all but the good and the stale one (silently unused)
+    assert any("other model" in s for s in skipped)
+
+
+def _identify(name: str) -> str:
+    return {"t": "t1", "d": "d1", LOOKUP: "lookup"}.get(name, name + "-id")
+
+
+def test_a_fresh_policy_adopting_the_fleets_figures_decides_at_once():
+    first = SpeculationPolicy("auto", default_k=3)
+    chosen = drive(first, p=0.8, jobs=8)
+    assert chosen[:3] == [PLAIN, 3, 6]  # measured
+    first.sizes.record("t", None, 8, 800, 1.0)
+    first.sizes.record("t", None, 16, 900, 1.0)
+    ex = export(first, "t", _identify, worker="w", kind=KIND, mlx="m", now=time.time())
+    assert ex is not None and set(ex.pairs) == {"d1"}
+    second = SpeculationPolicy("auto", default_k=3)
+    taken = adopt(second, "t", None, "d", merge([ex]), _identify)
+    assert taken == 8 + 2
+    decided = second.choose("t", "d")
+    assert "measuring" not in decided.reason and "fleet figures of 8 job(s)" in decided.reason
+    assert decided.k == first.choose("t", "d").k
+    assert second.sizes.limit("t", None)[1].startswith("speed: 16 measured fastest")
+    # what the second measures itself is exported; what it adopted is not (no double count)
+    assert export(second, "t", _identify, worker="w2", kind=KIND, mlx="m", now=1.0) is None
+    drive(second, p=0.8, jobs=2)
+    again = export(second, "t", _identify, worker="w2", kind=KIND, mlx="m", now=1.0)
+    assert sum(m.runs for m in again.pairs["d1"].arms.values()) == 2
+    assert again.batches == []
+
+
+def test_adoption_never_replaces_what_a_policy_measured_itself():
+    policy = SpeculationPolicy("auto")
+    drive(policy, p=0.2, jobs=3)
+    mine = dict(policy.pairs[("t", "d")].arms)
+    fleet = TargetFigures(
+        worker="fleet",
+        at=time.time(),
+        target="t1",
+        kind=KIND,
+        mlx="m",
+        pairs={"d1": PairFigures(arms={PLAIN: Measured(value=1e6, runs=100)})},
+        batches=[BatchFigures(by_size={4: Measured(value=5.0, runs=3)})],
+    )
+    assert adopt(policy, "t", None, "d", fleet, _identify) == 3  # the batch sizes only
+    assert policy.pairs[("t", "d")].arms == mine
+
+
+# -- end to end ---------------------------------------------------------------
+def _speculated(conn, redis_url, model, batch, n=5, kind=KIND, **fields):
+    jobs = {
+        f"{batch}-{i}": chat(model, f"job {i} of {batch}", max_tokens=24, temperature=0, **fields)
+        for i in range(n)
+    }
+    records = run_jobs(conn, redis_url, jobs, batch, share_figures=True, machine_kind=kind)
+    return [records[c].metrics.speculation_reason or "" for c in jobs]
+
+
+def _measuring(reasons: list[str]) -> int:
+    return sum("measuring" in r for r in reasons)
+
+
+@pytest.mark.parametrize("draft", ["bad", "good", "lookup"])
+def test_a_second_worker_starts_from_the_first_ones_decision(conn, redis_url, tiny, draft):
+    fields = {
+        "bad": {"draft_model": tiny.draft},
+        "good": {"draft_model": tiny.twin},
+        "lookup": {"speculation": {"method": "prompt_lookup"}},
+    }[draft]
+    first = _speculated(conn, redis_url, tiny.target, "first", **fields)
+    assert _measuring(first) >= 2
+    second = _speculated(conn, redis_url, tiny.target, "second", **fields)
+    assert _measuring(second) == 0, second
+    assert all("fleet figures of" in r for r in second)
+    # the same choice as the first worker settled on: plain, or speculating
+    assert ("plain decoding fastest" in second[0]) == ("plain decoding fastest" in first[-1])
+    assert conn.hlen(INDEX) == 1
+
+
+def test_figures_stay_with_their_machine_kind_and_their_weights(conn, redis_url, tiny, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny.target, model)
+    _speculated(conn, redis_url, str(model), "a", draft_model=tiny.draft)
+    other_kind = _speculated(
+        conn, redis_url, str(model), "b", kind="M2 Ultra, 192 GB, gpu", draft_model=tiny.draft
+    )
+    assert _measuring(other_kind) >= 2
+    noisy_copy(tiny.target, model, scale=0.05)  # new weights under the same name
+    new_weights = _speculated(conn, redis_url, str(model), "c", draft_model=tiny.draft)
+    assert _measuring(new_weights) >= 2
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny.draft, draft)
+    _speculated(conn, redis_url, str(model), "d", draft_model=str(draft))
+    noisy_copy(tiny.draft, draft, scale=0.5)  # a changed draft: remeasured
+    changed = _speculated(conn, redis_url, str(model), "e", draft_model=str(draft))
+    assert _measuring(changed) >= 2
+
+
+def test_hostile_entries_in_redis_are_ignored(conn, redis_url, tiny, caplog):
+    target_id = weights_identity(Path(tiny.target))
+    key = scope_key(scope_of(KIND, mx.__version__, target_id))
+    conn.hset(key, mapping={"x": "not json", "y": json.dumps({"v": 1, "pairs": 5})})
+    conn.hset(INDEX, "junk", "{{")
+    with caplog.at_level(logging.WARNING, logger="worker.runner.figures"):
+        reasons = _speculated(conn, redis_url, tiny.target, "h", draft_model=tiny.draft)
+    assert _measuring(reasons) >= 2  # measured as if nothing were shared
+    assert "ignored" in caplog.text
+    assert conn.hlen(key) == 3  # its own entry besides the two
+
+
+def test_batch_sizes_are_shared_too(conn, redis_url, tiny):
+    def jobs(tag: str) -> dict:
+        return {f"{tag}{i}": chat(tiny.target, f"{tag} {i}", max_tokens=48) for i in range(12)}
+
+    run_jobs(conn, redis_url, jobs("a"), "a", max_batch=None, share_figures=True, machine_kind=KIND)
+    policy = SpeculationPolicy("auto")
+    fig = SharedFigures(conn, policy, ModelCache().locate, "second", KIND)
+    assert policy.sizes.limit(tiny.target, None)[1].startswith("speed: starting at")
+    fig.use(tiny.target, None, None)
+    reason = policy.sizes.limit(tiny.target, None)[1]
+    assert not reason.startswith("speed: starting at") and fig.adopted > 0, reason
+    # a second worker's first batch is sized by what the first measured
+    policy = SpeculationPolicy("auto")
+    run_jobs(
+        conn,
+        redis_url,
+        jobs("b"),
+        "b",
+        max_batch=None,
+        policy=policy,
+        share_figures=True,
+        machine_kind=KIND,
+    )
+    assert any(r.seeded for r in policy.sizes.plain[(tiny.target, None)].by_size.values())
