@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real model's figures (Gemma 3 270M from the package index: float32 target, its
 # 4-bit copy as draft), each from an existing benchmark pointed at it; JSON in bench/out/.
-#   bash bench/real.sh [worker speculative structured logprobs prefix peer]
+#   bash bench/real.sh [worker speculative structured logprobs prefix peer restarts]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -19,6 +19,7 @@ for part in $PARTS; do
         structured) "$PY" -m bench.structured --target "$T" --rounds 2 --tokens 32 --parts cost ;;
         logprobs) "$PY" -m bench.logprobs --target "$T" --jobs 6 --max-tokens 32 ;;
         prefix) "$PY" -m bench.prefix --target "$T" --jobs 16 --rounds 1 ;;
+        restarts) "$PY" -m bench.restarts --target "$T" --draft "$D" --ks 1,2 --jobs 8 --max-tokens 32 --rounds 1 ;;
         peer) "$PY" -m bench.batchsize --target "$T" --jobs 32 --fixed 8 --rounds 1 --parts throughput ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
     esac

@@ -24,6 +24,7 @@ from producer.batches import (
     iter_output_lines,
     queue_watchers,
 )
+from producer.figures import beliefs, beliefs_table
 from producer.fleet import fleet_table, live_workers
 from producer.jobsfile import FileChangedError, check_file, enqueue_file, spool
 from producer.lines import Defaults
@@ -431,6 +432,10 @@ def fleet(redis_url: str, watch: bool, as_json: bool) -> None:
             if watch:
                 click.clear()
             click.echo(fleet_table(workers))
+            found, notes = beliefs(conn)
+            if found or notes:
+                click.echo("\nshared figures (producer policy show):")
+                click.echo(beliefs_table(found, notes))
         if not watch:
             return
         time.sleep(2)
@@ -464,6 +469,46 @@ def metrics(redis_url: str, host: str, port: int, once: bool) -> None:
     click.echo(f"metrics on http://{host}:{port}/metrics", err=True)
     while True:
         time.sleep(3600)
+
+
+@main.group()
+def policy() -> None:
+    """What --speculative auto and --max-batch auto measured, shared by the fleet."""
+
+
+@policy.command("show")
+@_redis_option
+@click.option("--json", "as_json", is_flag=True, help="Print the merged figures as JSON.")
+def policy_show(redis_url: str, as_json: bool) -> None:
+    """Per target and machine kind: plain and speculative speeds, acceptance, batch speeds,
+    merged over the workers that measured them."""
+    found, notes = beliefs(_connect(redis_url))
+    if as_json:
+        rows = [
+            {
+                "target": b.label.target,
+                "machine_kind": b.label.kind,
+                "mlx": b.label.mlx,
+                "workers": b.workers,
+                "figures": b.figures.model_dump(mode="json") if b.figures else None,
+            }
+            for b in found
+        ]
+        click.echo(json.dumps(rows))
+        return
+    click.echo(beliefs_table(found, notes))
+
+
+@policy.command("reset")
+@_redis_option
+@click.option("--model", default=None, help="Only figures where this model is target or draft.")
+def policy_reset(redis_url: str, model: str | None) -> None:
+    """Forget shared figures (all, or one model's): workers measure again at their next job
+    of it (a running worker keeps what it holds until it restarts)."""
+    from producer.figures import reset
+
+    n = reset(_connect(redis_url), model)
+    click.echo(f"forgot the figures of {n} target(s) x machine kind(s)")
 
 
 @main.group()

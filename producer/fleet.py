@@ -54,6 +54,11 @@ def fleet_table(workers: list[WorkerInfo]) -> str:
                 f"{pc.budget_mb:.0f} MB, hit rate {rate} ({pc.hits}/{pc.lookups} jobs), "
                 f"{pc.tokens_reused} tokens reused"
             )
+        if w.machine_kind:
+            lines.append(
+                f"{'':<20}  figures: shared as {w.machine_kind}; {w.figures_adopted} "
+                "measurement(s) taken from the fleet (producer policy show)"
+            )
         for p in w.pairs:
             tps = f"{p.tokens_per_s:.1f} tok/s" if p.tokens_per_s else "-"
             acc = f", acceptance {p.acceptance_rate:.2f}" if p.acceptance_rate is not None else ""

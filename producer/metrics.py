@@ -1,9 +1,10 @@
 """Prometheus metrics for the fleet, read from Redis at each scrape (no key scans).
 
 Served by the gateway (``GET /metrics``) and by ``producer metrics --port`` alone.
-Each scrape costs two pipelined round trips whatever the number of jobs: queue
+Each scrape costs four pipelined round trips whatever the number of jobs: queue
 lengths and RQ's registry sizes per queue, the fleet registry (one ``MGET``), the
-lease table, and the :data:`RECENT_BATCHES` newest batches' counters. Names follow
+lease table, and the :data:`RECENT_BATCHES` newest batches' counters; then the
+shared figures' index and its scopes (``producer.figures``). Names follow
 rq-exporter where they mean the same thing (``rq_jobs``, ``rq_workers``) and
 OpenTelemetry's GenAI conventions for latency (``gen_ai_server_*``); the rest are
 ``mlxq_*``. Per-worker counters and histograms are the worker's own totals since it
@@ -27,7 +28,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from redis import Redis
 
 from producer.batches import status_of
+from producer.figures import Belief, beliefs
 from schemas import keys
+from schemas.figures import measurements
 from schemas.fleet import WorkerInfo
 
 #: Batches whose progress a scrape reports (the newest first): a bound on the scrape's
@@ -125,6 +128,20 @@ class FleetCollector(Collector):
         yield from _queue_metrics(state["queues"], state["running"])
         yield from _batch_metrics(state["batches"])
         yield from _worker_metrics(state["workers"], state["lease_left"])
+        yield from _figures_metrics(beliefs(self.conn, prune=False)[0])
+
+
+def _figures_metrics(found: list[Belief]) -> Iterator[Metric]:
+    """What the fleet's shared figures rest on, per target and machine kind."""
+    measured = GaugeMetricFamily(
+        "mlxq_figures_measurements",
+        "Measurements behind the fleet's shared figures (one-job arms and batch sizes).",
+        labels=["target", "machine_kind"],
+    )
+    for b in found:
+        if b.figures is not None:
+            measured.add_metric([b.label.target, b.label.kind], measurements(b.figures))
+    yield measured
 
 
 def _queue_metrics(queues: dict[str, list[int]], running: int) -> Iterator[Metric]:
@@ -193,6 +210,11 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
         "Record writes fewer replicas acknowledged than --wait-replicas asks.",
         labels=["worker"],
     )
+    adopted = CounterMetricFamily(
+        "mlxq_worker_figures_adopted",
+        "Measurements the worker took from the fleet's shared figures instead of measuring.",
+        labels=["worker"],
+    )
     renew = gauge(
         "mlxq_worker_lease_renew_age_seconds",
         "Seconds since the worker last renewed its lease (lease length minus what is left).",
@@ -226,6 +248,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             entries.add_metric([w.name], pc.entries)
             kept.add_metric([w.name], pc.used_mb * 1e6)
         shortfalls.add_metric([w.name], w.replica_shortfalls)
+        adopted.add_metric([w.name], w.figures_adopted)
         if w.lease_s is not None and w.name in lease_left:
             renew.add_metric([w.name], max(w.lease_s - lease_left[w.name], 0.0))
         for k, family in hists.items():
@@ -233,7 +256,8 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             if h is not None:
                 family.add_metric([w.name], h.cumulative(), h.sum)
     yield from (rq_workers, up, jobs, tokens, tps, accept, batch, limit, kv, memory)
-    yield from (hits, lookups, reused, entries, kept, shortfalls, renew, *hists.values())
+    yield from (hits, lookups, reused, entries, kept, shortfalls, adopted, renew)
+    yield from hists.values()
 
 
 def registry_for(conn: Redis, recent_batches: int = RECENT_BATCHES) -> CollectorRegistry:

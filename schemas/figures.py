@@ -28,10 +28,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from schemas import keys
+
 #: The hash of every scope's label (``producer policy``): scope -> :class:`ScopeLabel` JSON.
-INDEX = "mlxq:figures"
-#: A scope's hash: worker name -> :class:`TargetFigures` JSON.
-SCOPE_PREFIX = "mlxq:figures:"
+INDEX = keys.FIGURES
 #: A measurement's weight halves every this many seconds of age.
 HALF_LIFE_S = 24 * 3600.0
 #: Entries older than this are not used; scopes not written for this long expire.
@@ -122,7 +122,8 @@ def scope_of(kind: str, mlx: str, target_id: str) -> str:
 
 
 def scope_key(scope: str) -> str:
-    return SCOPE_PREFIX + scope
+    """A scope's hash: worker process -> :class:`TargetFigures` JSON."""
+    return keys.figures_key(scope)
 
 
 def read_entries(
@@ -224,8 +225,9 @@ def merge(entries: list[TargetFigures], now: float | None = None) -> TargetFigur
     )
 
 
-def jobs_behind(figures: TargetFigures) -> int:
-    """How many job measurements the figures rest on (one-at-a-time arms and batches)."""
+def measurements(figures: TargetFigures) -> int:
+    """How many measurements the figures rest on: jobs measured one at a time, and
+    batch speed reports (one per 16 decoding steps of a batch size)."""
     arms = sum(m.runs for p in figures.pairs.values() for m in p.arms.values())
     sizes = sum(m.runs for b in figures.batches for m in b.by_size.values())
     return arms + sizes

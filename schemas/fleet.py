@@ -125,4 +125,8 @@ class WorkerInfo(BaseModel):
     latency: dict[str, Histogram] = {}
     lease_s: float | None = None  # the worker's --lease-seconds
     replica_shortfalls: int = 0  # record writes fewer than --wait-replicas acknowledged
+    # The machine kind whose shared figures the worker uses (None: it does not share), and
+    # the measurements it took from the fleet's figures instead of measuring them.
+    machine_kind: str | None = None
+    figures_adopted: int = 0
     updated_at: float

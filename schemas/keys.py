@@ -221,3 +221,12 @@ def rq_worker_key(name: str) -> str:
 def rq_queue_workers_key(queue: str) -> str:
     """Set: the keys of RQ's workers listening on ``queue``."""
     return f"rq:workers:{queue}"
+
+
+#: Hash: the index of the fleet's shared figures, scope -> label (``schemas.figures``).
+FIGURES = f"{PREFIX}:figures"
+
+
+def figures_key(scope: str) -> str:
+    """Hash of one scope's shared figures: worker process -> what it measured."""
+    return f"{FIGURES}:{scope}"

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from click.testing import CliRunner
+from prometheus_client import generate_latest
 
+from producer import Client
+from producer.cli import main
+from producer.figures import beliefs
+from producer.metrics import registry_for
 from schemas.figures import (
     HALF_LIFE_S,
     INDEX,
@@ -32,10 +38,12 @@ from schemas.figures import (
     scope_key,
     scope_of,
 )
+from schemas.store import read_result
 from tests.conftest import chat, run_jobs
 from tests.models import noisy_copy
 from tests.test_policy import drive
-from worker.engine.models import ModelCache
+from worker.dev.tinymodels import TinySpec, ensure_model
+from worker.engine.models import local_dir
 from worker.runner.figures import SharedFigures
 from worker.runner.identity import weights_identity
 from worker.schedule.policy import LOOKUP, PLAIN, SpeculationPolicy
@@ -125,10 +133,34 @@ def test_adoption_never_replaces_what_a_policy_measured_itself():
     assert policy.pairs[("t", "d")].arms == mine
 
 
+def test_a_model_not_on_this_machine_yet_is_asked_again_at_the_next_job(conn, tiny):
+    seen: list[str] = []
+
+    def find(name: str) -> Path | None:  # a hub model fetched by the first job's load
+        seen.append(name)
+        return Path(tiny.target) if len(seen) > 1 else None
+
+    policy = SpeculationPolicy("auto")
+    fig = SharedFigures(conn, policy, find, "w", KIND)
+    policy.first_use("org/model", None, None)
+    policy.first_use("org/model", None, None)
+    policy.first_use("org/model", None, None)  # known by now: not asked again
+    assert seen == ["org/model", "org/model"]
+    assert fig.identify("org/model") == weights_identity(Path(tiny.target))
+
+
 # -- end to end ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quoter(tmp_path_factory) -> str:
+    """A model that quotes its prompt: prompt lookup's proposals are mostly accepted."""
+    spec = TinySpec(layers=2, hidden=128, intermediate=256, heads=1, kv_heads=1, quote=32)
+    return str(ensure_model(tmp_path_factory.mktemp("quoter") / "m", spec))
+
+
 def _speculated(conn, redis_url, model, batch, n=5, kind=KIND, **fields):
+    text = f"of {batch}: order 4411 ships to berlin on monday with two crates of apples"
     jobs = {
-        f"{batch}-{i}": chat(model, f"job {i} of {batch}", max_tokens=24, temperature=0, **fields)
+        f"{batch}-{i}": chat(model, f"job {i} {text}", max_tokens=24, temperature=0, **fields)
         for i in range(n)
     }
     records = run_jobs(conn, redis_url, jobs, batch, share_figures=True, machine_kind=kind)
@@ -136,20 +168,36 @@ def _speculated(conn, redis_url, model, batch, n=5, kind=KIND, **fields):
 
 
 def _measuring(reasons: list[str]) -> int:
-    return sum("measuring" in r for r in reasons)
+    return sum(r.startswith("auto: measuring") for r in reasons)  # not probes (re-measuring)
+
+
+@pytest.fixture(scope="module")
+def repeater(tmp_path_factory) -> tuple[str, str]:
+    """A 6 x 512 target whose greedy output repeats its last token, and a 1 x 64 draft
+    that predicts the last token again: speculation wins clearly (1.4-1.6x here)."""
+    root = tmp_path_factory.mktemp("repeater")
+    common = {"heads": 4, "kv_heads": 4, "weight_scale": 1.0}
+    target = TinySpec(layers=6, hidden=512, intermediate=1024, repeats=True, seed=11, **common)
+    draft = TinySpec(layers=1, hidden=64, intermediate=128, copy_last_token=True, seed=12, **common)
+    return str(ensure_model(root / "t", target)), str(ensure_model(root / "d", draft))
 
 
 @pytest.mark.parametrize("draft", ["bad", "good", "lookup"])
-def test_a_second_worker_starts_from_the_first_ones_decision(conn, redis_url, tiny, draft):
-    fields = {
-        "bad": {"draft_model": tiny.draft},
-        "good": {"draft_model": tiny.twin},
-        "lookup": {"speculation": {"method": "prompt_lookup"}},
+def test_a_second_worker_starts_from_the_first_ones_decision(
+    conn, redis_url, tiny, quoter, repeater, draft
+):
+    # a draft that never agrees, one that always does at a fraction of the cost, and
+    # prompt lookup on a model that quotes its prompt: clear decisions (near a tie,
+    # plain's drift may rightly ask to measure one more arm)
+    model, fields = {
+        "bad": (tiny.target, {"draft_model": tiny.draft}),
+        "good": (repeater[0], {"draft_model": repeater[1]}),
+        "lookup": (quoter, {"speculation": {"method": "prompt_lookup"}}),
     }[draft]
-    first = _speculated(conn, redis_url, tiny.target, "first", **fields)
+    first = _speculated(conn, redis_url, model, "first", **fields)
     assert _measuring(first) >= 2
-    second = _speculated(conn, redis_url, tiny.target, "second", **fields)
-    assert _measuring(second) == 0, second
+    second = _speculated(conn, redis_url, model, "second", **fields)
+    assert _measuring(second) == 0, "\n".join([*first, "--", *second])
     assert all("fleet figures of" in r for r in second)
     # the same choice as the first worker settled on: plain, or speculating
     assert ("plain decoding fastest" in second[0]) == ("plain decoding fastest" in first[-1])
@@ -185,6 +233,9 @@ def test_hostile_entries_in_redis_are_ignored(conn, redis_url, tiny, caplog):
     assert _measuring(reasons) >= 2  # measured as if nothing were shared
     assert "ignored" in caplog.text
     assert conn.hlen(key) == 3  # its own entry besides the two
+    found, notes = beliefs(conn)  # what producer policy show and the metrics read
+    assert [b.label.target for b in found] == [tiny.target] and len(found[0].skipped) == 2
+    assert any("junk" in n for n in notes)
 
 
 def test_batch_sizes_are_shared_too(conn, redis_url, tiny):
@@ -193,7 +244,7 @@ def test_batch_sizes_are_shared_too(conn, redis_url, tiny):
 
     run_jobs(conn, redis_url, jobs("a"), "a", max_batch=None, share_figures=True, machine_kind=KIND)
     policy = SpeculationPolicy("auto")
-    fig = SharedFigures(conn, policy, ModelCache().locate, "second", KIND)
+    fig = SharedFigures(conn, policy, local_dir, "second", KIND)
     assert policy.sizes.limit(tiny.target, None)[1].startswith("speed: starting at")
     fig.use(tiny.target, None, None)
     reason = policy.sizes.limit(tiny.target, None)[1]
@@ -211,3 +262,45 @@ def test_batch_sizes_are_shared_too(conn, redis_url, tiny):
         machine_kind=KIND,
     )
     assert any(r.seeded for r in policy.sizes.plain[(tiny.target, None)].by_size.values())
+
+
+def test_worker_processes_share_by_default_and_producer_policy_shows_and_forgets(
+    conn, redis_url, tiny, workers
+):
+    def serve(batch: str) -> list[str]:
+        jobs = [
+            chat(tiny.target, f"{batch} {i}", max_tokens=16, temperature=0, draft_model=tiny.draft)
+            for i in range(4)
+        ]
+        s = Client(connection=conn).submit(jobs, batch_id=batch)
+        assert (
+            workers("--burst", "--max-batch", "1", "--machine-kind", "cli-kind", name=batch).wait(
+                120
+            )
+            == 0
+        )
+        return [read_result(conn, j).metrics.speculation_reason for j in s.job_ids]
+
+    assert _measuring(serve("one")) >= 2
+    assert _measuring(serve("two")) == 0
+    runner = CliRunner()
+    shown = runner.invoke(main, ["policy", "show", "--redis-url", redis_url])
+    assert shown.exit_code == 0, shown.output
+    assert f"{tiny.target} on cli-kind" in shown.output and "2 worker process(es)" in shown.output
+    assert f"+ {tiny.draft}: plain" in shown.output
+    rows = json.loads(
+        runner.invoke(main, ["policy", "show", "--json", "--redis-url", redis_url]).output
+    )
+    assert [r["machine_kind"] for r in rows] == ["cli-kind"]
+    fleet = runner.invoke(main, ["fleet", "--redis-url", redis_url]).output
+    assert "shared figures" in fleet and f"{tiny.target} on cli-kind" in fleet
+    scraped = generate_latest(registry_for(conn)).decode()
+    labels = f'{{machine_kind="cli-kind",target="{tiny.target}"}}'
+    assert f"mlxq_figures_measurements{labels} 8.0" in scraped  # 2 workers x 4 jobs
+    other = runner.invoke(main, ["policy", "reset", "--model", "nobody", "--redis-url", redis_url])
+    assert "of 0 target" in other.output
+    forgot = runner.invoke(
+        main, ["policy", "reset", "--model", tiny.draft, "--redis-url", redis_url]
+    )
+    assert "of 1 target" in forgot.output
+    assert _measuring(serve("three")) >= 2

@@ -158,6 +158,28 @@ def hub_snapshot(name: str) -> Path:
         ) from None
 
 
+def cached_snapshot(name: str) -> Path | None:
+    """The local snapshot of hub repository ``name`` if the HF cache holds it, else None
+    (never downloads)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except Exception:  # not cached, not a repository id: nothing local
+        return None
+
+
+def local_dir(name: str) -> Path | None:
+    """The directory ``name`` loads from if it is on this machine already, else None (a
+    hub repository not fetched yet): what can be read without downloading."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or name.startswith(("/", "./", "../", "~")):
+        return None
+    return cached_snapshot(name)
+
+
 def weight_bytes(path: Path) -> int:
     """Bytes of the weight files in a model or adapter directory (what loading will cost)."""
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -120,6 +120,16 @@ class ModelAccess:
         where = self.where(name)
         return resolve_path(str(where)) if isinstance(where, Path) else hub_snapshot(where)
 
+    def local(self, name: str) -> Path | None:
+        """The directory :meth:`locate` would load ``name`` from, if it is on this machine
+        already (None: a hub repository not fetched yet). Never downloads."""
+        from worker.engine.models import cached_snapshot
+
+        where = self.where(name)
+        if isinstance(where, Path):
+            return where if where.is_dir() else None
+        return cached_snapshot(where)
+
     def describe(self) -> list[str]:
         """What this worker serves, for ``producer fleet``."""
         out = [f"dir {d}" for d in self.dirs] + [f"--model {p}" for p in sorted(self.named)]

@@ -50,11 +50,11 @@ class SharedFigures:
         self,
         conn: Redis,
         policy: SpeculationPolicy,
-        locate: Callable[[str], Path],
+        find: Callable[[str], Path | None],
         worker: str,
         kind: str | None = None,
     ) -> None:
-        self.conn, self.policy, self.locate, self.worker = conn, policy, locate, worker
+        self.conn, self.policy, self.find, self.worker = conn, policy, find, worker
         self.kind = kind or machine_kind()
         self.mlx = mx.__version__
         self.field = f"{worker}#{secrets.token_hex(4)}"  # this process's entries
@@ -66,13 +66,18 @@ class SharedFigures:
 
     # -- identities -------------------------------------------------------
     def identify(self, name: str) -> str | None:
-        """``name``'s weights identity (computed once per process), or None if unreadable."""
-        if name not in self._ids:
-            try:
-                self._ids[name] = weights_identity(self.locate(name))
-            except Exception as e:  # any failure: this name's figures are not shared
-                log.info("figures: %s not shared (%s)", name, e)
-                self._ids[name] = None
+        """``name``'s weights identity (computed once per process), or None: unreadable,
+        or not on this machine yet (a hub model before its first load: asked again)."""
+        if name in self._ids:
+            return self._ids[name]
+        try:
+            path = self.find(name)
+            if path is None:
+                return None  # not fetched yet: known after the job that loads it
+            self._ids[name] = weights_identity(path)
+        except Exception as e:  # any failure: this name's figures are not shared
+            log.info("figures: %s not shared (%s)", name, e)
+            self._ids[name] = None
         return self._ids[name]
 
     def _known(self, name: str) -> str | None:
@@ -94,19 +99,20 @@ class SharedFigures:
             log.warning("figures of %s: entry %s ignored", target, why)
         return merge(entries)
 
-    def use(self, target: str, adapter: str | None, proposer: str | None) -> None:
-        """The policy's first decision for these: adopt the fleet's figures, if any."""
+    def use(self, target: str, adapter: str | None, proposer: str | None) -> bool:
+        """The policy's first decision for these: adopt the fleet's figures, if any.
+        False when a model is not on this machine yet (asked again at the next job)."""
         try:
-            for name in (adapter, proposer):  # known before this worker writes its figures
-                if name is not None and name != LOOKUP:
-                    self.identify(name)
+            names = [n for n in (target, adapter, proposer) if n is not None and n != LOOKUP]
+            if any(self.identify(n) is None and n not in self._ids for n in names):
+                return False
             figures = self.fleet(target)
             if figures is None:
-                return
+                return True
             taken = adopt(self.policy, target, adapter, proposer, figures, self.identify)
         except Exception as e:  # Redis down, anything: measure here instead
             log.warning("figures of %s not read (%s): measuring here", target, e)
-            return
+            return True
         if taken:
             self.adopted += taken
             log.info(
@@ -116,6 +122,7 @@ class SharedFigures:
                 taken,
                 self.kind,
             )
+        return True
 
     # -- writing ----------------------------------------------------------
     def publish(self) -> int:

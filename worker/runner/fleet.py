@@ -7,6 +7,7 @@ import socket
 import time
 
 from schemas.fleet import BatchInfo, LoadedModelInfo, PrefixCacheInfo, WorkerInfo
+from worker.runner.figures import SharedFigures
 from worker.runner.runtime import WorkerRuntime
 
 
@@ -20,6 +21,7 @@ def worker_info(
     max_batch: int | None = None,
     lease_s: float | None = None,
     replica_shortfalls: int = 0,
+    figures: SharedFigures | None = None,
 ) -> WorkerInfo:
     cache = rt.cache
     return WorkerInfo(
@@ -51,6 +53,8 @@ def worker_info(
         latency={k: h.model_copy(deep=True) for k, h in rt.stats.latency.items()},
         lease_s=lease_s,
         replica_shortfalls=replica_shortfalls,
+        machine_kind=figures.kind if figures else None,
+        figures_adopted=figures.adopted if figures else 0,
         updated_at=time.time(),
     )
 

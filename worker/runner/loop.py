@@ -94,7 +94,7 @@ class Worker:
         self.taken = 0  # jobs taken (refused ones included): what --max-jobs counts
         # The policy's figures, shared with the fleet (``--share-figures``).
         self.figures = (
-            SharedFigures(conn, rt.policy, rt.cache.locate, name, rt.machine_kind)
+            SharedFigures(conn, rt.policy, rt.find_local, name, rt.machine_kind)
             if rt.share_figures
             else None
         )
@@ -291,6 +291,7 @@ class Worker:
             self.max_batch,
             lease_s=self.lifecycle.lease_ms / 1000,
             replica_shortfalls=self.lifecycle.wait_shortfalls,
+            figures=self.figures,
         )
         registry.publish(self.conn, info, self.registry_ttl)
         if self.figures is not None:

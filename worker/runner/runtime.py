@@ -6,9 +6,10 @@ import fnmatch
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
-from worker.engine.models import ModelCache
+from worker.engine.models import ModelCache, local_dir
 from worker.runner.access import ModelAccess
 from worker.runner.company import Scout
 from worker.runner.stats import WorkerStats
@@ -33,6 +34,13 @@ class WorkerRuntime:
     # this kind of machine (None: found from the chip, memory and device).
     share_figures: bool = False
     machine_kind: str | None = None
+
+    def find_local(self, name: str) -> Path | None:
+        """Where ``name`` is on this machine already (None: not fetched yet); raises
+        :class:`ModelNotAllowedError` for a name this worker does not serve."""
+        if self.access is not None:
+            return self.access.local(name)
+        return local_dir(name)
 
     def check_allowed(self, name: str, what: str = "model") -> None:
         """Raise :class:`ModelNotAllowedError` unless ``name`` may be served here

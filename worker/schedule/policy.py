@@ -145,8 +145,9 @@ class SpeculationPolicy:
         self.no_spec_batch: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         #: Called before the first decision on (target, adapter, proposer) in this process
-        #: (``worker.runner.figures``: the fleet's figures are read then).
-        self.on_first_use: Callable[[str, str | None, str | None], None] | None = None
+        #: (``worker.runner.figures``: the fleet's figures are read then); False: call
+        #: again before the next one (a model was not on this machine yet).
+        self.on_first_use: Callable[[str, str | None, str | None], bool] | None = None
         self._used: set[tuple[str, str | None, str | None]] = set()
 
     @property
@@ -160,9 +161,8 @@ class SpeculationPolicy:
         key = (target, adapter, proposer)
         if key in self._used:
             return
-        self._used.add(key)
-        if self.on_first_use is not None:
-            self.on_first_use(target, adapter, proposer)
+        if self.on_first_use is None or self.on_first_use(target, adapter, proposer):
+            self._used.add(key)
 
     def proposer(self, req: ChatRequest) -> str | None:
         """What proposes a job's speculative tokens, as the policy names it: the draft it

@@ -2,8 +2,9 @@
 
 - :func:`export`: what this worker measured itself on one target, by identity
   (figures it took from the fleet are left out, so no worker counts another's twice);
-- :func:`adopt`: the fleet's merged figures into a policy that has measured nothing
-  of that kind yet, so its first decision is the fleet's (no "measuring" jobs).
+- :func:`adopt`: the fleet's merged figures into what a policy has not measured itself
+  (arms, acceptance, batch kinds), so its first decision is the fleet's (no
+  "measuring" jobs) and nothing it measured is replaced.
 
 Pure Python: identities come from the caller (``worker.runner.figures``), which
 reads and writes Redis.
@@ -130,23 +131,24 @@ def adopt(
     identify: Identify,
 ) -> int:
     """Take the fleet's ``figures`` for what (``target``, ``adapter``, ``proposer``) jobs
-    run, where this policy has measured nothing of it yet. Returns the measurements
-    taken (0: nothing new)."""
+    run, where this policy has not measured it itself: an arm, the acceptance, a batch
+    kind's sizes or whole batches. Returns the measurements taken (0: nothing new)."""
     pid = None if proposer is None else proposer_id(proposer, identify)
     aid = adapter_id(adapter, identify)
     taken = 0
     with policy.lock:
         fleet = figures.pairs.get(pid) if pid is not None else None
         pair = policy.pairs.get((target, proposer)) if proposer is not None else None
-        unmeasured = pair is None or not any(a.runs for a in pair.arms.values())
-        if proposer is not None and fleet and fleet.arms and unmeasured:
-            runs = sum(m.runs for m in fleet.arms.values())
-            policy.pairs[(target, proposer)] = PairStats(
-                arms={k: _seeded(m) for k, m in fleet.arms.items()},
-                accept=Acceptance(fleet.accepted, fleet.rejected),
-                fleet_jobs=runs,
-            )
-            taken += runs
+        if proposer is not None and fleet and fleet.arms:
+            if pair is None:
+                pair = policy.pairs.setdefault((target, proposer), PairStats())
+            for k, m in fleet.arms.items():  # the arms not measured here
+                if not pair.arms.get(k, Running()).runs:
+                    pair.arms[k] = _seeded(m)
+                    pair.fleet_jobs += m.runs
+                    taken += m.runs
+            if not pair.accept.seen:
+                pair.accept = Acceptance(fleet.accepted, fleet.rejected)
     if aid is None:
         return taken
     sizes = policy.sizes
