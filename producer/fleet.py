@@ -54,6 +54,11 @@ def fleet_table(workers: list[WorkerInfo]) -> str:
                 f"{pc.budget_mb:.0f} MB, hit rate {rate} ({pc.hits}/{pc.lookups} jobs), "
                 f"{pc.tokens_reused} tokens reused"
             )
+        if w.preemptions:
+            lines.append(
+                f"{'':<20}  preempted {w.preemptions} batch job(s) for interactive ones "
+                "(back to their queue, run again)"
+            )
         if w.machine_kind:
             lines.append(
                 f"{'':<20}  figures: shared as {w.machine_kind}; {w.figures_adopted} "

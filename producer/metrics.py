@@ -49,6 +49,15 @@ HISTOGRAMS = {
     ),
 }
 
+#: Worker latency histograms per queue (``schemas.fleet.QUEUE_LATENCIES``).
+QUEUE_HISTOGRAMS = {
+    "queue_wait": ("mlxq_queue_wait_by_queue_seconds", "Seconds from submit to taken, per queue."),
+    "time_to_first_token": (
+        "mlxq_time_to_first_token_by_queue_seconds",
+        "Seconds from taken to the first completion token, per queue.",
+    ),
+}
+
 
 def _text(raw: bytes | str | None) -> str:
     return raw.decode() if isinstance(raw, bytes) else (raw or "")
@@ -210,6 +219,15 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
         "Record writes fewer replicas acknowledged than --wait-replicas asks.",
         labels=["worker"],
     )
+    preempted = CounterMetricFamily(
+        "mlxq_worker_preemptions",
+        "Batch jobs handed back to their queue to make room for interactive ones.",
+        labels=["worker"],
+    )
+    per_queue = {
+        k: HistogramMetricFamily(name, doc, labels=["worker", "queue"])
+        for k, (name, doc) in QUEUE_HISTOGRAMS.items()
+    }
     adopted = CounterMetricFamily(
         "mlxq_worker_figures_adopted",
         "Measurements the worker took from the fleet's shared figures instead of measuring.",
@@ -249,6 +267,11 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             kept.add_metric([w.name], pc.used_mb * 1e6)
         shortfalls.add_metric([w.name], w.replica_shortfalls)
         adopted.add_metric([w.name], w.figures_adopted)
+        preempted.add_metric([w.name], w.preemptions)
+        for queue, hs in w.queue_latency.items():
+            for k, family in per_queue.items():
+                if (h := hs.get(k)) is not None:
+                    family.add_metric([w.name, queue], h.cumulative(), h.sum)
         if w.lease_s is not None and w.name in lease_left:
             renew.add_metric([w.name], max(w.lease_s - lease_left[w.name], 0.0))
         for k, family in hists.items():
@@ -256,8 +279,8 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             if h is not None:
                 family.add_metric([w.name], h.cumulative(), h.sum)
     yield from (rq_workers, up, jobs, tokens, tps, accept, batch, limit, kv, memory)
-    yield from (hits, lookups, reused, entries, kept, shortfalls, adopted, renew)
-    yield from hists.values()
+    yield from (hits, lookups, reused, entries, kept, shortfalls, adopted, preempted, renew)
+    yield from (*hists.values(), *per_queue.values())
 
 
 def registry_for(conn: Redis, recent_batches: int = RECENT_BATCHES) -> CollectorRegistry:

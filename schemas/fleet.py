@@ -73,6 +73,8 @@ LATENCIES = {
     "time_to_first_token": "taken to the first completion token (prefill, model load)",
     "job": "taken to the record written",
 }
+#: The latencies a worker also publishes per queue (interactive vs batch queues).
+QUEUE_LATENCIES = ("queue_wait", "time_to_first_token")
 
 
 class Histogram(BaseModel):
@@ -129,4 +131,7 @@ class WorkerInfo(BaseModel):
     # the measurements it took from the fleet's figures instead of measuring them.
     machine_kind: str | None = None
     figures_adopted: int = 0
+    # Per queue: ``QUEUE_LATENCIES`` histograms; batch jobs preempted by interactive ones.
+    queue_latency: dict[str, dict[str, Histogram]] = {}
+    preemptions: int = 0
     updated_at: float

@@ -281,13 +281,20 @@ class ModelCache:
 
     @contextmanager
     def reserving(self, nbytes: int, what: str) -> Iterator[None]:
-        """Room for a job running on its own (:meth:`make_kv_room`), reserved while it runs."""
-        self.make_kv_room(nbytes, what)
-        self.reserve(nbytes)
+        """Room for a job running on its own (:meth:`make_kv_room`), reserved while it runs,
+        on top of what a paused batch holds (a job run between its steps)."""
+        held = self.kv_reserved
+        self.make_kv_room(held + nbytes, what)
+        self.reserve(held + nbytes)
         try:
             yield
         finally:
-            self.release()
+            self.reserve(held)
+
+    def fits_beside(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more KV cache fit beside what is reserved, once kept prefixes
+        are evicted (a job run between a batch's steps must, or it waits)."""
+        return self.kv_reserved + nbytes <= self.limit_bytes - self.model_bytes
 
     def entries(self) -> list[LoadedModel]:
         """Loaded models, least recently used first."""

@@ -79,6 +79,27 @@ def generate_reserved(
         )
 
 
+def kv_need(job: Job, route: Route, rt: WorkerRuntime) -> int | None:
+    """The KV bytes ``job`` reserves running alone as ``route`` says, or None when a model
+    it names is not loaded (loading could evict what a running batch uses). A job that
+    cannot even be prepared needs 0: running it fails it, naming why."""
+    req = job.envelope.request
+    draft = (req.draft_model, None) if req.draft_model else None
+    if (req.model, req.adapter) not in rt.cache or (draft and draft not in rt.cache):
+        return None
+    try:
+        generator = ChatGenerator.get_or_create(
+            req.model, req.draft_model, req.adapter, cache=rt.cache
+        )
+        prepared = generator.prepare(req, rt.default_num_draft_tokens)
+    except MlxqError:
+        return 0
+    models = [generator.target]
+    if route.speculative and generator.draft is not None and route.proposer != LOOKUP:
+        models.append(generator.draft)
+    return projected(models, [prepared.length()] * req.n)
+
+
 def _gave_up(decision: Decision, out: GenerationOutput) -> str:
     rate = out.gave_up_after / max(out.speculated_s, 1e-9)
     return (

@@ -27,6 +27,23 @@ A job that cannot join (another model, streaming...) is given back to the
 front of its queue and the batch stops taking for a second, so first-in-
 first-out order holds.
 
+Queues the worker serves before the batch's (the gateway's ``mlxq.interactive``
+first) are looked at between steps, every :data:`LOOK_EVERY_S` (one ``LLEN``
+round trip; none in between). A job waiting there does not wait for the batch:
+
+- one the batch can hold joins it at once, ahead of the batch's own queue; when
+  the batch is full it takes the place of the batch job that joined last (the
+  least work lost), which goes back to the front of its queue, unstarted and
+  without a crash counted, and runs again from its start later (greedy text
+  unchanged). The batch's own jobs keep at least :data:`OWN_FLOOR` of its slots
+  (at least one), so a flood of interactive jobs cannot stop it;
+- one it cannot hold (streamed, another model, seeded sampling, ``n``) runs alone
+  between two steps while the batch waits, its KV cache held, if every model it
+  needs is loaded already and its KV cache fits beside the batch's; otherwise it
+  waits for the batch to end. The batch steps at least once between two jobs run
+  alone this way, and they take at most :data:`URGENT_SHARE` of the time: after
+  one, the batch steps for a third of what it took before the next look.
+
 Jobs are taken, refused, ended and given back through the same lifecycle as
 jobs run alone (``worker.lifecycle.held``).
 """
@@ -42,7 +59,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from schemas import GenerationError, MlxqError, ResultRecord
+from schemas import GenerationError, MlxqError, ResultRecord, keys
 from schemas.fleet import BatchInfo
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
@@ -51,7 +68,7 @@ from worker.engine.request import Prepared
 from worker.engine.specbatch import SpecBatchEngine
 from worker.lifecycle.held import Job, Lifecycle
 from worker.runner import records
-from worker.runner.alone import deadline_of
+from worker.runner.alone import deadline_of, kv_need
 from worker.runner.company import PEEK, company
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
@@ -72,6 +89,13 @@ PUBLISH_EVERY_S = 0.5
 QUEUE_EMPTY = "queue: no more jobs waiting"
 #: The most sequences one batch holds under ``--max-batch auto``.
 AUTO_CAP = 256
+#: Seconds between two looks at the queues served before the batch's.
+LOOK_EVERY_S = 0.1
+#: The share of a batch's slots its own queue's jobs keep when interactive jobs take
+#: places (at least one slot).
+OWN_FLOOR = 0.25
+#: The most of the wall time jobs run alone between a batch's steps may take.
+URGENT_SHARE = 0.75
 
 
 class Host(Protocol):
@@ -82,7 +106,11 @@ class Host(Protocol):
     max_batch: int | None  # None: auto
     batch: BatchInfo | None  # what the running batch publishes (``producer fleet``)
 
+    queues: list[str]  # first ones first
+
     def take_from(self, queue: str) -> Job | None: ...
+
+    def run_alone(self, job: Job, r: Route) -> None: ...
 
     def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None: ...
 
@@ -116,6 +144,10 @@ class ContinuousBatch:
         self.peak_kv_bytes = 0  # measured, after each step
         self.peak_projected_bytes = 0
         self._published_at = -PUBLISH_EVERY_S
+        # the queues served before this batch's, and when to look at them next
+        before = host.queues.index(queue) if queue in host.queues else 0
+        self.ahead = host.queues[:before]
+        self._look_at = 0.0
 
     @property
     def peak_size(self) -> int:
@@ -150,6 +182,7 @@ class ContinuousBatch:
                 self._finish_outputs(step.done)
                 self._expire()
                 self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
+                self._urgent()
                 self._fill()
                 self._publish(kv_bytes)
             self.meter.close()
@@ -213,6 +246,71 @@ class ContinuousBatch:
                 return
             if not self._admit(job, r):
                 return
+
+    # -- interactive jobs -------------------------------------------------
+    def _urgent(self) -> None:
+        """Jobs waiting in the queues served before the batch's: they join it, or run alone
+        between two steps, or (neither possible) wait for the batch to end."""
+        if not self.ahead or time.monotonic() < self._look_at:
+            return
+        self._look_at = time.monotonic() + LOOK_EVERY_S
+        while (queue := self._first_waiting()) is not None:
+            job = self.host.take_from(queue)
+            if job is None or not self._urgent_one(job):
+                return
+
+    def _first_waiting(self) -> str | None:
+        pipe = self.host.lifecycle.conn.pipeline(transaction=False)
+        for q in self.ahead:
+            pipe.llen(keys.rq_queue_key(q))
+        return next((q for q, n in zip(self.ahead, pipe.execute(), strict=True) if n), None)
+
+    def _urgent_one(self, job: Job) -> bool:
+        """Run ``job`` from a queue ahead of the batch's: True when it joined (or ended at
+        once), False when it ran alone or went back to wait (looks pause a while)."""
+        req = job.envelope.request
+        depth = max(self.depth, len(self.slots) + 1)
+        r = route(req, self.rt.policy, depth, decide_alone=False)
+        if r.batch != self.key and self._same_kind(job, r):
+            r = dataclasses.replace(r, batch=self.key, decision=self.decision)
+        if r.batch == self.key and self._place_for_one():
+            self._admit(job, r)
+            return True
+        alone = route(req, self.rt.policy, batching=False)
+        need = kv_need(job, alone, self.rt)
+        if need is None or not self.rt.cache.fits_beside(need):
+            self.host.lifecycle.requeue(job)  # first in its queue still: after the batch
+            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+            log.info("job %s waits for the batch on %s to end", job.id, self.key.model)
+            return False
+        t = time.monotonic()
+        self.host.run_alone(job, alone)
+        took = time.monotonic() - t
+        self._look_at = time.monotonic() + took * (1 - URGENT_SHARE) / URGENT_SHARE
+        return False
+
+    def _place_for_one(self) -> bool:
+        """Whether one more job may join now, preempting one of the batch's own jobs when
+        it is full (never below :data:`OWN_FLOOR` of its slots)."""
+        limit = self._limit()[0]
+        if len(self.slots) < limit:
+            return True
+        own = [s for s in self.slots.values() if s.job.queue == self.queue]
+        if len(own) <= max(1, int(limit * OWN_FLOOR)):
+            return False
+        self._preempt(own[-1])  # the last to join: the least work lost
+        return True
+
+    def _preempt(self, slot: _Slot) -> None:
+        """Take ``slot``'s job out of the batch, back to the front of its queue unstarted."""
+        assert self.engine is not None
+        job_id = slot.job.id
+        self.engine.remove(job_id)
+        del self.slots[job_id]
+        self.host.lifecycle.requeue(slot.job)
+        self.rt.stats.preemptions += 1
+        self._reserve()
+        log.info("job %s preempted for an interactive job; back in %s", job_id, self.queue)
 
     def _same_kind(self, job: Job, r: Route) -> bool:
         """Whether ``job`` is like the draft jobs this batch was started for, which the

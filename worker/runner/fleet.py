@@ -51,6 +51,11 @@ def worker_info(
         jobs_succeeded=rt.stats.succeeded,
         jobs_failed=rt.stats.failed,
         latency={k: h.model_copy(deep=True) for k, h in rt.stats.latency.items()},
+        queue_latency={
+            q: {k: h.model_copy(deep=True) for k, h in hs.items()}
+            for q, hs in rt.stats.by_queue.items()
+        },
+        preemptions=rt.stats.preemptions,
         lease_s=lease_s,
         replica_shortfalls=replica_shortfalls,
         machine_kind=figures.kind if figures else None,

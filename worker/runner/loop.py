@@ -49,7 +49,7 @@ from worker.runner.continuous import AUTO_CAP, ContinuousBatch
 from worker.runner.figures import SharedFigures
 from worker.runner.fleet import worker_info
 from worker.runner.runtime import WorkerRuntime
-from worker.schedule.route import route
+from worker.schedule.route import Route, route
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,10 @@ class Worker:
         if r.batch is not None:
             ContinuousBatch(self, job.queue, r.batch, r.depth).run(job, r)
             return
+        self.run_alone(job, r)
+
+    def run_alone(self, job: Job, r: Route) -> None:
+        """Run ``job`` alone as routed and end it (also between a batch's steps)."""
         try:
             with self.computing():
                 upcoming = functools.partial(self.lifecycle.peek, job.queue, PEEK)
@@ -235,7 +239,7 @@ class Worker:
         for (job, record), w in zip(ended, wrote, strict=True):
             log.info("job %s %s", job.id, record.status)
             if w:
-                self.rt.stats.ended(record)
+                self.rt.stats.ended(record, job.queue)
 
     @contextmanager
     def computing(self) -> Iterator[None]:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from schemas import ResultRecord
-from schemas.fleet import LATENCIES, Histogram, PairStats
+from schemas.fleet import LATENCIES, QUEUE_LATENCIES, Histogram, PairStats
 from worker.engine import GenerationOutput
 
 
@@ -27,12 +27,16 @@ class WorkerStats:
     latency: dict[str, Histogram] = field(
         default_factory=lambda: {name: Histogram() for name in LATENCIES}
     )
+    # Per queue: queue wait and time to first token (interactive vs batch queues).
+    by_queue: dict[str, dict[str, Histogram]] = field(default_factory=dict)
+    # Batch jobs handed back to their queue to make room for interactive ones.
+    preemptions: int = 0
     # Per pair, when its last counted job ended (monotonic): the wall time it was busy is
     # the union of its jobs' spans, not their sum (a batch of 20 jobs of 20 s is 20 s).
     busy_until: dict[tuple[str, str | None], float] = field(default_factory=dict)
 
-    def ended(self, record: ResultRecord) -> None:
-        """Count a record this worker wrote, and observe its latencies."""
+    def ended(self, record: ResultRecord, queue: str | None = None) -> None:
+        """Count a record this worker wrote, and observe its latencies (also per ``queue``)."""
         if record.status == "succeeded":
             self.succeeded += 1
         else:
@@ -47,6 +51,9 @@ class WorkerStats:
         ):
             if value is not None:
                 self.latency[name].observe(value)
+                if queue is not None and name in QUEUE_LATENCIES:
+                    per = self.by_queue.setdefault(queue, {n: Histogram() for n in QUEUE_LATENCIES})
+                    per[name].observe(value)
 
     def add_batch(self, size: int, kv_bytes: int, projected_bytes: int) -> None:
         self.peak_batch = max(self.peak_batch, size)

@@ -1,0 +1,199 @@
+"""Interactive jobs never wait behind a running batch (``worker.runner.continuous``).
+
+A worker running a long continuous batch from ``mlxq`` looks at ``mlxq.interactive``
+between steps: a job there joins the batch (taking the place of a batch job when
+it is full), or runs alone between two steps; a preempted batch job goes back to
+its queue and ends once, with its greedy text unchanged; a flood of interactive
+jobs cannot stop the batch.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+from redis import Redis
+
+from producer import Client
+from producer.fleet import live_workers
+from producer.metrics import _worker_metrics
+from schemas import keys
+from schemas.fleet import Histogram, WorkerInfo
+from schemas.store import read_result
+from tests.conftest import chat, run_worker
+from worker.dev.tinymodels import TinySpec, ensure_model
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+from worker.schedule.policy import SpeculationPolicy
+
+QUEUES = (keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE)
+
+
+def _batch(conn, model: str, n: int, tokens: int, tag: str = "b", **fields) -> list[str]:
+    jobs = {
+        f"{tag}{i}": chat(model, f"batch job {i}", max_tokens=tokens, temperature=0, **fields)
+        for i in range(n)
+    }
+    return Client(connection=conn).submit(jobs, batch_id=tag).job_ids
+
+
+def _interactive(conn, model: str, n: int, tag: str = "i", **fields) -> list[str]:
+    jobs = {
+        f"{tag}{i}": chat(model, f"question {i}", max_tokens=8, temperature=0, **fields)
+        for i in range(n)
+    }
+    client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
+    return client.submit(jobs, batch_id=tag).job_ids
+
+
+def _serve(redis_url: str, rt: runtime.WorkerRuntime, max_batch: int | None) -> threading.Thread:
+    t = threading.Thread(
+        target=run_worker,
+        args=(redis_url,),
+        kwargs={"queues": QUEUES, "runtime": rt, "max_batch": max_batch},
+        daemon=True,
+    )
+    t.start()
+    return t
+
+
+def _ended(conn: Redis, ids: list[str]) -> int:
+    return sum(conn.exists(keys.result_key(j)) for j in ids)
+
+
+def _wait(cond, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _rt(policy: SpeculationPolicy | None = None) -> runtime.WorkerRuntime:
+    return runtime.WorkerRuntime(cache=ModelCache(), policy=policy or SpeculationPolicy("never"))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_interactive_jobs_end_while_the_batch_runs(conn, redis_url, tiny, stream):
+    batch = _batch(conn, tiny.target, 300, 24)
+    rt = _rt()
+    worker = _serve(redis_url, rt, max_batch=8)
+    _wait(lambda: _ended(conn, batch) >= 8)  # the batch is running
+    asked = _interactive(conn, tiny.target, 4, stream=stream)
+    at_ask = _ended(conn, batch)
+    _wait(lambda: _ended(conn, asked) == 4)
+    during = _ended(conn, batch) - at_ask
+    # before, they waited for the batch queue to drain (~290 jobs); now a few steps
+    assert during <= 40, during
+    assert all(read_result(conn, j).status == "succeeded" for j in asked)
+    worker.join(180)
+    assert _ended(conn, batch) == 300
+    # latencies per queue (Prometheus: mlxq_*_by_queue_seconds{worker,queue})
+    waits = {q: h["queue_wait"].count for q, h in rt.stats.by_queue.items()}
+    assert waits == {keys.INTERACTIVE_QUEUE: 4, keys.DEFAULT_QUEUE: 300}
+
+
+def _alone_texts(conn, redis_url, model: str, n: int, tokens: int, **fields) -> list[str]:
+    """The same jobs' greedy text, each run alone by a fresh worker (the reference)."""
+    jobs = {
+        f"ref{i}": chat(model, f"batch job {i}", max_tokens=tokens, temperature=0, **fields)
+        for i in range(n)
+    }
+    s = Client(connection=conn).submit(jobs, batch_id="ref")
+    run_worker(redis_url, runtime=_rt(), max_batch=1)
+    return [read_result(conn, j).response.choices[0].message.content for j in s.job_ids]
+
+
+@pytest.fixture(scope="module")
+def archs(tmp_path_factory) -> dict[str, str]:
+    """A sliding-window model (Gemma 3's shape) and a linear-attention hybrid (Qwen3.5's)."""
+    root = tmp_path_factory.mktemp("archs")
+    shapes = {"sliding": "gemma3_text", "hybrid": "qwen3_5"}
+    return {
+        kind: str(ensure_model(root / kind, TinySpec(arch=arch, layers=4, window=8, seed=21)))
+        for kind, arch in shapes.items()
+    }
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft", "lookup", "sliding", "hybrid"])
+def test_a_full_batch_preempts_a_batch_job_which_ends_once_unchanged(
+    conn, redis_url, tiny, archs, kind
+):
+    model = archs.get(kind, tiny.target)
+    fields = {
+        "draft": {"draft_model": tiny.draft, "num_draft_tokens": 3},
+        "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
+    }.get(kind, {})
+    policy = SpeculationPolicy("always" if kind in ("draft", "lookup") else "never")
+    batch = _batch(conn, model, 12, 160, **fields)
+    rt = _rt(policy)
+    worker = _serve(redis_url, rt, max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)  # the batch is full
+    asked = _interactive(conn, model, 3, **fields)  # the same kind: they can join
+    _wait(lambda: _ended(conn, asked) == 3)
+    worker.join(120)
+    assert rt.stats.preemptions >= 1
+    records = [read_result(conn, j) for j in batch]
+    assert all(r.status == "succeeded" for r in records)
+    texts = [r.response.choices[0].message.content for r in records]
+    assert texts == _alone_texts(conn, redis_url, model, 12, 160, **fields)
+    # each ended once: the batch counted each once
+    assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 12
+
+
+def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(conn, redis_url, tiny):
+    batch = _batch(conn, tiny.target, 40, 48)
+    worker = _serve(redis_url, _rt(), max_batch=4)
+    _wait(lambda: _ended(conn, batch) >= 1)
+    flood = _interactive(conn, tiny.target, 60, stream=True)  # streamed: each runs alone
+    _wait(lambda: _ended(conn, flood) >= 10)
+    early = _ended(conn, batch)
+    assert early < 40  # the flood did not wait for the batch
+    _wait(lambda: _ended(conn, flood) >= 50)
+    assert _ended(conn, batch) > early  # and the batch went on during the flood
+    worker.join(180)
+    assert _ended(conn, flood) == 60 and _ended(conn, batch) == 40
+
+
+def test_sigkill_while_preempting_loses_nothing(conn, redis_url, tiny, workers):
+    batch = _batch(conn, tiny.slow, 8, 200)
+    a = workers("--lease-seconds", "2", "--max-batch", "4", "--speculative", "never", name="a")
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    asked = _interactive(conn, tiny.slow, 4)
+
+    def preempted() -> bool:
+        return any(w.preemptions for w in live_workers(conn))
+
+    _wait(preempted, 60)
+    a.signal(signal.SIGKILL)
+    a.wait()
+    b = workers("--lease-seconds", "2", "--max-batch", "4", name="b")
+    _wait(lambda: _ended(conn, batch + asked) == 12, 240)  # a's jobs recovered when its lease ends
+    b.signal(signal.SIGTERM)
+    assert b.wait(60) == 0
+    records = [read_result(conn, j) for j in batch + asked]
+    assert all(r is not None and r.status == "succeeded" for r in records)
+    assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 8  # each ended once
+    assert int(conn.hget(keys.batch_key("i"), "succeeded")) == 4
+
+
+def test_preemptions_and_latencies_per_queue_are_exported():
+    wait = Histogram()
+    wait.observe(0.05)
+    info = WorkerInfo(
+        name="w",
+        host="h",
+        pid=1,
+        queues=list(QUEUES),
+        state="busy",
+        updated_at=0.0,
+        preemptions=3,
+        queue_latency={keys.INTERACTIVE_QUEUE: {"queue_wait": wait}},
+    )
+    families = {f.name: f for f in _worker_metrics([info], {})}
+    assert [s.value for s in families["mlxq_worker_preemptions"].samples] == [3]
+    counts = [
+        s for s in families["mlxq_queue_wait_by_queue_seconds"].samples if s.name.endswith("_count")
+    ]
+    assert [(s.labels["queue"], s.value) for s in counts] == [(keys.INTERACTIVE_QUEUE, 1)]
