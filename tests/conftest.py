@@ -52,6 +52,9 @@ QUICK_TESTS = {
     "tests/test_reasoning.py::test_the_split_and_the_count",
     "tests/test_reasoning.py::test_every_live_view_is_a_prefix_of_the_final_message",
     "tests/test_hostile.py::test_hostile_hashes_run_nothing_and_every_worker_goes_on",
+    "tests/test_interactive.py::test_interactive_jobs_end_while_the_batch_runs",
+    "tests/test_interactive.py::test_an_interactive_prompt_prefills_before_batch_prompts_still_waiting",
+    "tests/test_interactive.py::test_preemptions_and_latencies_per_queue_are_exported",
 }
 
 

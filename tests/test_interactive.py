@@ -19,11 +19,13 @@ from redis import Redis
 from producer import Client
 from producer.fleet import live_workers
 from producer.metrics import _worker_metrics
-from schemas import keys
+from schemas import ChatRequest, keys
 from schemas.fleet import Histogram, WorkerInfo
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from worker.dev.tinymodels import TinySpec, ensure_model
+from worker.engine.batch import BatchEngine
+from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
 from worker.runner import runtime
 from worker.schedule.policy import SpeculationPolicy
@@ -197,3 +199,17 @@ def test_preemptions_and_latencies_per_queue_are_exported():
         s for s in families["mlxq_queue_wait_by_queue_seconds"].samples if s.name.endswith("_count")
     ]
     assert [(s.labels["queue"], s.value) for s in counts] == [(keys.INTERACTIVE_QUEUE, 1)]
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_an_interactive_prompt_prefills_before_batch_prompts_still_waiting(tiny, first):
+    cache = ModelCache()
+    gen = ChatGenerator.get_or_create(tiny.target, cache=cache)
+    engine = BatchEngine(gen.target, max_batch=1)  # one at a time: the order shows
+    for tag in ("a", "b"):
+        engine.add(tag, gen.prepare(ChatRequest.model_validate(chat(tiny.target, "x " * 200))))
+    engine.add("urgent", gen.prepare(ChatRequest.model_validate(chat(tiny.target))), first=first)
+    while engine.first_token_at("urgent") is None and engine.first_token_at("a") is None:
+        engine.step()
+    assert (engine.first_token_at("urgent") is not None) == first
+    engine.close()

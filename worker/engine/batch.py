@@ -59,13 +59,19 @@ class BatchEngine:
         return len(self._seqs)
 
     def add(
-        self, tag: Hashable, job: Prepared, start: Start = NO_START, on_text: OnText | None = None
+        self,
+        tag: Hashable,
+        job: Prepared,
+        start: Start = NO_START,
+        on_text: OnText | None = None,
+        first: bool = False,
     ) -> None:
         """Start decoding ``job``'s prompt (it joins at the next step).
 
         ``start.cache`` holds the KV state of the first ``start.cached`` prompt tokens
         (a kept prefix): only the rest is prefilled, and the penalties still see the
-        whole prompt.
+        whole prompt. ``first``: its prompt is prefilled before those of sequences
+        added earlier and still waiting (an interactive job's).
         """
         prompt, params, cached = job.prompt, job.params, start.cached
         cache = start.cache
@@ -77,6 +83,9 @@ class BatchEngine:
             samplers=[sampler_for(params)],
             logits_processors=[logits_processors(params)],
         )
+        waiting = getattr(self.gen, "_unprocessed_sequences", None)  # mlx-lm's FIFO
+        if first and waiting and len(waiting) > 1 and waiting[-1][0] == uid:
+            waiting.appendleft(waiting.pop())
         detok = self.target.tokenizer.detokenizer  # a fresh one per access
         self._seqs[uid] = Sequence(tag, len(prompt), params, detok, start.reused, on_text)
 

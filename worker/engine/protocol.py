@@ -93,8 +93,11 @@ class Engine(Protocol):
         """Bytes the sequences' KV caches hold now."""
         ...
 
-    def add(self, tag: Hashable, job: Prepared, start: Start = NO_START) -> None:
+    def add(
+        self, tag: Hashable, job: Prepared, start: Start = NO_START, *, first: bool = False
+    ) -> None:
         """A sequence joins (it is prefilled at the next step); ``tag`` names it.
+        ``first``: prefilled before sequences that joined earlier and wait still.
         Raises :class:`CannotTake` (and changes nothing) if this engine cannot hold it."""
         ...
 

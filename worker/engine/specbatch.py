@@ -141,10 +141,16 @@ class SpecBatchEngine:
         return next((r.first_token_at for r in self._all() if r.tag == tag), None)
 
     def add(
-        self, tag: Hashable, job: Prepared, start: Start = NO_START, on_text: OnText | None = None
+        self,
+        tag: Hashable,
+        job: Prepared,
+        start: Start = NO_START,
+        on_text: OnText | None = None,
+        first: bool = False,
     ) -> None:
         """Add ``job``'s prompt as a row: it is prefilled on both models at the next
-        :meth:`step`, together with every other row that joined meanwhile, then decodes.
+        :meth:`step`, together with every other row that joined meanwhile (so ``first``
+        changes nothing), then decodes.
         ``start.cache``: the target's layers then the draft's, holding the first
         ``start.cached`` prompt tokens."""
         prompt, params = job.prompt, job.params

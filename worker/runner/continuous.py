@@ -31,12 +31,13 @@ Queues the worker serves before the batch's (the gateway's ``mlxq.interactive``
 first) are looked at between steps, every :data:`LOOK_EVERY_S` (one ``LLEN``
 round trip; none in between). A job waiting there does not wait for the batch:
 
-- one the batch can hold joins it at once, ahead of the batch's own queue; when
-  the batch is full it takes the place of the batch job that joined last (the
-  least work lost), which goes back to the front of its queue, unstarted and
-  without a crash counted, and runs again from its start later (greedy text
-  unchanged). The batch's own jobs keep at least :data:`OWN_FLOOR` of its slots
-  (at least one), so a flood of interactive jobs cannot stop it;
+- one the batch can hold joins it at once, ahead of the batch's own queue (under
+  ``--max-batch auto`` also above the size measured fastest, memory permitting);
+  at the cap (``--max-batch N``) it takes the place of the batch job that joined
+  last (the least work lost), which goes back to the front of its queue,
+  unstarted and without a crash counted, and runs again from its start later
+  (greedy text unchanged). The batch's own jobs keep at least :data:`OWN_FLOOR`
+  of its slots (at least one), so a flood of interactive jobs cannot stop it;
 - one it cannot hold (streamed, another model, seeded sampling, ``n``) runs alone
   between two steps while the batch waits, its KV cache held, if every model it
   needs is loaded already and its KV cache fits beside the batch's; otherwise it
@@ -274,7 +275,7 @@ class ContinuousBatch:
         if r.batch != self.key and self._same_kind(job, r):
             r = dataclasses.replace(r, batch=self.key, decision=self.decision)
         if r.batch == self.key and self._place_for_one():
-            self._admit(job, r)
+            self._admit(job, r, first=True)
             return True
         alone = route(req, self.rt.policy, batching=False)
         need = kv_need(job, alone, self.rt)
@@ -290,13 +291,15 @@ class ContinuousBatch:
         return False
 
     def _place_for_one(self) -> bool:
-        """Whether one more job may join now, preempting one of the batch's own jobs when
-        it is full (never below :data:`OWN_FLOOR` of its slots)."""
-        limit = self._limit()[0]
-        if len(self.slots) < limit:
+        """Whether an interactive job may join now. Under ``--max-batch auto`` it joins
+        above the size measured fastest (that limit is a preference, not a cap: memory
+        still decides, in :meth:`_admit`); at the cap (``--max-batch N``, or
+        :data:`AUTO_CAP`) it takes the place of one of the batch's own jobs, which keep
+        at least :data:`OWN_FLOOR` of the slots."""
+        if len(self.slots) < self.cap:
             return True
         own = [s for s in self.slots.values() if s.job.queue == self.queue]
-        if len(own) <= max(1, int(limit * OWN_FLOOR)):
+        if len(own) <= max(1, int(self.cap * OWN_FLOOR)):
             return False
         self._preempt(own[-1])  # the last to join: the least work lost
         return True
@@ -327,9 +330,10 @@ class ContinuousBatch:
             and batchable(req)
         )
 
-    def _admit(self, job: Job, r: Route) -> bool:
-        """Put ``job`` into the batch (True); hand it back to wait for memory, or end it
-        at once with what stops it (False)."""
+    def _admit(self, job: Job, r: Route, first: bool = False) -> bool:
+        """Put ``job`` into the batch (True; ``first``: its prompt prefills before those
+        of batch jobs still waiting); hand it back to wait for memory, or end it at once
+        with what stops it (False)."""
         req = job.envelope.request
         try:
             self.rt.check_request(req)  # the draft too: batched without it, but named
@@ -346,7 +350,7 @@ class ContinuousBatch:
                 held = len(prepared.prompt) - 1
                 start = self.generator.starting_cache(prepared, held, draft, others)
             with self.host.computing():
-                engine.add(job.id, prepared, start)
+                engine.add(job.id, prepared, start, first=first)
         except CannotTake as e:
             self._cannot_take(job, str(e))
             return False

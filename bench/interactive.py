@@ -1,0 +1,198 @@
+"""Interactive requests while a batch runs: gateway latency and batch throughput, side by side.
+
+One worker (in-process, ``--max-batch`` jobs decoding together) on the 12x1024
+target serves ``mlxq.interactive`` before ``mlxq``; chat completions come through
+the gateway (``producer serve``) at a steady rate, one every ``--every`` seconds.
+Arms, in one run:
+
+- idle: the requests alone (the worker has nothing else to do);
+- batch: the queued batch jobs alone (their tokens/s, first submit to last record);
+- batch + requests: both at once (requests p50 / p99 over idle; batch tokens/s
+  over the batch arm);
+- before: the same with the running batch not looking at the interactive queue
+  (how it was: requests waited for the batch to end).
+
+``--long N``: the batch arms again with prompts of about N tokens (long prefills).
+
+    .venv/bin/python -m bench.interactive [--batch-jobs 96] [--requests 12] [--long 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import openai
+from redis import Redis
+
+from bench.fixtures import model
+from bench.gateway import KEY, start_gateway
+from producer import Client
+from producer.localredis import LocalRedis
+from schemas import keys
+from schemas.store import read_result
+from worker.engine.models import ModelCache
+from worker.runner import continuous
+from worker.runner.loop import Worker
+from worker.runner.runtime import WorkerRuntime
+from worker.schedule.policy import SpeculationPolicy
+
+OUT = Path(__file__).parent / "out"
+QUEUES = [keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE]
+
+
+def requests(base: str, target: str, n: int, every: float, tokens: int) -> list[float]:
+    """``n`` chat completions, one started every ``every`` seconds: their latencies."""
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=900)
+    out: list[float] = [0.0] * n
+
+    def one(i: int) -> None:
+        start = time.perf_counter()
+        client.chat.completions.create(
+            model=target,
+            messages=[{"role": "user", "content": f"interactive question {i}"}],
+            max_tokens=tokens,
+            temperature=0,
+        )
+        out[i] = time.perf_counter() - start
+
+    threads = []
+    for i in range(n):
+        t = threading.Thread(target=one, args=(i,))
+        t.start()
+        threads.append(t)
+        time.sleep(every)
+    for t in threads:
+        t.join()
+    return out
+
+
+def submit_batch(conn: Redis, target: str, n: int, tokens: int, prompt: int, tag: str) -> list[str]:
+    filler = " ".join(f"w{i % 97}" for i in range(prompt))
+    jobs = {
+        f"{tag}{i}": {
+            "model": target,
+            "messages": [{"role": "user", "content": f"batch job {i}. {filler}"}],
+            "max_tokens": tokens,
+            "temperature": 0,
+        }
+        for i in range(n)
+    }
+    return Client(connection=conn).submit(jobs, batch_id=tag).job_ids
+
+
+def serve(
+    url: str, rt: WorkerRuntime, max_batch: int | None, stop: threading.Event
+) -> threading.Thread:
+    def loop() -> None:
+        conn = Redis.from_url(url)
+        while not stop.is_set():
+            Worker(
+                conn,
+                QUEUES,
+                rt,
+                name=f"bench{time.monotonic_ns()}",
+                max_batch=max_batch,
+                burst=True,
+            ).work()
+            time.sleep(0.05)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+def batch_rate(conn: Redis, ids: list[str], started: float) -> float:
+    records = [read_result(conn, j) for j in ids]
+    tokens = sum(r.response.usage.completion_tokens for r in records if r.response)
+    return tokens / (max(r.finished_at for r in records) - started)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-jobs", type=int, default=96)
+    ap.add_argument("--batch-tokens", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--every", type=float, default=1.5)
+    ap.add_argument("--request-tokens", type=int, default=16)
+    ap.add_argument("--max-batch", default="auto", help="auto (the default) or N")
+    ap.add_argument("--long", type=int, default=0, help="also with batch prompts this long")
+    ap.add_argument("--long-jobs", type=int, default=12, help="batch jobs with long prompts")
+    ap.add_argument("--target", default=None)
+    args = ap.parse_args()
+    target = args.target or model("wide")
+    rt = WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("never"))
+    report: dict = {"args": vars(args) | {"target": target}, "arms": {}}
+    with LocalRedis() as server:
+        conn = Redis.from_url(server.url)
+        gateway, base = start_gateway(server.url, 1)
+        stop = threading.Event()
+        serve(server.url, rt, None if args.max_batch == "auto" else int(args.max_batch), stop)
+        try:
+            requests(base, target, 2, 0.0, 4)  # load the model, warm up
+            idle = requests(base, target, args.requests, args.every, args.request_tokens)
+            report["arms"]["idle"] = {"p50_s": pct(idle, 0.5), "p99_s": pct(idle, 0.99)}
+            print("idle", report["arms"]["idle"], flush=True)
+            prompts = [0] + ([args.long] if args.long else [])
+            for prompt in prompts:
+                suffix = f", {prompt}-token prompts" if prompt else ""
+                jobs = args.long_jobs if prompt else args.batch_jobs
+                t0 = time.time()
+                ids = submit_batch(conn, target, jobs, args.batch_tokens, prompt, f"a{prompt}")
+                while conn.llen(keys.rq_queue_key(keys.DEFAULT_QUEUE)) or conn.hlen(keys.RUNNING):
+                    time.sleep(0.2)
+                alone = batch_rate(conn, ids, t0)
+                report["arms"][f"batch{suffix}"] = {"tok_s": alone}
+                for arm, look in (("batch + requests", True), ("before (no look)", False)):
+                    saved = continuous.ContinuousBatch._urgent
+                    if not look:
+                        continuous.ContinuousBatch._urgent = lambda self: None  # type: ignore[method-assign]
+                    try:
+                        t0 = time.time()
+                        tag = f"{'b' if look else 'c'}{prompt}"
+                        ids = submit_batch(conn, target, jobs, args.batch_tokens, prompt, tag)
+                        while not conn.hlen(keys.RUNNING):  # until the batch runs
+                            time.sleep(0.05)
+                        lat = requests(base, target, args.requests, args.every, args.request_tokens)
+                        while conn.llen(keys.rq_queue_key(keys.DEFAULT_QUEUE)) or conn.hlen(
+                            keys.RUNNING
+                        ):
+                            time.sleep(0.2)
+                        rate = batch_rate(conn, ids, t0)
+                    finally:
+                        continuous.ContinuousBatch._urgent = saved  # type: ignore[method-assign]
+                    row = {
+                        "p50_s": pct(lat, 0.5),
+                        "p99_s": pct(lat, 0.99),
+                        "p50_over_idle": pct(lat, 0.5) / report["arms"]["idle"]["p50_s"],
+                        "p99_over_idle": pct(lat, 0.99) / report["arms"]["idle"]["p99_s"],
+                        "batch_tok_s": rate,
+                        "batch_over_alone": rate / alone,
+                        "mean_s": statistics.mean(lat),
+                    }
+                    report["arms"][f"{arm}{suffix}"] = row
+                    print(
+                        f"{arm}{suffix}",
+                        json.dumps({k: round(v, 3) for k, v in row.items()}),
+                        flush=True,
+                    )
+            report["preemptions"] = rt.stats.preemptions
+        finally:
+            stop.set()
+            gateway.terminate()
+            gateway.wait(30)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "interactive.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
