@@ -213,3 +213,21 @@ def test_an_interactive_prompt_prefills_before_batch_prompts_still_waiting(tiny,
         engine.step()
     assert (engine.first_token_at("urgent") is not None) == first
     engine.close()
+
+
+def test_when_a_batch_step_costs_many_single_steps_interactive_jobs_run_alone(
+    conn, redis_url, tiny
+):
+    rt = _rt()
+    # as measured on a compute-bound device: one sequence alone decodes far faster than
+    # a step of the running batch (here 10^6 tokens/s: any real step is slower)
+    rt.policy.sizes.record(tiny.target, None, 1, 1000, 1e-3)
+    batch = _batch(conn, tiny.target, 12, 160)
+    worker = _serve(redis_url, rt, max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    asked = _interactive(conn, tiny.target, 3)
+    _wait(lambda: _ended(conn, asked) == 3)
+    assert _ended(conn, batch) < 12  # they did not wait for the batch
+    worker.join(120)
+    assert rt.stats.preemptions == 0  # nor joined it: each ran alone between two steps
+    assert [read_result(conn, j).metrics.batch_size for j in asked] == [1, 1, 1]

@@ -31,7 +31,9 @@ Queues the worker serves before the batch's (the gateway's ``mlxq.interactive``
 first) are looked at between steps, every :data:`LOOK_EVERY_S` (one ``LLEN``
 round trip; none in between). A job waiting there does not wait for the batch:
 
-- one the batch can hold joins it at once, ahead of the batch's own queue (under
+- one the batch can hold joins it at once while a step of the batch costs at most
+  :data:`JOIN_SLOWDOWN` steps at the smallest batch size measured (else it runs
+  alone between steps, as below, when it can), ahead of the batch's own queue (under
   ``--max-batch auto`` also above the size measured fastest, memory permitting);
   at the cap (``--max-batch N``) it takes the place of the batch job that joined
   last (the least work lost), which goes back to the front of its queue,
@@ -74,6 +76,7 @@ from worker.runner.company import PEEK, company
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.admission import Length, Verdict, admit
+from worker.schedule.estimators import ewma
 from worker.schedule.goodput import Goodput
 from worker.schedule.grouping import BatchKey, batchable
 from worker.schedule.meter import BatchMeter
@@ -97,6 +100,10 @@ LOOK_EVERY_S = 0.1
 OWN_FLOOR = 0.25
 #: The most of the wall time jobs run alone between a batch's steps may take.
 URGENT_SHARE = 0.75
+#: An interactive job joins the batch while a step of it takes at most this many times a
+#: step at the smallest batch size measured; above, it runs alone between two steps
+#: (a compute-bound device, where a large batch's step costs many single steps).
+JOIN_SLOWDOWN = 2.0
 
 
 class Host(Protocol):
@@ -149,6 +156,7 @@ class ContinuousBatch:
         before = host.queues.index(queue) if queue in host.queues else 0
         self.ahead = host.queues[:before]
         self._look_at = 0.0
+        self._step_s: float | None = None  # decoding steps' seconds (running average)
 
     @property
     def peak_size(self) -> int:
@@ -183,6 +191,8 @@ class ContinuousBatch:
                 self._finish_outputs(step.done)
                 self._expire()
                 self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
+                if not step.prefilled:
+                    self._step_s = ewma(self._step_s, seconds)
                 self._urgent()
                 self._fill()
                 self._publish(kv_bytes)
@@ -274,12 +284,16 @@ class ContinuousBatch:
         r = route(req, self.rt.policy, depth, decide_alone=False)
         if r.batch != self.key and self._same_kind(job, r):
             r = dataclasses.replace(r, batch=self.key, decision=self.decision)
-        if r.batch == self.key and self._place_for_one():
+        joinable = r.batch == self.key
+        if joinable and self._join_pays() and self._place_for_one():
             self._admit(job, r, first=True)
             return True
         alone = route(req, self.rt.policy, batching=False)
         need = kv_need(job, alone, self.rt)
         if need is None or not self.rt.cache.fits_beside(need):
+            if joinable and self._place_for_one():  # slower than alone, sooner than waiting
+                self._admit(job, r, first=True)
+                return True
             self.host.lifecycle.requeue(job)  # first in its queue still: after the batch
             self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
             log.info("job %s waits for the batch on %s to end", job.id, self.key.model)
@@ -289,6 +303,15 @@ class ContinuousBatch:
         took = time.monotonic() - t
         self._look_at = time.monotonic() + took * (1 - URGENT_SHARE) / URGENT_SHARE
         return False
+
+    def _join_pays(self) -> bool:
+        """Whether a step of this batch costs at most :data:`JOIN_SLOWDOWN` steps at the
+        smallest size measured (unknown: yes). On a GPU a batch step costs little more
+        than one sequence's; on a CPU a large batch's costs many."""
+        smallest = self.rt.policy.sizes.smallest_step_s(*self.key)
+        if smallest is None or self._step_s is None:
+            return True
+        return self._step_s <= JOIN_SLOWDOWN * smallest
 
     def _place_for_one(self) -> bool:
         """Whether an interactive job may join now. Under ``--max-batch auto`` it joins

@@ -41,6 +41,15 @@ class BatchRates:
         nearest = min(self.by_size, key=lambda n: (abs(n - size), n))
         return self.by_size[nearest].value
 
+    def smallest_step_s(self) -> float | None:
+        """Seconds of one step at the smallest size measured (size / its tokens/s): what a
+        sequence's token costs at best, as far as measured; None before any."""
+        if not self.by_size:
+            return None
+        n = min(self.by_size)
+        rate = self.by_size[n].value
+        return n / rate if rate > 0 else None
+
     def record(self, size: int, tokens_per_s: float) -> None:
         settled = self._settled()
         self.by_size.setdefault(size, Running()).update(tokens_per_s)
@@ -161,6 +170,18 @@ class BatchMemory:
         """The batch size measured speed favours for (target, adapter), and why."""
         with self._lock:
             return self._rates(target, adapter, draft, k, adaptive).limit()
+
+    def smallest_step_s(
+        self,
+        target: str,
+        adapter: str | None,
+        draft: str | None = None,
+        k: int = PLAIN,
+        adaptive: bool = False,
+    ) -> float | None:
+        """:meth:`BatchRates.smallest_step_s` of this kind of batch."""
+        with self._lock:
+            return self._rates(target, adapter, draft, k, adaptive).smallest_step_s()
 
     def rate(
         self, target: str, adapter: str | None, size: int, draft: str | None = None
