@@ -156,7 +156,7 @@ class ContinuousBatch:
         before = host.queues.index(queue) if queue in host.queues else 0
         self.ahead = host.queues[:before]
         self._look_at = 0.0
-        self._step_s: float | None = None  # decoding steps' seconds (running average)
+        self._step_s: float | None = None  # steps' seconds, prefills too (running average)
 
     @property
     def peak_size(self) -> int:
@@ -191,8 +191,8 @@ class ContinuousBatch:
                 self._finish_outputs(step.done)
                 self._expire()
                 self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
-                if not step.prefilled:
-                    self._step_s = ewma(self._step_s, seconds)
+                # what a token of a job in this batch waits, prefill chunks included
+                self._step_s = ewma(self._step_s, seconds)
                 self._urgent()
                 self._fill()
                 self._publish(kv_bytes)
