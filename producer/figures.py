@@ -72,10 +72,10 @@ def names_of(belief: Belief) -> set[str]:
 def reset(conn: Redis, model: str | None = None) -> int:
     """Forget the figures of every scope (``model`` None) or of the scopes where ``model``
     was the target, a draft or an adapter. Returns the scopes forgotten."""
-    found, _ = beliefs(conn)
-    scopes = [b.scope for b in found if model is None or model in names_of(b)]
     if model is None:
-        scopes = list({*scopes, *(s.decode() for s in conn.hkeys(INDEX))})
+        scopes = [s.decode() for s in conn.hkeys(INDEX)]
+    else:
+        scopes = [b.scope for b in beliefs(conn)[0] if model in names_of(b)]
     if scopes:
         pipe = conn.pipeline(transaction=False)
         pipe.delete(*(scope_key(s) for s in scopes))

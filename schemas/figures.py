@@ -156,12 +156,6 @@ def read_entries(
     return good, skipped
 
 
-def weight(runs: int, at: float, now: float) -> float:
-    """How much a measurement fed by ``runs`` jobs, written at ``at``, counts now."""
-    age = max(now - at, 0.0)
-    return min(runs, MAX_WEIGHT_RUNS) * 0.5 ** (age / HALF_LIFE_S)
-
-
 def _merge_measured(items: list[tuple[Measured, float]]) -> Measured | None:
     """Weighted mean of (measurement, age weight) pairs; runs add up."""
     total = sum(min(m.runs, MAX_WEIGHT_RUNS) * w for m, w in items)

@@ -99,11 +99,13 @@ def test_a_fresh_policy_adopting_the_fleets_figures_decides_at_once():
     assert chosen[:3] == [PLAIN, 3, 6]  # measured
     first.sizes.record("t", None, 8, 800, 1.0)
     first.sizes.record("t", None, 16, 900, 1.0)
+    first.sizes.record("t", None, 8, 1200, 1.0, "d", 6, adaptive=True)  # a speculative batch
     ex = export(first, "t", _identify, worker="w", kind=KIND, mlx="m", now=time.time())
     assert ex is not None and set(ex.pairs) == {"d1"}
     second = SpeculationPolicy("auto", default_k=3)
     taken = adopt(second, "t", None, "d", merge([ex]), _identify)
-    assert taken == 8 + 2
+    assert taken == 8 + 2 + 1
+    assert second.sizes.rate("t", None, 8, "d") == pytest.approx(1200)  # under its draft's id
     decided = second.choose("t", "d")
     assert "measuring" not in decided.reason and "fleet figures of 8 job(s)" in decided.reason
     assert decided.k == first.choose("t", "d").k

@@ -41,10 +41,10 @@ def _batch(conn, model: str, n: int, tokens: int, tag: str = "b", **fields) -> l
     return Client(connection=conn).submit(jobs, batch_id=tag).job_ids
 
 
-def _interactive(conn, model: str, n: int, tag: str = "i", **fields) -> list[str]:
+def _interactive(conn, model: str, count: int, tag: str = "i", **fields) -> list[str]:
     jobs = {
         f"{tag}{i}": chat(model, f"question {i}", max_tokens=8, temperature=0, **fields)
-        for i in range(n)
+        for i in range(count)
     }
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
     return client.submit(jobs, batch_id=tag).job_ids
@@ -231,3 +231,20 @@ def test_when_a_batch_step_costs_many_single_steps_interactive_jobs_run_alone(
     worker.join(120)
     assert rt.stats.preemptions == 0  # nor joined it: each ran alone between two steps
     assert [read_result(conn, j).metrics.batch_size for j in asked] == [1, 1, 1]
+
+
+def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(
+    conn, redis_url, tiny
+):
+    batch = _batch(conn, tiny.target, 60, 48)
+    worker = _serve(redis_url, _rt(), max_batch=4)
+    _wait(lambda: _ended(conn, batch) >= 1)
+    choices = _interactive(conn, tiny.target, 1, tag="n", n=2)  # n: a batch of its own
+    other = _interactive(conn, tiny.draft, 1, tag="o")  # a model not loaded: it waits
+    _wait(lambda: _ended(conn, choices) == 1)
+    assert _ended(conn, batch) < 60  # ran between two steps
+    assert len(read_result(conn, choices[0]).response.choices) == 2
+    worker.join(180)
+    waited = read_result(conn, other[0])
+    assert waited.status == "succeeded"  # not lost: it ran once the batch had ended
+    assert waited.finished_at >= max(read_result(conn, j).finished_at for j in batch)

@@ -83,7 +83,10 @@ class BatchEngine:
             samplers=[sampler_for(params)],
             logits_processors=[logits_processors(params)],
         )
-        waiting = getattr(self.gen, "_unprocessed_sequences", None)  # mlx-lm's FIFO
+        # mlx-lm's BatchGenerator has no priority on insert: its private FIFO of prompts
+        # still to prefill is reordered (absent in another version: a no-op, and
+        # tests/test_interactive.py's prefill-order test fails).
+        waiting = getattr(self.gen, "_unprocessed_sequences", None)
         if first and waiting and len(waiting) > 1 and waiting[-1][0] == uid:
             waiting.appendleft(waiting.pop())
         detok = self.target.tokenizer.detokenizer  # a fresh one per access

@@ -383,6 +383,13 @@ class Lifecycle(Upkeep):
         """How many jobs wait in ``queue`` now."""
         return int(self.conn.llen(keys.rq_queue_key(queue)))
 
+    def first_waiting(self, queues: list[str]) -> str | None:
+        """The first of ``queues`` that holds a job now (one round trip), or None."""
+        pipe = self.conn.pipeline(transaction=False)
+        for q in queues:
+            pipe.llen(keys.rq_queue_key(q))
+        return next((q for q, n in zip(queues, pipe.execute(), strict=True) if n), None)
+
     def requeue(self, job: Job) -> bool:
         """Give a held job back to the front of its queue, unstarted."""
         done = self._requeue(job.id, job.queue)

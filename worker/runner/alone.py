@@ -16,6 +16,7 @@ from redis import Redis
 
 from schemas import GenerationError, MlxqError, ResultRecord
 from worker.engine.generator import ChatGenerator
+from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
 from worker.engine.request import Prepared
 from worker.engine.sequence import Deadline, OnText
@@ -64,9 +65,7 @@ def generate_reserved(
     ``lookup``), its KV caches reserved in the model cache while it runs: they must fit,
     or it fails naming the numbers, and kept prefixes keep out of that room.
     ``others``: prompts of jobs queued after it (``worker.runner.company``)."""
-    models = [generator.target]
-    if speculative and generator.draft is not None and not lookup:
-        models.append(generator.draft)
+    models = _reserved_models(generator, speculative, lookup)
     with generator.models.reserving(projected(models, [job.length()]), job.label):
         return generator.generate(
             job,
@@ -94,10 +93,20 @@ def kv_need(job: Job, route: Route, rt: WorkerRuntime) -> int | None:
         prepared = generator.prepare(req, rt.default_num_draft_tokens)
     except MlxqError:
         return 0
-    models = [generator.target]
-    if route.speculative and generator.draft is not None and route.proposer != LOOKUP:
-        models.append(generator.draft)
-    return projected(models, [prepared.length()] * req.n)
+    if req.n > 1:  # the choices decode as one plain batch
+        return projected([generator.target], [prepared.length()] * req.n)
+    models = _reserved_models(generator, route.speculative, route.proposer == LOOKUP)
+    return projected(models, [prepared.length()])
+
+
+def _reserved_models(
+    generator: ChatGenerator, speculative: bool, lookup: bool
+) -> list[LoadedModel]:
+    """The models whose KV caches a job alone holds: the target, and the draft when it
+    speculates with one (prompt lookup has none)."""
+    if speculative and generator.draft is not None and not lookup:
+        return [generator.target, generator.draft]
+    return [generator.target]
 
 
 def _gave_up(decision: Decision, out: GenerationOutput) -> str:

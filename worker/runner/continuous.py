@@ -62,7 +62,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from schemas import GenerationError, MlxqError, ResultRecord, keys
+from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
@@ -265,16 +265,10 @@ class ContinuousBatch:
         if not self.ahead or time.monotonic() < self._look_at:
             return
         self._look_at = time.monotonic() + LOOK_EVERY_S
-        while (queue := self._first_waiting()) is not None:
+        while (queue := self.host.lifecycle.first_waiting(self.ahead)) is not None:
             job = self.host.take_from(queue)
             if job is None or not self._urgent_one(job):
                 return
-
-    def _first_waiting(self) -> str | None:
-        pipe = self.host.lifecycle.conn.pipeline(transaction=False)
-        for q in self.ahead:
-            pipe.llen(keys.rq_queue_key(q))
-        return next((q for q, n in zip(self.ahead, pipe.execute(), strict=True) if n), None)
 
     def _urgent_one(self, job: Job) -> bool:
         """Run ``job`` from a queue ahead of the batch's: True when it joined (or ended at

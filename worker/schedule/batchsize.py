@@ -9,9 +9,13 @@ policy reads the same memory to choose between a batch and one job at a time.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from worker.schedule.estimators import Running
+
+T = TypeVar("T")
 
 #: k of a batch without speculation.
 PLAIN = 0
@@ -168,8 +172,7 @@ class BatchMemory:
         adaptive: bool = False,
     ) -> tuple[int, str]:
         """The batch size measured speed favours for (target, adapter), and why."""
-        with self._lock:
-            return self._rates(target, adapter, draft, k, adaptive).limit()
+        return self._ask(BatchRates.limit, target, adapter, draft, k, adaptive)
 
     def smallest_step_s(
         self,
@@ -180,8 +183,19 @@ class BatchMemory:
         adaptive: bool = False,
     ) -> float | None:
         """:meth:`BatchRates.smallest_step_s` of this kind of batch."""
+        return self._ask(BatchRates.smallest_step_s, target, adapter, draft, k, adaptive)
+
+    def _ask(
+        self,
+        question: Callable[[BatchRates], T],
+        target: str,
+        adapter: str | None,
+        draft: str | None,
+        k: int,
+        adaptive: bool,
+    ) -> T:
         with self._lock:
-            return self._rates(target, adapter, draft, k, adaptive).smallest_step_s()
+            return question(self._rates(target, adapter, draft, k, adaptive))
 
     def rate(
         self, target: str, adapter: str | None, size: int, draft: str | None = None
