@@ -50,6 +50,13 @@ def running_execution(conn: Redis, job_id: str, queue: str = "mlxq") -> str | No
     return None
 
 
+def begun(conn: Redis, job_id: str) -> None:
+    """Wait until the worker holds ``job_id`` and has had the take's reply in hand a while: a
+    stop landing during the take itself hands the job back unstarted (by design)."""
+    wait_for(lambda: running_execution(conn, job_id))
+    time.sleep(0.3)
+
+
 def one_result(conn: Redis, job_id: str, timeout: float = 90):
     record = wait_for(lambda: read_result(conn, job_id), timeout=timeout, every=0.1)
     batch = keys.batch_of(job_id)
@@ -135,7 +142,7 @@ def test_sigterm_finishes_the_job_then_exits_zero(conn, redis_url, tiny, workers
     client = Client(connection=conn)
     s = client.submit({"slow": slow_job(tiny), "next": chat(tiny.target, max_tokens=2)})
     w = workers(name="term")
-    wait_for(lambda: running_execution(conn, s.job_ids[0]))
+    begun(conn, s.job_ids[0])
     w.signal(signal.SIGTERM)
     assert w.wait(120) == 0
     record = read_result(conn, s.job_ids[0])
@@ -230,11 +237,11 @@ def test_a_second_sigterm_stops_a_busy_worker_whose_redis_is_gone(tmp_path, tiny
         conn = Redis.from_url(server.url)
         s = Client(connection=conn).submit({"slow": slow_job(tiny)})
         w = workers("--lease-seconds", "3", name="busy", url=server.url)
-        wait_for(lambda: running_execution(conn, s.job_ids[0]))
+        begun(conn, s.job_ids[0])
         w.signal(signal.SIGTERM)  # warm: the job runs on
         server.stop()
         time.sleep(1)
-        assert w.proc.poll() is None
+        assert w.proc.poll() is None, w.output
         w.signal(signal.SIGTERM)
         took = _stopped_within(w, 8)
         assert "cold stop" in w.output, w.output

@@ -25,6 +25,8 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +126,8 @@ class Lifecycle(Upkeep):
         self.wait_replicas, self.wait_shortfalls = wait_replicas, 0
         self.token = secrets.token_hex(8)
         self.inbox = keys.inbox_key(self.token)
+        self.blocked = False  # in a take's wait (a stop signal may interrupt it there)
+        self.stopping = False  # set by the worker's stop: a take then waits no more
         self.worker_key = keys.rq_worker_key(name)
         self.host, self.pid = socket.gethostname(), os.getpid()
         # The two scripts every job runs: sent by SHA (EVALSHA), not as ~2 KB of text a call.
@@ -164,7 +168,9 @@ class Lifecycle(Upkeep):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                time.sleep(min(left, BLOCK_S))
+                with self._blocking():
+                    if not self.stopping:
+                        time.sleep(min(left, BLOCK_S))
                 continue
             if reply is not None:
                 return reply
@@ -174,7 +180,22 @@ class Lifecycle(Upkeep):
             wait = min(left, BLOCK_S)
             # The id moves into this process's inbox, which its lease covers; the
             # next take pops it from there and starts it.
-            self.conn.blmove(keys.rq_queue_key(queues[0]), self.inbox, wait, "LEFT", "RIGHT")
+            with self._blocking():
+                if self.stopping:
+                    return None
+                self.conn.blmove(keys.rq_queue_key(queues[0]), self.inbox, wait, "LEFT", "RIGHT")
+
+    @contextmanager
+    def _blocking(self) -> Iterator[None]:
+        """Mark the only stretches of a take that a stop signal may interrupt: the waits,
+        never a script that starts a job (an id moved to the inbox is handed back at exit).
+        ``blocked`` is set before ``stopping`` is read, and a stop sets ``stopping`` before
+        reading ``blocked``: a stop either interrupts the wait or is seen before it."""
+        self.blocked = True
+        try:
+            yield
+        finally:
+            self.blocked = False
 
     def _take_once(self, queues: list[str]) -> Job | Refused | str | None:
         while True:

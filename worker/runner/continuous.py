@@ -62,6 +62,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from redis.exceptions import RedisError
+
 from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from worker.engine.batch import BatchEngine
@@ -115,6 +117,8 @@ class Host(Protocol):
     batch: BatchInfo | None  # what the running batch publishes (``producer fleet``)
 
     queues: list[str]  # first ones first
+
+    def may_take(self) -> bool: ...
 
     def take_from(self, queue: str) -> Job | None: ...
 
@@ -262,13 +266,23 @@ class ContinuousBatch:
     def _urgent(self) -> None:
         """Jobs waiting in the queues served before the batch's: they join it, or run alone
         between two steps, or (neither possible) wait for the batch to end."""
-        if not self.ahead or time.monotonic() < self._look_at:
-            return
+        if not self.ahead or time.monotonic() < self._look_at or not self.host.may_take():
+            return  # a stopping worker takes nothing, so looks at nothing
         self._look_at = time.monotonic() + LOOK_EVERY_S
-        while (queue := self.host.lifecycle.first_waiting(self.ahead)) is not None:
+        while (queue := self._first_waiting()) is not None:
             job = self.host.take_from(queue)
             if job is None or not self._urgent_one(job):
                 return
+
+    def _first_waiting(self) -> str | None:
+        """The first queue ahead that holds a job; None too when Redis does not answer (the
+        batch's own jobs need Redis only at their end, and are not failed by a look)."""
+        try:
+            return self.host.lifecycle.first_waiting(self.ahead)
+        except RedisError as e:
+            log.warning("could not look at %s (%s); looking again later", self.ahead, e)
+            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+            return None
 
     def _urgent_one(self, job: Job) -> bool:
         """Run ``job`` from a queue ahead of the batch's: True when it joined (or ended at

@@ -100,7 +100,7 @@ class Worker:
         )
         self.state = "starting"
         self.current: str | None = None
-        self._stop = self._cold = self._computing = self._waiting = False
+        self._stop = self._cold = self._computing = False
 
     @property
     def registry_ttl(self) -> int:
@@ -165,12 +165,11 @@ class Worker:
         self.conn.set_retry(Retry(NoBackoff(), 0))
 
     def _loop(self) -> None:
-        while self._may_take():
-            self._waiting = True  # a stop signal now interrupts the take (StopWaiting)
-            try:
-                got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S)
-            finally:
-                self._waiting = False
+        while self.may_take():
+            # a stop signal interrupts the take's waits (StopWaiting), not its scripts
+            got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S)
+            if got is None and self._stop:  # the stop came just before the wait
+                raise StopWaiting("stop requested")
             if got is None:
                 self.state, self.current = "idle", None
                 if self.burst:
@@ -180,7 +179,7 @@ class Worker:
             if job is not None:
                 self._run(job)
 
-    def _may_take(self) -> bool:
+    def may_take(self) -> bool:
         return not self._stop and (self.max_jobs is None or self.taken < self.max_jobs)
 
     def _accept(self, got: Job | Refused) -> Job | None:
@@ -190,7 +189,7 @@ class Worker:
             self.lifecycle.refuse(got)
             self.rt.stats.failed += 1
             return None
-        if self._stop:  # the stop came while this job was being taken
+        if self._stop:  # the stop came while this job was being taken: it was not begun
             self.lifecycle.requeue(got)
             return None
         return got
@@ -224,7 +223,7 @@ class Worker:
     def take_from(self, queue: str) -> Job | None:
         """The next job of ``queue`` to join a batch (refused ones are ended on the way), or
         None if the queue is empty or the worker must not take more."""
-        while self._may_take():
+        while self.may_take():
             got = self.lifecycle.take([queue])
             if got is None:
                 return None
@@ -256,8 +255,8 @@ class Worker:
     def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
         """A stop signal: warm the first time (at once if no job is held), cold the second."""
         if not self._stop:
-            self._stop = True
-            if self._waiting:
+            self._stop = self.lifecycle.stopping = True
+            if self.lifecycle.blocked:
                 self._fail_fast()
                 raise StopWaiting(f"signal {signum}")
             log.warning(
