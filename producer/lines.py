@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas import BatchInputLine, ChatRequest, describe_validation_error
+from schemas.embeddings import CHAT_URL, EMBEDDINGS_URL, EmbeddingRequest, parse_request
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,15 @@ class Defaults:
     model: str | None = None
     draft_model: str | None = None
     num_draft_tokens: int | None = None
+    #: A Batch API batch's endpoint: every line must be a request of it (None: any).
+    endpoint: str | None = None
 
 
 @dataclass(frozen=True)
 class ParsedLine:
     lineno: int
     custom_id: str
-    request: ChatRequest
+    request: ChatRequest | EmbeddingRequest
     text: str
     body: dict[str, Any]
 
@@ -60,6 +63,8 @@ def apply_defaults(body: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
     extra = body.get("extra_params") if isinstance(body.get("extra_params"), dict) else {}
     if defaults.model is not None and "model" not in body:
         body["model"] = defaults.model
+    if "messages" not in body:
+        return body  # not a chat request (embeddings): drafts mean nothing to it
     # A line that says how it speculates (``speculation``) keeps what it says.
     says = ("draft_model", "speculation")
     has_draft_key = any(k in body or k in extra for k in says)
@@ -74,7 +79,7 @@ def apply_defaults(body: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
 
 def parse_line(
     text: str, lineno: int, defaults: Defaults = Defaults()
-) -> tuple[str, ChatRequest, dict[str, Any]]:
+) -> tuple[str, ChatRequest | EmbeddingRequest, dict[str, Any]]:
     """Validate one line; return ``(custom_id, request, body)``; raise :class:`LineInvalid`.
 
     ``body`` is the request's JSON object with the defaults applied.
@@ -86,34 +91,41 @@ def parse_line(
     if not isinstance(obj, dict):
         raise LineInvalid(f"expected a JSON object, got {type(obj).__name__}")
     if {"url", "method", "body"} & obj.keys():
-        custom_id, body, prefix = _batch_line(obj), obj["body"], "body"
+        (custom_id, url), body, prefix = _batch_line(obj), obj["body"], "body"
     else:
+        url = None
         custom_id = obj.pop("custom_id", None) or f"line-{lineno}"
         if not isinstance(custom_id, str):
             raise LineInvalid("custom_id: must be a string")
         body, prefix = obj, ""
     body = apply_defaults(body, defaults)
     try:
-        request = ChatRequest.model_validate(body)
+        request = parse_request(body, url)
     except ValidationError as e:
         raise LineInvalid(describe_validation_error(e, prefix)) from None
+    if defaults.endpoint is not None:
+        url = EMBEDDINGS_URL if isinstance(request, EmbeddingRequest) else CHAT_URL
+        if url != defaults.endpoint:
+            raise LineInvalid(f"url: a {url} request in a batch for {defaults.endpoint}")
     return custom_id, request, body
 
 
-def _batch_line(obj: dict[str, Any]) -> str:
-    """The custom_id of a valid OpenAI Batch line (checked by hand on the common path)."""
+def _batch_line(obj: dict[str, Any]) -> tuple[str, str]:
+    """The custom_id and url of a valid OpenAI Batch line (checked by hand on the common
+    path)."""
     cid = obj.get("custom_id")
     if (
         obj.keys() == _BATCH_KEYS
         and obj["method"] == "POST"
-        and obj["url"] == "/v1/chat/completions"
+        and obj["url"] == CHAT_URL
         and isinstance(cid, str)
         and 0 < len(cid) <= 512
         and isinstance(obj["body"], dict)
     ):
-        return cid
+        return cid, CHAT_URL
     try:
-        return BatchInputLine.model_validate(obj).custom_id
+        line = BatchInputLine.model_validate(obj)
+        return line.custom_id, line.url
     except ValidationError as e:
         raise LineInvalid(describe_validation_error(e)) from None
 

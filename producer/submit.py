@@ -13,6 +13,7 @@ from redis import Redis
 from producer.enqueue import DEFAULT_CHUNK, Enqueuer, KnownJobs, Prepared
 from schemas import ChatRequest, InvalidRequestError, job_data, keys
 from schemas.cancel import CANCELLED_AT
+from schemas.embeddings import EmbeddingRequest
 
 DEFAULT_JOB_TIMEOUT = 3600
 
@@ -26,7 +27,7 @@ class SubmitItem:
     """
 
     custom_id: str
-    request: ChatRequest
+    request: ChatRequest | EmbeddingRequest
     body: dict[str, Any] | None = None
 
 

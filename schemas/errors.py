@@ -36,6 +36,12 @@ class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
+class ModelKindError(InvalidRequestError):
+    """The job's kind does not fit the model's: chat on an embedding model, or the reverse."""
+
+    code = "wrong_model_kind"
+
+
 class IncompatibleDraftError(InvalidRequestError):
     """The draft model's tokenizer differs from the target's."""
 

@@ -22,13 +22,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from schemas.embeddings import JobRequest
 from schemas.keys import DEFAULT_RESULT_TTL, JOB_FUNCTION, batch_of
-from schemas.request import ChatRequest
 from schemas.validation import describe_validation_error
 
 
 class JobEnvelope(BaseModel):
-    """One chat job: ids, timing and the validated request. The RQ job's only argument."""
+    """One job: ids, timing and the validated request (chat, or embeddings: told apart by
+    the request's ``input``). The RQ job's only argument."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,7 +38,7 @@ class JobEnvelope(BaseModel):
     custom_id: str = Field(min_length=1)
     submitted_at: float
     result_ttl: int = Field(default=DEFAULT_RESULT_TTL, ge=1)
-    request: ChatRequest
+    request: JobRequest
 
 
 #: RQ job-hash fields that ask a worker to run more code. mlxq honours none of them,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.embeddings import EmbeddingList
 from schemas.errors import MlxqError
 from schemas.tools import ToolCall
 
@@ -126,6 +127,10 @@ class Metrics(BaseModel):
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (usage says it too)
 
 
+#: What a succeeded job answers: a chat completion, or an embeddings list.
+Response = Annotated[ChatCompletion | EmbeddingList, Field(discriminator="object")]
+
+
 class ResultRecord(BaseModel):
     """The JSON stored at ``mlxq:result:<job_id>``: exactly one per job."""
 
@@ -134,7 +139,7 @@ class ResultRecord(BaseModel):
     custom_id: str
     status: Literal["succeeded", "failed", "cancelled"]
     status_code: int = 200
-    response: ChatCompletion | None = None
+    response: Response | None = None
     error: ErrorInfo | None = None
     metrics: Metrics | None = None
     finished_at: float
@@ -226,5 +231,5 @@ class BatchInputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions"]
+    url: Literal["/v1/chat/completions", "/v1/embeddings"]
     body: dict[str, Any]

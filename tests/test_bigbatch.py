@@ -96,7 +96,7 @@ def test_bad_lines_at_the_start_middle_and_end_are_all_reported(tmp_path, conn, 
     n = 20_000
     lines = [json.dumps(batch_line(i)) for i in range(n)]
     lines[0] = "{not json"
-    lines[n // 2] = json.dumps(batch_line(n // 2) | {"url": "/v1/embeddings"})
+    lines[n // 2] = json.dumps(batch_line(n // 2) | {"url": "/v1/audio/speech"})
     lines[n - 1] = json.dumps(batch_line(7))  # a duplicate of line 8, far away
     lines[n - 2] = "\xff\xfe"  # replaced below by bytes that are not UTF-8
     path = tmp_path / "jobs.jsonl"

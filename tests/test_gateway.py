@@ -193,13 +193,12 @@ def test_bad_requests_get_openai_errors(gateway):
     with pytest.raises(openai.NotFoundError):
         client.files.content("file-nope")
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id="x", endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id="x", endpoint="/v1/responses", completion_window="24h")
 
 
 def test_what_mlxq_does_not_serve_is_refused_in_one_line_naming_it(gateway):
     gw = gateway()
     for method, path, expected in [
-        ("POST", "/v1/embeddings", "POST /v1/embeddings is not supported by mlxq (embeddings"),
         ("POST", "/v1/responses", "POST /v1/responses is not supported by mlxq (the Responses"),
         ("POST", "/v1/completions", "POST /v1/completions is not supported by mlxq (legacy"),
         ("POST", "/v1/audio/speech", "POST /v1/audio/speech is not supported by mlxq"),

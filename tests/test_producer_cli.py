@@ -20,7 +20,11 @@ BAD_LINES = [
     (chat("m", max_tokens=-3), "max_tokens: Input should be greater than or equal to 1"),
     (chat("m", temperature=9), "temperature: Input should be less than or equal to 2"),
     (chat("m", tools=[{"type": "function"}]), "tools.0.function: Field required"),
-    ({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": chat("m")}, "url:"),
+    ({"custom_id": "x", "method": "POST", "url": "/v1/audio/speech", "body": chat("m")}, "url:"),
+    (
+        {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": chat("m")},
+        "body.input: Field required; unknown field 'messages' in body",
+    ),
     (chat("m", colour="blue"), "unknown field 'colour'"),
     (
         {"custom_id": "dup", "method": "POST", "url": "/v1/chat/completions", "body": chat("m")},
@@ -28,7 +32,7 @@ BAD_LINES = [
     ),
     (
         {"custom_id": "dup", "method": "POST", "url": "/v1/chat/completions", "body": chat("m")},
-        "duplicate custom_id 'dup' (first used on line 10)",
+        "duplicate custom_id 'dup' (first used on line 11)",
     ),
     (
         {"custom_id": "y", "method": "POST", "url": "/v1/chat/completions", "body": chat("m", n=0)},

@@ -1,6 +1,6 @@
 """``producer serve``: an OpenAI-compatible HTTP gateway in front of mlxq's Redis.
 
-Routes: ``/v1/chat/completions`` (plain and streamed), ``/v1/models``, the Batch
+Routes: ``/v1/chat/completions`` (plain and streamed), ``/v1/embeddings``, ``/v1/models``, the Batch
 API (``/v1/files``, ``/v1/batches``). Every route needs an API key (bearer
 token). The gateway keeps no state of its own (files, batches and jobs live in
 Redis), so several can run behind one load balancer.
@@ -12,7 +12,7 @@ import asyncio
 import gc
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -36,6 +36,7 @@ from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from schemas import ChatRequest, describe_validation_error
 from schemas.connect import async_redis_from_url, redis_from_url
+from schemas.embeddings import EmbeddingRequest
 
 
 class Guard:
@@ -75,8 +76,9 @@ class Guard:
             return message
 
         try:
-            if scope["path"] == "/v1/chat/completions" and scope["method"] == "POST":
-                reply = await completions(Request(scope, counted), self.settings)
+            handler = DIRECT.get(scope["path"]) if scope["method"] == "POST" else None
+            if handler is not None:
+                reply = await handler(Request(scope, counted), self.settings)
                 return await reply(scope, counted, send)
             await self.app(scope, counted, send)
         except _BodyTooLarge:
@@ -158,15 +160,40 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
         req = ChatRequest.model_validate(body)
     except ValidationError as e:
         return error(400, describe_validation_error(e))
-    for name in filter(None, (req.model, req.draft_model, req.adapter)):
+    return await _answer(request, s, body, (req.model, req.draft_model, req.adapter), req.stream)
+
+
+async def embeddings(request: Request, s: GatewaySettings) -> Response:
+    """``POST /v1/embeddings``: one embedding job on the interactive queue, like a chat
+    completion that is never streamed."""
+    body = await _json_body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    try:
+        req = EmbeddingRequest.model_validate(body)
+    except ValidationError as e:
+        return error(400, describe_validation_error(e))
+    return await _answer(request, s, body, (req.model,), stream=False)
+
+
+async def _answer(
+    request: Request,
+    s: GatewaySettings,
+    body: dict[str, Any],
+    models: tuple[str | None, ...],
+    stream: bool,
+) -> Response:
+    """Enqueue a validated request as an interactive job; answer with its record (or
+    relay its stream)."""
+    for name in filter(None, models):
         if not s.model_allowed(name):
             return error(404, f"the model {name!r} does not exist", code="model_not_found")
     aredis: AsyncRedis = request.app.state.aredis
     notifier: Notifier = request.app.state.notifier
     job_id = chat.new_job_id()
     # Streams are read from the job's stream; a plain answer's record comes by notice.
-    future = None if req.stream else notifier.expect(job_id, s.chat_timeout_s, request)
-    notify = "" if req.stream else notifier.key
+    future = None if stream else notifier.expect(job_id, s.chat_timeout_s, request)
+    notify = "" if stream else notifier.key
     queued = False
     try:
         request.state.submitted = time.perf_counter()  # the envelope's submitted_at
@@ -205,6 +232,13 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
         media_type="text/event-stream",
         headers=headers,
     )
+
+
+#: Routes :class:`Guard` answers itself (the hot paths), by path.
+DIRECT: dict[str, Callable[[Request, GatewaySettings], Awaitable[Response]]] = {
+    "/v1/chat/completions": completions,
+    "/v1/embeddings": embeddings,
+}
 
 
 def _timing(record: dict[str, Any], state: Any) -> str:
@@ -260,7 +294,6 @@ def _model(name: str) -> dict[str, Any]:
 
 #: OpenAI endpoints mlxq does not serve, and what to say of them.
 NOT_SERVED = {
-    "/v1/embeddings": "embeddings are not served yet",
     "/v1/responses": "the Responses API is not served yet: use POST /v1/chat/completions",
     "/v1/completions": "legacy completions are not served: use POST /v1/chat/completions",
 }
@@ -374,19 +407,20 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
                 400, f"file {spec.input_file_id!r} has purpose {meta['purpose']!r}, not 'batch'"
             )
         batch_id = await _run(batchapi.create, sync(request), spec, s)
-        await _validate(request, batch_id, spec.input_file_id)
+        await _validate(request, batch_id, spec.input_file_id, spec.endpoint)
         return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))
 
-    async def _validate(request: Request, batch_id: str, file_id: str) -> None:
+    async def _validate(request: Request, batch_id: str, file_id: str, endpoint: str) -> None:
         """Validate the batch here if no live gateway is doing it (see batchapi.claim)."""
         if await _run(batchapi.claim, sync(request), batch_id):
-            _background(request, batchapi.validate, sync(request), batch_id, file_id, s)
+            job = (batchapi.validate, sync(request), batch_id, file_id, s, endpoint)
+            _background(request, *job)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(request: Request, batch_id: str) -> Response:
         obj = await _run(batchapi.batch_object, sync(request), batch_id)
         if obj and obj["status"] == "validating":  # its gateway may have died
-            await _validate(request, batch_id, obj["input_file_id"])
+            await _validate(request, batch_id, obj["input_file_id"], obj["endpoint"])
         return (
             JSONResponse(obj)
             if obj

@@ -45,7 +45,7 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=128)
-    endpoint: Literal["/v1/chat/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/embeddings"]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
 
@@ -87,7 +87,9 @@ def claim(conn: Redis, batch_id: str) -> bool:
     return bool(conn.set(_lock_key(batch_id), "1", nx=True, ex=LOCK_S))
 
 
-def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings) -> None:
+def validate(
+    conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings, endpoint: str
+) -> None:
     """Check every line of the batch's file; fail the batch with the line errors, or
     enqueue it. Runs in a thread of the gateway process that :func:`claim`-ed the batch,
     renewing the claim as it goes."""
@@ -114,7 +116,8 @@ def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings
         path = Path(tmp) / "input.jsonl"
         try:
             spool_upload(conn, file_id, path)
-            checked = check_file(path, Defaults(), on_error, progress=renew)
+            defaults = Defaults(endpoint=endpoint)
+            checked = check_file(path, defaults, on_error, progress=renew)
             if not count and not checked.valid:
                 on_error(0, "the file has no requests", "")
             if count:
@@ -122,7 +125,7 @@ def validate(conn: Redis, batch_id: str, file_id: str, settings: GatewaySettings
             enqueue_file(
                 conn,
                 checked,
-                Defaults(),
+                defaults,
                 batch_id=batch_id,
                 queue=settings.queue,
                 job_timeout=settings.job_timeout,

@@ -15,7 +15,7 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from schemas import ChatRequest, MlxqError
+from schemas import ChatRequest, MlxqError, ModelKindError
 from worker.engine.batch import BatchEngine
 from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
@@ -54,10 +54,12 @@ class ChatGenerator:
     ) -> ChatGenerator:
         """A generator over ``cache``'s models, loading what is not warm yet."""
         target, t_hit = cache.get(model_id, adapter_path)
+        _chat_model(target, "model")
         draft, d_hit = None, False
         if draft_model_id is not None:
             keep = (target.key, (model_id, None))
             draft, d_hit = cache.get(draft_model_id, None, keep=keep)
+            _chat_model(draft, "draft model")
             cache.check_draft(target, draft)
         return cls(target, draft, cache, t_hit, d_hit)
 
@@ -234,3 +236,11 @@ class ChatGenerator:
             store, self.models.prefix_room, pairs, prompt, boundary, limit
         )
         return Start(cache, cached, reused) if cache is not None else NO_START
+
+
+def _chat_model(entry: LoadedModel, what: str) -> None:
+    if entry.kind != "chat":
+        raise ModelKindError(
+            f"{what} {entry.name!r} is an embedding model, not a chat model: send it "
+            "/v1/embeddings requests"
+        )

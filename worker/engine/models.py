@@ -13,6 +13,7 @@ model, and a model's prefixes go with it.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -34,6 +35,8 @@ from schemas import (
     ModelNotFoundError,
     ModelTooLargeError,
 )
+from worker.engine.embed import Embedder, pooling_of
+from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
 from worker.engine.memory import (
     DEVICE_SHARE,
     KVProfile,
@@ -80,6 +83,13 @@ class LoadedModel:
     _vocab: dict[str, int] | None = field(default=None, repr=False)
     _kv: KVProfile | None = field(default=None, repr=False)
     _plain_kv: bool | None = field(default=None, repr=False)
+    #: How it embeds, for an embedding model (None: a chat model).
+    embedder: Embedder | None = field(default=None, repr=False)
+
+    @property
+    def kind(self) -> str:
+        """What jobs it serves: "chat" or "embeddings"."""
+        return "chat" if self.embedder is None else "embeddings"
 
     @property
     def key(self) -> CacheKey:
@@ -373,20 +383,25 @@ class ModelCache:
         free_memory()
 
     def _load_base(self, name: str, keep: tuple[CacheKey, ...]) -> LoadedModel:
-        from mlx_lm.utils import load
-
         path = self.locate(name)
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"model {name!r}: {path} has no config.json")
         self._make_room(weight_bytes(path), keep, f"model {name!r}")
         start = time.perf_counter()
         try:
-            model, tokenizer, config = load(str(path), return_config=True)
+            model, tokenizer, config, embedder = _load(path)
         except Exception as e:
             raise ModelLoadError(f"model {name!r} could not be loaded: {e}") from e
         elapsed = time.perf_counter() - start
         entry = LoadedModel(name, None, model, tokenizer, config, param_bytes(model), elapsed)
-        log.info("loaded %s in %.2fs (%.1f MB)", name, elapsed, entry.nbytes / 1e6)
+        entry.embedder = embedder
+        log.info(
+            "loaded %s%s in %.2fs (%.1f MB)",
+            name,
+            " (embeddings)" if embedder is not None else "",
+            elapsed,
+            entry.nbytes / 1e6,
+        )
         return entry
 
     def _load_adapter(
@@ -429,6 +444,26 @@ class ModelCache:
                 f"draft model {draft.name!r} cannot be used with {target.name!r}: their tokenizers "
                 f"differ ({len(t)} vs {len(d)} tokens, {differ} entries differ)"
             )
+
+
+def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
+    """Model, tokenizer, config and, for an embedding model, its embedder: an encoder
+    (``worker.engine.encoder``), or an mlx-lm decoder with a sentence-transformers pooling
+    module; any other model is a chat model, loaded by mlx-lm."""
+    from mlx_lm.utils import load
+
+    config = json.loads((path / "config.json").read_text())
+    encoder = config.get("model_type") in ENCODER_TYPES
+    pooling = pooling_of(path, config, encoder)
+    if encoder:
+        assert pooling is not None
+        model = load_encoder(path, config)
+        tokenizer = encoder_tokenizer(path)
+    else:
+        model, tokenizer, config = load(str(path), return_config=True)
+    if pooling is None:
+        return model, tokenizer, config, None
+    return model, tokenizer, config, Embedder(model, tokenizer, pooling, config, not encoder)
 
 
 def _label(key: CacheKey) -> str:

@@ -47,6 +47,7 @@ from schemas import (
     read_job_hash,
 )
 from schemas.connect import WAIT_TIMEOUT_MS, wait_for_replicas
+from schemas.embeddings import EmbeddingRequest
 from schemas.keys import rq_time
 from schemas.store import write_once_call
 from worker.lifecycle import scripts
@@ -382,7 +383,7 @@ class Lifecycle(Upkeep):
             ],
         )
 
-    def peek(self, queue: str, n: int) -> list[ChatRequest]:
+    def peek(self, queue: str, n: int) -> list[ChatRequest | EmbeddingRequest]:
         """The requests of the next ``n`` jobs waiting in ``queue``: read, not taken (jobs
         whose hash does not read are left out; taking them refuses them)."""
         ids = [i.decode() for i in self.conn.lrange(keys.rq_queue_key(queue), 0, n - 1)]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas import ChatRequest
+from schemas.embeddings import EmbeddingRequest
 from worker.engine.generator import ChatGenerator
 from worker.engine.prefix import MIN_TOKENS, common_prefix
 from worker.engine.request import Prepared
@@ -25,7 +26,7 @@ PEEK = 4
 MISSES = 8
 
 #: The requests of the jobs waiting next in the queue (read, not taken).
-Upcoming = Callable[[], list[ChatRequest]]
+Upcoming = Callable[[], list[ChatRequest | EmbeddingRequest]]
 
 
 @dataclass
@@ -59,7 +60,7 @@ def company(
     mine = (job.request.model, job.request.adapter)
     prompts = []
     for other in upcoming():
-        if (other.model, other.adapter) != mine:
+        if not isinstance(other, ChatRequest) or (other.model, other.adapter) != mine:
             continue
         try:
             prompt = generator.prompt_of(other)

