@@ -20,7 +20,8 @@ from producer.localredis import LocalRedis
 #: The quick tier (``bash tests/run.sh -m quick``, about a minute here): the pure modules'
 #: tests and the engines' on the smallest tiny models, plus one job through a real worker
 #: and Redis on each path (alone, batched, speculative, speculative batch, prompt lookup,
-#: streamed, ``n``, a reused prefix, a schema, tools, reasoning). CI runs everything.
+#: streamed, ``n``, a reused prefix, a schema, tools, reasoning, embeddings). CI runs
+#: everything.
 QUICK_FILES = {
     "test_batching.py",
     "test_cache.py",
@@ -55,6 +56,9 @@ QUICK_TESTS = {
     "tests/test_interactive.py::test_interactive_jobs_end_while_the_batch_runs",
     "tests/test_interactive.py::test_an_interactive_prompt_prefills_before_batch_prompts_still_waiting",
     "tests/test_interactive.py::test_preemptions_and_latencies_per_queue_are_exported",
+    "tests/test_embeddings.py::test_every_input_shape_embeds_the_same_alone_and_in_company",
+    "tests/test_embeddings.py::test_bad_inputs_fail_alone_with_a_400_naming_what",
+    "tests/test_embeddings.py::test_batch_lines_mix_chat_and_embeddings_and_refuse_bad_ones_by_line",
 }
 
 

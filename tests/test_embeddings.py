@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -266,3 +267,20 @@ def test_the_gateway_embeds_through_the_sdk_and_the_batch_api(
         "a /v1/chat/completions request in a batch for /v1/embeddings"
         in failed.errors.data[0].message
     )
+
+
+@pytest.mark.real
+def test_all_minilm_l6_v2_gives_sentence_transformers_vectors_through_the_queue(conn, redis_url):
+    """The real model from the package index, through a real queue and worker: the values
+    sentence-transformers prints for it (tests/data/minilm_reference.json)."""
+    from worker.dev.tinyembed import minilm
+
+    ref = json.loads((Path(__file__).parent / "data" / "minilm_reference.json").read_text())
+    model = str(minilm(Path(__file__).resolve().parents[1] / ".mlxq" / "models"))
+    texts = [*ref["vectors"], *ref["similarity"]["pair"]]
+    records = _run(conn, redis_url, {"all": {"model": model, "input": texts}})
+    v = _vectors(records["all"])
+    assert v.shape == (4, 384)
+    for i, expected in enumerate(ref["vectors"].values()):
+        np.testing.assert_allclose(v[i, :6], expected, atol=1e-5)
+    assert abs(float(v[2] @ v[3]) - ref["similarity"]["score"]) < 1e-4

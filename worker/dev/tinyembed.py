@@ -12,10 +12,8 @@ import zipfile
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from worker.dev.tinymodels import TinySpec, write_model, write_tokenizer
-from worker.engine.encoder import BertConfig, BertModel
 
 MINILM = "all-MiniLM-L6-v2"
 
@@ -63,13 +61,47 @@ def write_bert(
         "layer_norm_eps": 1e-12,
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    mx.random.seed(seed)
-    model = BertModel(BertConfig.of(config))
-    weights = dict(tree_flatten(model.parameters()))
-    weights = {k: (v * 4 if "word_embeddings" in k else v) for k, v in weights.items()}
-    mx.save_safetensors(str(path / "model.safetensors"), weights)  # type: ignore[arg-type]
+    mx.save_safetensors(str(path / "model.safetensors"), _bert_weights(config, seed))
     _sentence_transformers(path, mode, normalize, 32)
     return path
+
+
+def _bert_weights(c: dict, seed: int) -> dict[str, mx.array]:
+    """Random weights under Hugging Face BertModel's names (a pooler included: loading
+    leaves out what sentence embeddings do not use)."""
+    key = mx.random.key(seed)
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    shapes = {
+        "embeddings.word_embeddings.weight": (v, h),
+        "embeddings.position_embeddings.weight": (c["max_position_embeddings"], h),
+        "embeddings.token_type_embeddings.weight": (c["type_vocab_size"], h),
+        "pooler.dense.weight": (h, h),
+    }
+    for n in range(c["num_hidden_layers"]):
+        p = f"encoder.layer.{n}."
+        for name in ("query", "key", "value"):
+            shapes[f"{p}attention.self.{name}.weight"] = (h, h)
+        shapes[f"{p}attention.output.dense.weight"] = (h, h)
+        shapes[f"{p}intermediate.dense.weight"] = (i, h)
+        shapes[f"{p}output.dense.weight"] = (h, i)
+    weights = {}
+    keys = mx.random.split(key, len(shapes))
+    for n, (name, shape) in enumerate(shapes.items()):
+        scale = 1.0 if "embeddings" in name else shape[-1] ** -0.5
+        weights[name] = mx.random.normal(shape, key=keys[n]) * scale
+        weights[name.removesuffix("weight") + "bias"] = mx.zeros((shape[0],))
+    for name in [k for k in weights if k.endswith("embeddings.weight")]:
+        weights.pop(name.removesuffix("weight") + "bias")
+    norms = ["embeddings.LayerNorm"]
+    for n in range(c["num_hidden_layers"]):
+        norms += [
+            f"encoder.layer.{n}.attention.output.LayerNorm",
+            f"encoder.layer.{n}.output.LayerNorm",
+        ]
+    for name in norms:
+        weights[f"{name}.weight"] = mx.ones((h,))
+        weights[f"{name}.bias"] = mx.zeros((h,))
+    return weights
 
 
 def write_decoder_embedder(path: Path, seed: int = 11) -> Path:

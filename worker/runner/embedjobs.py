@@ -43,7 +43,7 @@ from worker.runner.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 #: The most jobs, and inputs over them, embedded together.
-MAX_JOBS = 256
+MAX_JOBS = 1024
 MAX_INPUTS = 4096
 
 
