@@ -113,6 +113,12 @@ def queue_for_model(model: str) -> str:
     return f"{PREFIX}.m.{tail}.{hashlib.sha256(model.encode()).hexdigest()[:8]}"
 
 
+def response_key(response_id: str) -> str:
+    """String: a stored Responses API response and the conversation it ends (JSON, chat
+    TTL; ``producer.serve.responses``)."""
+    return f"{PREFIX}:response:{response_id}"
+
+
 def stream_key(job_id: str) -> str:
     """Stream: the job's ``chat.completion.chunk`` objects (field ``chunk``), for stream=true."""
     return f"{PREFIX}:stream:{job_id}"

@@ -30,13 +30,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.metrics import registry_for
-from producer.serve import batchapi, chat, files
+from producer.serve import batchapi, chat, files, responses
 from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from schemas import ChatRequest, describe_validation_error
 from schemas.connect import async_redis_from_url, redis_from_url
 from schemas.embeddings import EmbeddingRequest
+from schemas.responses import ResponsesRequest, TranslationError, to_chat
 
 
 class Guard:
@@ -182,9 +183,10 @@ async def _answer(
     body: dict[str, Any],
     models: tuple[str | None, ...],
     stream: bool,
+    shape: responses.Shape | None = None,
 ) -> Response:
     """Enqueue a validated request as an interactive job; answer with its record (or
-    relay its stream)."""
+    relay its stream), as ``shape`` translates them (None: as they are)."""
     for name in filter(None, models):
         if not s.model_allowed(name):
             return error(404, f"the model {name!r} does not exist", code="model_not_found")
@@ -213,6 +215,8 @@ async def _answer(
         record = await chat.wait_record(aredis, notifier, future, job_id, s.chat_ttl)
         if record and record.get("metrics"):
             headers["server-timing"] = _timing(record, request.state)
+        if shape is not None and record and record.get("status") == "succeeded":
+            return JSONResponse(await shape.answer(record["response"]), headers=headers)
         return _record_reply(record, headers)
     first, last_id, record = await chat.first_chunks(
         aredis, job_id, request, s.chat_timeout_s, s.chat_ttl
@@ -227,17 +231,59 @@ async def _answer(
             e.get("type", "server_error"),
             e.get("code"),
         )
+    relayed = (
+        chat.relay(aredis, job_id, first, last_id)
+        if shape is None
+        else shape.events(aredis, job_id, chat.chunks(aredis, job_id, first, last_id))
+    )
     return StreamingResponse(
-        chat.relay(aredis, job_id, first, last_id),
+        relayed,
         media_type="text/event-stream",
         headers=headers,
     )
+
+
+async def create_response(request: Request, s: GatewaySettings) -> Response:
+    """``POST /v1/responses``: translated into a chat job (``schemas.responses``), run
+    like a chat completion, its record translated back and stored."""
+    body = await _json_body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    try:
+        req = ResponsesRequest.model_validate(body)
+    except ValidationError as e:
+        return error(400, describe_validation_error(e))
+    if why := req.refused():
+        return error(400, why)
+    aredis: AsyncRedis = request.app.state.aredis
+    past: list[dict[str, Any]] = []
+    if req.previous_response_id:
+        found = await responses.history(aredis, req.previous_response_id)
+        if found is None:
+            return error(
+                404,
+                f"previous_response_id {req.previous_response_id!r}: no such response "
+                "(expired, deleted, or created with store: false)",
+                code="not_found",
+            )
+        past = found
+    try:
+        chat_body = to_chat(req, past) | ({"stream": True} if req.stream else {})
+        chat_req = ChatRequest.model_validate(chat_body)
+    except TranslationError as e:
+        return error(400, str(e))
+    except ValidationError as e:
+        return error(400, describe_validation_error(e))
+    shape = responses.Shape(req, chat_body, aredis, s.chat_ttl)
+    models = (chat_req.model, chat_req.draft_model, chat_req.adapter)
+    return await _answer(request, s, chat_body, models, req.stream, shape)
 
 
 #: Routes :class:`Guard` answers itself (the hot paths), by path.
 DIRECT: dict[str, Callable[[Request, GatewaySettings], Awaitable[Response]]] = {
     "/v1/chat/completions": completions,
     "/v1/embeddings": embeddings,
+    "/v1/responses": create_response,
 }
 
 
@@ -270,6 +316,19 @@ def _metrics_route(app: FastAPI) -> None:
 
 
 def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        found = await responses.stored(request.app.state.aredis, response_id)
+        if found is None:
+            return error(404, f"no response {response_id!r}", code="not_found")
+        return JSONResponse(found)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        if not await responses.delete(request.app.state.aredis, response_id):
+            return error(404, f"no response {response_id!r}", code="not_found")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         workers = await run_in_threadpool(live_workers, request.app.state.redis)
@@ -294,7 +353,6 @@ def _model(name: str) -> dict[str, Any]:
 
 #: OpenAI endpoints mlxq does not serve, and what to say of them.
 NOT_SERVED = {
-    "/v1/responses": "the Responses API is not served yet: use POST /v1/chat/completions",
     "/v1/completions": "legacy completions are not served: use POST /v1/chat/completions",
 }
 

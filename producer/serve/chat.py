@@ -125,27 +125,35 @@ def is_last(chunk: dict[str, Any]) -> bool:
     return bool(chunk.get("error")) or any(c.get("finish_reason") for c in chunk["choices"])
 
 
+async def chunks(
+    conn: AsyncRedis, job_id: str, first: list[dict[str, Any]], last_id: str
+) -> AsyncIterator[dict[str, Any]]:
+    """The job's chunks: those read so far, then the rest as the worker writes them, up to
+    the last one (an error chunk is the last one too)."""
+    key = keys.stream_key(job_id)
+    batch = first
+    while True:
+        for chunk in batch:
+            yield chunk
+            if is_last(chunk):
+                return
+        reply = await conn.xread({key: last_id}, block=WAIT_S * 1000, count=500)
+        batch = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last_id = entry_id.decode()
+                batch.append(json.loads(fields[b"chunk"]))
+        if not reply and await conn.exists(keys.result_key(job_id)):
+            return  # the job ended and wrote no more chunks
+
+
 async def relay(
     conn: AsyncRedis, job_id: str, first: list[dict[str, Any]], last_id: str
 ) -> AsyncIterator[bytes]:
     """Server-sent events: the chunks so far, then the rest as the worker writes them."""
-    key = keys.stream_key(job_id)
-    chunks = first
-    while True:
-        for chunk in chunks:
-            if chunk.get("error"):
-                yield f"data: {json.dumps({'error': chunk['error']})}\n\n".encode()
-            else:
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            if is_last(chunk):
-                yield b"data: [DONE]\n\n"
-                return
-        reply = await conn.xread({key: last_id}, block=WAIT_S * 1000, count=500)
-        chunks = []
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                last_id = entry_id.decode()
-                chunks.append(json.loads(fields[b"chunk"]))
-        if not reply and await conn.exists(keys.result_key(job_id)):
-            yield b"data: [DONE]\n\n"  # the job ended and wrote no more chunks
-            return
+    async for chunk in chunks(conn, job_id, first, last_id):
+        if chunk.get("error"):
+            yield f"data: {json.dumps({'error': chunk['error']})}\n\n".encode()
+        else:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
