@@ -14,14 +14,14 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from starlette.exceptions import HTTPException
@@ -154,27 +154,35 @@ async def completions(request: Request, s: GatewaySettings) -> Response:
     """``POST /v1/chat/completions``. Called by :class:`Guard` directly, not through
     FastAPI's router and exception layers: 1.32x the requests/s with instant jobs
     (3,767 vs 2,848, medians of 3 rounds side by side on 2 cores)."""
-    body = await _json_body(request)
-    if isinstance(body, JSONResponse):
-        return body
-    try:
-        req = ChatRequest.model_validate(body)
-    except ValidationError as e:
-        return error(400, describe_validation_error(e))
+    got = await _validated(request, ChatRequest)
+    if isinstance(got, JSONResponse):
+        return got
+    body, req = got
     return await _answer(request, s, body, (req.model, req.draft_model, req.adapter), req.stream)
 
 
 async def embeddings(request: Request, s: GatewaySettings) -> Response:
     """``POST /v1/embeddings``: one embedding job on the interactive queue, like a chat
     completion that is never streamed."""
+    got = await _validated(request, EmbeddingRequest)
+    if isinstance(got, JSONResponse):
+        return got
+    body, req = got
+    return await _answer(request, s, body, (req.model,), stream=False)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _validated(request: Request, model: type[M]) -> tuple[dict[str, Any], M] | JSONResponse:
+    """The request's JSON body and its validation as ``model``, or the 400 saying why."""
     body = await _json_body(request)
     if isinstance(body, JSONResponse):
         return body
     try:
-        req = EmbeddingRequest.model_validate(body)
+        return body, model.model_validate(body)
     except ValidationError as e:
         return error(400, describe_validation_error(e))
-    return await _answer(request, s, body, (req.model,), stream=False)
 
 
 async def _answer(
@@ -246,13 +254,10 @@ async def _answer(
 async def create_response(request: Request, s: GatewaySettings) -> Response:
     """``POST /v1/responses``: translated into a chat job (``schemas.responses``), run
     like a chat completion, its record translated back and stored."""
-    body = await _json_body(request)
-    if isinstance(body, JSONResponse):
-        return body
-    try:
-        req = ResponsesRequest.model_validate(body)
-    except ValidationError as e:
-        return error(400, describe_validation_error(e))
+    got = await _validated(request, ResponsesRequest)
+    if isinstance(got, JSONResponse):
+        return got
+    req = got[1]
     if why := req.refused():
         return error(400, why)
     aredis: AsyncRedis = request.app.state.aredis
