@@ -271,6 +271,21 @@ class ChatRequest(BaseModel):
     adapter: str | None = Field(default=None, min_length=1, max_length=512)
     speculation: Speculation | None = None
     json_whitespace: Literal["compact", "indented"] | None = None
+    #: mlxq: the one user message's text is the whole prompt, tokenized as is (no chat
+    #: template): what legacy ``/v1/completions`` runs as.
+    raw_prompt: bool = False
+
+    @model_validator(mode="after")
+    def _check_raw_prompt(self) -> ChatRequest:
+        if not self.raw_prompt:
+            return self
+        if len(self.messages) != 1 or self.messages[0].role != "user":
+            raise ValueError("raw_prompt: needs exactly one user message (the prompt)")
+        if not isinstance(self.messages[0].content, str):
+            raise ValueError("raw_prompt: the prompt must be a string")
+        if self.tools or self.chat_template_kwargs:
+            raise ValueError("raw_prompt: no chat template runs, so no tools or its kwargs")
+        return self
 
     @model_validator(mode="before")
     @classmethod

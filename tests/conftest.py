@@ -59,6 +59,8 @@ QUICK_TESTS = {
     "tests/test_embeddings.py::test_every_input_shape_embeds_the_same_alone_and_in_company",
     "tests/test_embeddings.py::test_bad_inputs_fail_alone_with_a_400_naming_what",
     "tests/test_embeddings.py::test_batch_lines_mix_chat_and_embeddings_and_refuse_bad_ones_by_line",
+    "tests/test_legacy.py::test_raw_prompts_continue_the_text_on_every_path",
+    "tests/test_responses.py::test_the_translation_keeps_roles_calls_and_outputs_in_order",
 }
 
 

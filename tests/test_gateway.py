@@ -199,7 +199,6 @@ def test_bad_requests_get_openai_errors(gateway):
 def test_what_mlxq_does_not_serve_is_refused_in_one_line_naming_it(gateway):
     gw = gateway()
     for method, path, expected in [
-        ("POST", "/v1/completions", "POST /v1/completions is not supported by mlxq (legacy"),
         ("POST", "/v1/audio/speech", "POST /v1/audio/speech is not supported by mlxq"),
         ("DELETE", "/v1/models", "DELETE /v1/models is not supported by mlxq"),
     ]:

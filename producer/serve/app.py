@@ -30,11 +30,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.metrics import registry_for
-from producer.serve import batchapi, chat, files, responses
+from producer.serve import batchapi, chat, files, legacy, responses
 from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from schemas import ChatRequest, describe_validation_error
+from schemas.completions import CompletionRequest
 from schemas.connect import async_redis_from_url, redis_from_url
 from schemas.embeddings import EmbeddingRequest
 from schemas.responses import ResponsesRequest, TranslationError, to_chat
@@ -191,7 +192,7 @@ async def _answer(
     body: dict[str, Any],
     models: tuple[str | None, ...],
     stream: bool,
-    shape: responses.Shape | None = None,
+    shape: responses.Shape | legacy.Shape | None = None,
 ) -> Response:
     """Enqueue a validated request as an interactive job; answer with its record (or
     relay its stream), as ``shape`` translates them (None: as they are)."""
@@ -284,11 +285,29 @@ async def create_response(request: Request, s: GatewaySettings) -> Response:
     return await _answer(request, s, chat_body, models, req.stream, shape)
 
 
+async def create_completion(request: Request, s: GatewaySettings) -> Response:
+    """``POST /v1/completions`` (legacy): the prompt as a chat job's ``raw_prompt``."""
+    got = await _validated(request, CompletionRequest)
+    if isinstance(got, JSONResponse):
+        return got
+    req = got[1]
+    if why := req.refused():
+        return error(400, why)
+    try:
+        chat_body = req.to_chat()
+        chat_req = ChatRequest.model_validate(chat_body)
+    except ValidationError as e:
+        return error(400, describe_validation_error(e))
+    models = (chat_req.model, chat_req.draft_model, chat_req.adapter)
+    return await _answer(request, s, chat_body, models, req.stream, legacy.Shape())
+
+
 #: Routes :class:`Guard` answers itself (the hot paths), by path.
 DIRECT: dict[str, Callable[[Request, GatewaySettings], Awaitable[Response]]] = {
     "/v1/chat/completions": completions,
     "/v1/embeddings": embeddings,
     "/v1/responses": create_response,
+    "/v1/completions": create_completion,
 }
 
 
@@ -357,9 +376,7 @@ def _model(name: str) -> dict[str, Any]:
 
 
 #: OpenAI endpoints mlxq does not serve, and what to say of them.
-NOT_SERVED = {
-    "/v1/completions": "legacy completions are not served: use POST /v1/chat/completions",
-}
+NOT_SERVED = {}
 
 
 def unsupported(method: str, path: str) -> str:

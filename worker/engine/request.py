@@ -85,7 +85,7 @@ def prepare(
     family = check_tools(request, tokenizer, target.name)
     prompt = prompt_tokens(tokenizer, request)
     calls, trigger = call_grammar(request, tokenizer, family)
-    in_reasoning = opens_in_reasoning(tokenizer, prompt)
+    in_reasoning = not request.raw_prompt and opens_in_reasoning(tokenizer, prompt)
     if in_reasoning and not trigger and (thinking := thinking_of(tokenizer)) is not None:
         trigger = thinking.end_ids  # a grammar applies to the answer, after the reasoning
     params = params_for(
@@ -96,7 +96,8 @@ def prepare(
         default_num_draft_tokens,
         constraint_for(request, tokenizer, target.vocab_size, calls, trigger),
     )
-    if not getattr(tokenizer, "has_chat_template", False) and TRANSCRIPT_STOP not in params.stop:
+    transcript = not getattr(tokenizer, "has_chat_template", False) and not request.raw_prompt
+    if transcript and TRANSCRIPT_STOP not in params.stop:
         params = replace(params, stop=(*params.stop, TRANSCRIPT_STOP))
     if in_reasoning:
         params = replace(params, in_reasoning=True)
@@ -132,7 +133,10 @@ def _render(
 
 
 def prompt_tokens(tokenizer: object, request: ChatRequest) -> list[int]:
-    """The request's messages (and tools) through the model's chat template, as token ids."""
+    """The request's messages (and tools) through the model's chat template, as token ids;
+    a ``raw_prompt`` request's text tokenized as is (the tokenizer's own BOS, no template)."""
+    if request.raw_prompt:
+        return [int(i) for i in tokenizer.encode(request.messages[0].content)]  # type: ignore[attr-defined]
     messages = [m.as_template_dict() for m in request.messages]
     return _render(
         tokenizer,

@@ -50,7 +50,7 @@ def completion_for(
     tokenizer = generator.target.tokenizer
     family = toolcalls.family_of(tokenizer) if request.uses_tools else None
     tools = request.template_tools
-    thinking = reasoning.thinking_of(tokenizer)
+    thinking = None if request.raw_prompt else reasoning.thinking_of(tokenizer)
     thought = 0  # reasoning tokens, over the choices
 
     def message(o: GenerationOutput, choice: int) -> tuple[AssistantMessage, str]:

@@ -60,7 +60,8 @@ class Streamer:
         tok = target.tokenizer
         family = family_of(tok) if req is not None and req.uses_tools else None
         opened = prepared.params.in_reasoning
-        return cls(writer, target, logprobs, family, thinking_of(tok), opened)
+        thinking = None if req is not None and req.raw_prompt else thinking_of(tok)
+        return cls(writer, target, logprobs, family, thinking, opened)
 
     def __call__(self, delta: str, entries: Sequence[LogprobEntry]) -> None:
         if not delta and not entries:
