@@ -49,6 +49,8 @@ class ParsedFile:
 
 _NO_DEFAULTS = Defaults()
 _BATCH_KEYS = frozenset(("custom_id", "method", "url", "body"))
+#: OpenAI Batch endpoints the gateway serves over chat jobs but files do not take yet.
+GATEWAY_ONLY = ("/v1/responses", "/v1/completions")
 
 
 class LineInvalid(Exception):
@@ -123,6 +125,11 @@ def _batch_line(obj: dict[str, Any]) -> tuple[str, str]:
         and isinstance(obj["body"], dict)
     ):
         return cid, CHAT_URL
+    if obj.get("url") in GATEWAY_ONLY:
+        raise LineInvalid(
+            f"url: {obj['url']} lines are not run from files yet; the gateway serves "
+            f"POST {obj['url']} (producer serve)"
+        )
     try:
         line = BatchInputLine.model_validate(obj)
         return line.custom_id, line.url

@@ -22,6 +22,10 @@ BAD_LINES = [
     (chat("m", tools=[{"type": "function"}]), "tools.0.function: Field required"),
     ({"custom_id": "x", "method": "POST", "url": "/v1/audio/speech", "body": chat("m")}, "url:"),
     (
+        {"custom_id": "x", "method": "POST", "url": "/v1/responses", "body": {"input": "x"}},
+        "url: /v1/responses lines are not run from files yet; the gateway serves",
+    ),
+    (
         {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": chat("m")},
         "body.input: Field required; unknown field 'messages' in body",
     ),
@@ -32,7 +36,7 @@ BAD_LINES = [
     ),
     (
         {"custom_id": "dup", "method": "POST", "url": "/v1/chat/completions", "body": chat("m")},
-        "duplicate custom_id 'dup' (first used on line 11)",
+        "duplicate custom_id 'dup' (first used on line 12)",
     ),
     (
         {"custom_id": "y", "method": "POST", "url": "/v1/chat/completions", "body": chat("m", n=0)},
