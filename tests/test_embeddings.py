@@ -86,6 +86,32 @@ def test_every_input_shape_embeds_the_same_alone_and_in_company(conn, redis_url,
     assert metrics.batch_size > 1  # the one-text jobs were embedded together
 
 
+@pytest.mark.parametrize(
+    "arch", ["bert", "llama", "qwen3_moe", "gemma3_text", "qwen3_next", "nemotron_h", "falcon_h1"]
+)
+def test_a_rows_vector_is_the_same_padded_beside_longer_rows_on_every_cache_type(
+    tmp_path_factory, arch
+):
+    """One forward pass over rows of different lengths (padded keys masked; decoders,
+    sliding-window, MoE and recurrent layers alike, padded on the right) gives each row
+    the vector it gets alone."""
+    from worker.dev.tinyembed import write_bert, write_decoder_embedder
+    from worker.engine.models import ModelCache
+
+    root = tmp_path_factory.mktemp(f"pad-{arch}")
+    path = (
+        write_bert(root / "m") if arch == "bert" else write_decoder_embedder(root / "m", arch=arch)
+    )
+    embedder = ModelCache().get(str(path))[0].embedder
+    assert embedder is not None
+    rows = embedder.tokenize(["a short one", "a much longer text " * 6, "x"])
+    assert len({len(r) for r in rows}) == 3
+    together = embedder.forward(rows)
+    alone = np.concatenate([embedder.forward([r]) for r in rows])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+    assert not np.allclose(together[0], together[2], atol=1e-3)
+
+
 def test_bad_inputs_fail_alone_with_a_400_naming_what(conn, redis_url, embedders, tiny):
     bert = embedders["bert"]
     jobs = {

@@ -104,10 +104,10 @@ def _bert_weights(c: dict, seed: int) -> dict[str, mx.array]:
     return weights
 
 
-def write_decoder_embedder(path: Path, seed: int = 11) -> Path:
-    """A tiny llama with a last-token pooling module: a decoder embedder (Qwen3-Embedding's
-    shape) loaded through mlx-lm."""
-    write_model(path, TinySpec(seed=seed))
+def write_decoder_embedder(path: Path, seed: int = 11, arch: str = "llama") -> Path:
+    """A tiny ``arch`` decoder with a last-token pooling module: a decoder embedder
+    (Qwen3-Embedding's shape) loaded through mlx-lm."""
+    write_model(path, TinySpec(arch=arch, seed=seed, layers=4, hidden=64, intermediate=128))
     dims = json.loads((path / "config.json").read_text())["hidden_size"]
     _sentence_transformers(path, "lasttoken", True, dims)
     return path

@@ -12,6 +12,7 @@ and causal decoders pad on the right).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,8 +21,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-
-from worker.engine.encoder import read_json
 
 #: Pooling modes, by the key of ``1_Pooling/config.json`` that turns each on.
 POOLING_KEYS = {
@@ -33,6 +32,8 @@ POOLING_KEYS = {
 }
 #: Padded tokens one forward pass may hold (micro-batch rows x longest row).
 TOKEN_BUDGET = 8192
+#: Where mlx-lm's decoders keep their stack of layers (the hidden states pooled).
+BODIES = ("model", "backbone")
 #: A row joins a micro-batch only if at least this share of the batch's longest row.
 SAME_LENGTH = 0.9
 #: Bytes of attention scores one forward pass may hold (rows x heads x longest row^2).
@@ -69,6 +70,11 @@ def pooling_of(path: Path, config: dict[str, Any], encoder: bool) -> Pooling | N
         raise ValueError(f"pooling modes {' + '.join(modes)} (concatenated) are not supported")
     mode = modes[0] if modes else "mean"
     return Pooling(mode, "Normalize" in kinds, **common)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or None when it is absent."""
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def pool(hidden: mx.array, mask: mx.array, lengths: mx.array, mode: str) -> mx.array:
@@ -128,6 +134,11 @@ class Embedder:
         decoder: bool,
     ) -> None:
         self.model, self.tokenizer, self.pooling, self.decoder = model, tokenizer, pooling, decoder
+        #: A decoder's stack before its output layer (mlx-lm names it ``model``, or
+        #: ``backbone`` in its Mamba-style hybrids): what is pooled.
+        self.body = next((getattr(model, n) for n in BODIES if hasattr(model, n)), None)
+        if decoder and self.body is None:
+            raise ValueError(f"{type(model).__module__} has no {' or '.join(BODIES)} to pool")
         self.heads = int(config.get("num_attention_heads") or 1)
         self.vocab_size = int(config.get("vocab_size") or 0)
         limits = [pooling.max_tokens, config.get("max_position_embeddings")]
@@ -145,10 +156,12 @@ class Embedder:
         """One pooled (and, if the model says so, normalised) float32 vector per input."""
         out = np.zeros((len(inputs), self.pooling.dims), dtype=np.float32)
         for group in micro_batches([len(t) for t in inputs], self.heads):
-            out[group] = self._forward([inputs[i] for i in group])
+            out[group] = self.forward([inputs[i] for i in group])
         return normalized(out) if self.pooling.normalize else out
 
-    def _forward(self, rows: list[Sequence[int]]) -> np.ndarray:
+    def forward(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        """One padded forward pass over ``rows``: their pooled vectors, not normalised (a
+        row's vector does not depend on the others in the pass)."""
         longest = max(len(r) for r in rows)
         ids = np.zeros((len(rows), longest), dtype=np.int32)
         mask = np.zeros((len(rows), longest), dtype=np.int32)
@@ -158,7 +171,7 @@ class Embedder:
         ids_mx, mask_mx = mx.array(ids), mx.array(mask)
         lengths = mx.array([len(r) for r in rows])
         # a causal decoder needs no mask: right padding changes no earlier position
-        hidden = self.model.model(ids_mx) if self.decoder else self.model(ids_mx, mask_mx)
+        hidden = self.body(ids_mx) if self.decoder else self.model(ids_mx, mask_mx)
         vectors = pool(hidden, mask_mx, lengths, self.pooling.mode)
         mx.eval(vectors)
         return np.array(vectors, dtype=np.float32)

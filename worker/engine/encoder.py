@@ -9,13 +9,13 @@ absolute position embeddings, post-LayerNorm blocks, exact GELU, padded keys mas
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 #: ``model_type`` values this module runs.
@@ -140,7 +140,7 @@ def load_encoder(path: Path, config: dict[str, Any]) -> BertModel:
     weights: dict[str, mx.array] = {}
     for file in sorted(path.glob("*.safetensors")):
         weights.update(mx.load(str(file)))  # type: ignore[arg-type]
-    wanted = {k for k, _ in _flat(model)}
+    wanted = {k for k, _ in tree_flatten(model.parameters())}
     kept = {}
     for name, value in weights.items():
         name = name.removeprefix("bert.")
@@ -165,14 +165,3 @@ def encoder_tokenizer(path: Path) -> Tokenizer:
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer
-
-
-def _flat(model: nn.Module) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(model.parameters())  # type: ignore[return-value]
-
-
-def read_json(path: Path) -> Any:
-    """A JSON file's content, or None when it is absent."""
-    return json.loads(path.read_text()) if path.exists() else None
