@@ -79,10 +79,7 @@ def from_chat(completion: dict[str, Any]) -> dict[str, Any]:
             }
             for c in completion["choices"]
         ],
-        "usage": {
-            k: completion["usage"][k]
-            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
-        },
+        "usage": {k: completion["usage"][k] for k in _USAGE},
         "system_fingerprint": completion.get("system_fingerprint"),
     }
 

@@ -275,14 +275,10 @@ async def create_response(request: Request, s: GatewaySettings) -> Response:
         past = found
     try:
         chat_body = to_chat(req, past) | ({"stream": True} if req.stream else {})
-        chat_req = ChatRequest.model_validate(chat_body)
     except TranslationError as e:
         return error(400, str(e))
-    except ValidationError as e:
-        return error(400, describe_validation_error(e))
     shape = responses.Shape(req, chat_body, aredis, s.chat_ttl)
-    models = (chat_req.model, chat_req.draft_model, chat_req.adapter)
-    return await _answer(request, s, chat_body, models, req.stream, shape)
+    return await _as_chat(request, s, chat_body, shape)
 
 
 async def create_completion(request: Request, s: GatewaySettings) -> Response:
@@ -293,13 +289,23 @@ async def create_completion(request: Request, s: GatewaySettings) -> Response:
     req = got[1]
     if why := req.refused():
         return error(400, why)
+    return await _as_chat(request, s, req.to_chat(), legacy.Shape())
+
+
+async def _as_chat(
+    request: Request,
+    s: GatewaySettings,
+    chat_body: dict[str, Any],
+    shape: responses.Shape | legacy.Shape,
+) -> Response:
+    """Run a translated request as the chat job ``chat_body`` (validated here: a 400
+    names what the translation could not carry), answered through ``shape``."""
     try:
-        chat_body = req.to_chat()
-        chat_req = ChatRequest.model_validate(chat_body)
+        req = ChatRequest.model_validate(chat_body)
     except ValidationError as e:
         return error(400, describe_validation_error(e))
-    models = (chat_req.model, chat_req.draft_model, chat_req.adapter)
-    return await _answer(request, s, chat_body, models, req.stream, legacy.Shape())
+    models = (req.model, req.draft_model, req.adapter)
+    return await _answer(request, s, chat_body, models, req.stream, shape)
 
 
 #: Routes :class:`Guard` answers itself (the hot paths), by path.

@@ -29,15 +29,19 @@ from schemas.responses import (
 )
 
 
+async def _read(conn: AsyncRedis, response_id: str, part: str) -> Any:
+    raw = await conn.get(keys.response_key(response_id))
+    return None if raw is None else json.loads(raw)[part]
+
+
 async def history(conn: AsyncRedis, response_id: str) -> list[dict[str, Any]] | None:
     """The conversation a stored response ends (None: no such response, or expired)."""
-    raw = await conn.get(keys.response_key(response_id))
-    return None if raw is None else json.loads(raw)["messages"]
+    return await _read(conn, response_id, "messages")
 
 
 async def stored(conn: AsyncRedis, response_id: str) -> dict[str, Any] | None:
-    raw = await conn.get(keys.response_key(response_id))
-    return None if raw is None else json.loads(raw)["response"]
+    """A stored response (None: no such response, or expired)."""
+    return await _read(conn, response_id, "response")
 
 
 async def delete(conn: AsyncRedis, response_id: str) -> bool:
