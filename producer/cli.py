@@ -28,9 +28,10 @@ from producer.figures import beliefs, beliefs_table
 from producer.fleet import fleet_table, live_workers
 from producer.jobsfile import FileChangedError, check_file, enqueue_file, spool
 from producer.lines import Defaults
+from producer.retry import RetryFilter, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
-from schemas import keys
+from schemas import InvalidRequestError, keys
 from schemas.connect import redis_from_url
 from schemas.settings import (
     DEFAULT_REDIS_URL,
@@ -415,6 +416,58 @@ def cancel(batch_id: str, redis_url: str) -> None:
     except BatchNotFoundError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{cancelled} queued job(s) cancelled; {running} running job(s) will finish")
+
+
+@main.command()
+@click.argument("batch_id")
+@click.option(
+    "--status-code",
+    "status_codes",
+    multiple=True,
+    metavar="CODE",
+    help="Only jobs that failed with this HTTP status: 503, or a class: 5xx (repeatable).",
+)
+@click.option(
+    "--error-code",
+    "error_codes",
+    multiple=True,
+    metavar="CODE",
+    help="Only jobs whose error.code is CODE, e.g. model_load_error (repeatable).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_redis_option
+def retry(
+    batch_id: str,
+    status_codes: tuple[str, ...],
+    error_codes: tuple[str, ...],
+    as_json: bool,
+    redis_url: str,
+) -> None:
+    """Run BATCH_ID's failed jobs again (all of them, or those the filters match). Each
+    keeps its failed record until its new run ends; jobs already queued again are left
+    alone, so running this twice runs nothing twice."""
+    try:
+        flt = RetryFilter(status_codes, error_codes)
+    except InvalidRequestError as e:
+        raise click.BadParameter(str(e)) from None
+    conn = _connect(redis_url)
+    try:
+        report = retry_batch(conn, batch_id, flt)
+    except InvalidRequestError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+        return
+    causes = ", ".join(f"{n} {code}" for code, n in sorted(report.by_code.items()))
+    click.echo(f"{report.queued} failed job(s) queued again" + (f" ({causes})" if causes else ""))
+    for n, why in (
+        (report.pending, "already queued again or running"),
+        (report.unmatched, "failed with another cause (not matched)"),
+        (report.changed, "ended again while this ran (run retry again)"),
+        (report.unkept, "have no request kept to run (refused before queueing)"),
+    ):
+        if n:
+            click.echo(f"{n} job(s) {why}")
 
 
 @main.command()

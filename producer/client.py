@@ -19,6 +19,7 @@ from producer.batches import (
     wait_for_batch,
 )
 from producer.fleet import live_workers
+from producer.retry import RetryFilter, RetryReport, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
 from schemas import ResultRecord, keys
@@ -120,6 +121,16 @@ class Client:
     def cancel(self, batch_id: str) -> tuple[int, int]:
         """Cancel the batch's queued jobs: (cancelled, still running)."""
         return cancel_batch(self.connection, batch_id)
+
+    def retry(
+        self,
+        batch_id: str,
+        status_codes: tuple[str, ...] = (),
+        error_codes: tuple[str, ...] = (),
+    ) -> RetryReport:
+        """Run the batch's failed jobs again (those matching the filters: ``("5xx",)``,
+        ``("model_load_error",)``); see ``producer retry``. Safe to call twice."""
+        return retry_batch(self.connection, batch_id, RetryFilter(status_codes, error_codes))
 
     def fleet(self) -> list[WorkerInfo]:
         """The live workers and what they report."""

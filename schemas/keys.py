@@ -85,6 +85,15 @@ def batch_done_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}:done"
 
 
+def batch_errors_key(batch_id: str) -> str:
+    """List: the ids of the batch's first failed jobs (at most :data:`BATCH_ERRORS_KEPT`), in
+    the order they failed; a job retried and failed again may be named twice."""
+    return f"{PREFIX}:batch:{batch_id}:errors"
+
+
+BATCH_ERRORS_KEPT = 20
+
+
 #: Lists a gateway process waits on: a job's record writer pushes a copy of the record onto
 #: the list its batch names (batch hash field ``notify``), so one reader per process gets
 #: every record its requests wait for (``producer.serve.notify``).

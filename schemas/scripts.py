@@ -23,6 +23,7 @@ _INCLUDE = re.compile(r"^--! include (\w+)\n", re.M)
 CONSTANTS = {
     "NOTIFY_PREFIX": f"'{keys.NOTIFY_PREFIX}'",
     "NOTIFY_TTL": str(keys.NOTIFY_TTL),
+    "ERRORS_KEPT": str(keys.BATCH_ERRORS_KEPT),
 }
 
 

@@ -14,5 +14,5 @@ end
 if n == 0 then return 0 end
 redis.call('LTRIM', KEYS[1], n, -1)
 local ttl = batch_ttl(KEYS[2])
-for i = 1, n do drop(ARGV[1] .. head[i], ttl) end
+for i = 1, n do drop(ARGV[1] .. head[i], ttl, KEYS[2]) end
 return n

@@ -11,13 +11,24 @@
 -- Safe to run twice (a retry after a lost reply): the second call finds the hold gone
 -- and the record written, so it neither counts the job on the worker again nor adds
 -- a second entry to RQ's results stream.
---! include write_once_body
---! include now_ms
-
+-- A job ``producer retry`` queued again (job hash field ``retrying``) ends by replacing
+-- its old record: the holder drops it first, so the write below stores and counts the
+-- new one (the retry took the job off the batch's ``failed`` count); with no new record
+-- the old one stays and is counted failed again.
 local id, token = ARGV[4], ARGV[6]
 local holder = redis.call('HGET', KEYS[4], id)
 local released = holder and string.sub(holder, 1, #token + 1) == token .. ' '
 if released then redis.call('HDEL', KEYS[4], id) end
+if released and redis.call('HDEL', KEYS[5], 'retrying') == 1 then
+  if ARGV[1] ~= '' then
+    redis.call('DEL', KEYS[1])
+  else
+    redis.call('HINCRBY', KEYS[2], 'failed', 1)
+  end
+end
+--! include write_once_body
+--! include now_ms
+
 local counts = released or fresh == 1
 redis.call('ZREM', KEYS[6], id .. ':' .. token)
 if redis.call('EXISTS', KEYS[5]) == 1 then

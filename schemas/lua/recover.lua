@@ -27,7 +27,8 @@ for i = 1, #entries, 2 do
   if tok and dead[tok] then
     redis.call('ZREM', ARGV[6] .. queue, id .. ':' .. tok)
     local job = ARGV[4] .. id
-    if redis.call('EXISTS', ARGV[5] .. id) == 1 then
+    local retrying = redis.call('HEXISTS', job, 'retrying') == 1  -- producer retry
+    if not retrying and redis.call('EXISTS', ARGV[5] .. id) == 1 then
       redis.call('HDEL', KEYS[1], id)
       if redis.call('EXISTS', job) == 1 then redis.call('HSET', job, 'status', 'finished') end
       table.insert(out, {'done', id, queue, '0'})

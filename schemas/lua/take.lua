@@ -29,7 +29,7 @@ while dropped < 1000 do
   if not id then break end
   local batch = string.match(id, '^(.+)%-' .. string.rep('%x', 20) .. '$')
   if not batch or redis.call('HEXISTS', ARGV[8] .. batch, 'cancelled_at') == 0 then break end
-  drop(ARGV[5] .. id, batch_ttl(ARGV[8] .. batch))
+  drop(ARGV[5] .. id, batch_ttl(ARGV[8] .. batch), ARGV[8] .. batch)
   dropped = dropped + 1
   id = nil
 end
@@ -42,8 +42,12 @@ if not id then
   return false
 end
 if redis.call('HEXISTS', KEYS[1], id) == 1 then return {'held', id, queue} end
-if redis.call('EXISTS', ARGV[6] .. id) == 1 then return {'done', id, queue} end
 local job = ARGV[5] .. id
+-- A job with its record is not run again, unless ``producer retry`` marked it (field
+-- ``retrying``): its old record stays until the new run's end replaces it.
+if redis.call('EXISTS', ARGV[6] .. id) == 1 and redis.call('HEXISTS', job, 'retrying') == 0 then
+  return {'done', id, queue}
+end
 local fields = redis.call('HGETALL', job)
 if #fields == 0 then return {'missing', id, queue} end
 redis.call('HSET', KEYS[1], id, ARGV[1] .. ' ' .. queue)

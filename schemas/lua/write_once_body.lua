@@ -22,6 +22,13 @@ if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) th
     redis.pcall('RPUSH', notify, ARGV[1])
     redis.pcall('EXPIRE', notify, {{NOTIFY_TTL}})
   end
+  if ARGV[3] == 'failed' then  -- the batch's first failures, for pages and reports
+    local errors = KEYS[2] .. ':errors'
+    if redis.call('LLEN', errors) < {{ERRORS_KEPT}} then
+      redis.call('RPUSH', errors, ARGV[4])
+      redis.call('EXPIRE', errors, ARGV[2])
+    end
+  end
   wrote, fresh = 1, 1
 elseif ARGV[1] ~= '' and redis.call('GET', KEYS[1]) == ARGV[1] then
   wrote = 1
