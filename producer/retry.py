@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict, Field
 from redis import Redis
 
 from producer.batches import BatchNotFoundError, batch_job_ids
@@ -58,6 +59,17 @@ class RetryFilter:
             return False
         error = record.error.code if record.error is not None else ""
         return not self.error_codes or error in self.error_codes
+
+
+class RetryBody(BaseModel):
+    """The body of the gateway's ``POST /v1/batches/{id}/retry`` (all fields optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+    status_codes: list[str] = Field(default_factory=list, max_length=32)
+    error_codes: list[str] = Field(default_factory=list, max_length=32)
+
+    def filter(self) -> RetryFilter:
+        return RetryFilter(tuple(self.status_codes), tuple(self.error_codes))
 
 
 @dataclass

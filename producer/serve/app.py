@@ -27,14 +27,17 @@ from redis.asyncio import Redis as AsyncRedis
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from producer.batches import BatchNotFoundError
 from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.metrics import registry_for
-from producer.serve import batchapi, chat, files, legacy, responses
+from producer.retry import RetryBody, retry_batch
+from producer.serve import batchapi, chat, files, legacy, page, responses
 from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
-from schemas import ChatRequest, describe_validation_error
+from producer.submit import BatchCancelledError
+from schemas import ChatRequest, InvalidRequestError, describe_validation_error
 from schemas.completions import CompletionRequest
 from schemas.connect import async_redis_from_url, redis_from_url
 from schemas.embeddings import EmbeddingRequest
@@ -55,7 +58,8 @@ class Guard:
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrived"] = time.perf_counter()
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if not self.settings.key_ok(headers.get("authorization")):
+        public = page.is_public(scope["method"], scope["path"])
+        if not public and not self.settings.key_ok(headers.get("authorization")):
             reply = error(
                 401, "missing or invalid API key", "authentication_error", "invalid_api_key"
             )
@@ -122,6 +126,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     _metrics_route(app)
     _file_routes(app, settings)
     _batch_routes(app, settings)
+    page.page_routes(app)
     return app
 
 
@@ -518,6 +523,31 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
         request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
     ) -> Response:
         return JSONResponse(await _run(batchapi.list_batches, sync(request), limit, after))
+
+    @app.post("/v1/batches/{batch_id}/retry")
+    async def retry(request: Request, batch_id: str) -> Response:
+        """mlxq extension: run the batch's failed jobs again (``producer retry``); the body
+        may name ``status_codes`` (["5xx", "429"]) and ``error_codes``."""
+        body: dict[str, Any] = {}
+        if await request.body():
+            parsed = await _json_body(request)
+            if isinstance(parsed, JSONResponse):
+                return parsed
+            body = parsed
+        try:
+            flt = RetryBody.model_validate(body).filter()
+        except ValidationError as e:
+            return error(400, describe_validation_error(e))
+        except InvalidRequestError as e:
+            return error(400, str(e))
+        try:
+            report = await _run(retry_batch, sync(request), batch_id, flt)
+        except BatchNotFoundError:
+            return error(404, f"no batch {batch_id!r}", code="batch_not_found")
+        except BatchCancelledError as e:
+            return error(409, str(e), code=e.code)
+        obj = await _run(batchapi.batch_object, sync(request), batch_id)
+        return JSONResponse(obj | {"retry": report.as_dict()})
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(request: Request, batch_id: str) -> Response:

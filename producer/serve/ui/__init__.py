@@ -1,0 +1,1 @@
+"""The gateway's ``/ui`` page: plain HTML, CSS and JavaScript shipped in the package (no CDN)."""
