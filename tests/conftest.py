@@ -36,6 +36,7 @@ QUICK_FILES = {
     "test_notify.py",
     "test_policy.py",
     "test_producer_cli.py",
+    "test_retry.py",
     "test_schemas.py",
     "test_specbatch.py",
     "test_store.py",
@@ -61,6 +62,7 @@ QUICK_TESTS = {
     "tests/test_embeddings.py::test_batch_lines_mix_chat_and_embeddings_and_refuse_bad_ones_by_line",
     "tests/test_legacy.py::test_raw_prompts_continue_the_text_on_every_path",
     "tests/test_responses.py::test_the_translation_keeps_roles_calls_and_outputs_in_order",
+    "tests/test_ui.py::test_the_page_loads_without_a_key_and_its_data_needs_one",
 }
 
 

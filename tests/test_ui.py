@@ -152,7 +152,8 @@ def test_the_page_in_a_browser_shows_progress_workers_and_errors_and_retries_and
         errors = page.locator("tr.errors", has_text="page-batch")
         expect(errors).to_contain_text("context_length_exceeded")
         expect(errors).to_contain_text("late-")
-        expect(page.locator("#workers tbody")).to_contain_text("page-worker", timeout=30_000)
+        worker_row = page.locator("#workers tbody tr", has_text="page-worker")
+        expect(worker_row.locator("td.state")).to_have_text("idle", timeout=30_000)
         expect(page.locator("#queues tbody")).to_contain_text("nobody")
         page.screenshot(path=str(ARTIFACTS / "ui.png"), full_page=True)
 

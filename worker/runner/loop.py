@@ -179,6 +179,7 @@ class Worker:
             job = self._accept(got)
             if job is not None:
                 self._run(job)
+                self.state, self.current = "idle", None  # until the next take starts one
 
     def may_take(self) -> bool:
         return not self._stop and (self.max_jobs is None or self.taken < self.max_jobs)
