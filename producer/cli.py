@@ -31,6 +31,7 @@ from producer.lines import Defaults
 from producer.retry import RetryFilter, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
+from producer.tenants import queued, set_weight, weights
 from schemas import InvalidRequestError, keys
 from schemas.connect import redis_from_url
 from schemas.settings import (
@@ -179,6 +180,14 @@ def main() -> None:
     help="'model': each job goes to its model's queue (served by `worker --model`).",
 )
 @click.option(
+    "--tenant",
+    envvar="MLXQ_TENANT",
+    default=keys.DEFAULT_TENANT,
+    show_default=True,
+    help="Whose batch this is: workers share each queue fairly between tenants "
+    "(weights: producer tenant set).",
+)
+@click.option(
     "--skip-invalid",
     is_flag=True,
     envvar="MLXQ_SKIP_INVALID",
@@ -204,6 +213,7 @@ def submit(
     result_ttl: int,
     batch_id: str | None,
     route: str,
+    tenant: str,
     skip_invalid: bool,
     rejected: Path | None,
     wait_replicas: int,
@@ -220,6 +230,10 @@ def submit(
             keys.validate_batch_id(batch_id)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--batch-id") from None
+    try:
+        queue = keys.tenant_queue(queue, tenant)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tenant") from None
     stdin = str(file) == "-"
     path = spool(sys.stdin.buffer) if stdin else file
     try:
@@ -522,6 +536,38 @@ def metrics(redis_url: str, host: str, port: int, once: bool) -> None:
     click.echo(f"metrics on http://{host}:{port}/metrics", err=True)
     while True:
         time.sleep(3600)
+
+
+@main.group()
+def tenant() -> None:
+    """Tenants' weights in fair share, and what each has queued."""
+
+
+@tenant.command("set")
+@click.argument("name")
+@click.option("--weight", type=float, required=True, help="Share weight (default 1): 0.01-100.")
+@_redis_option
+def tenant_set(name: str, weight: float, redis_url: str) -> None:
+    """Give tenant NAME a weight: tenants with work share each queue's takes by weight."""
+    try:
+        set_weight(_connect(redis_url), name, weight)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    click.echo(f"tenant {name}: weight {weight:g}")
+
+
+@tenant.command("list")
+@_redis_option
+def tenant_list(redis_url: str) -> None:
+    """Tenants with a weight or with jobs waiting: weight and jobs waiting per queue."""
+    conn = _connect(redis_url)
+    given, waiting = weights(conn), queued(conn)
+    names = sorted(set(given) | set(waiting))
+    if not names:
+        click.echo("no tenants with a weight or with jobs waiting")
+    for name in names:
+        per = ", ".join(f"{q}: {n}" for q, n in sorted(waiting.get(name, {}).items())) or "-"
+        click.echo(f"{name:<34}weight {given.get(name, 1.0):<8g}waiting {per}")
 
 
 @main.group()

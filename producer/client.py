@@ -57,9 +57,11 @@ class Client:
         job_timeout: int = DEFAULT_JOB_TIMEOUT,
         result_ttl: int = keys.DEFAULT_RESULT_TTL,
         route: str = "queue",
+        tenant: str = keys.DEFAULT_TENANT,
     ) -> SubmitSummary:
         """Submit requests as one batch. A mapping gives custom ids; else they are ``req-N``.
-        A request is a chat request, or an embeddings one (a body with ``input``).
+        A request is a chat request, or an embeddings one (a body with ``input``). The
+        batch belongs to ``tenant``: workers share each queue fairly between tenants.
 
         Every request is validated before anything is enqueued (pydantic's
         ValidationError names the field).
@@ -77,7 +79,7 @@ class Client:
             self.connection,
             items,
             batch_id=batch_id,
-            queue=self.queue,
+            queue=keys.tenant_queue(self.queue, tenant),
             job_timeout=job_timeout,
             result_ttl=result_ttl,
             source="python-api",

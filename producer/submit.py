@@ -79,7 +79,15 @@ def register_batch(
     now = time.time()
     pipe = conn.pipeline()
     pipe.hsetnx(key, "created_at", now)
-    pipe.hset(key, mapping={"batch_id": batch_id, "queue": queue, "result_ttl": result_ttl})
+    pipe.hset(
+        key,
+        mapping={
+            "batch_id": batch_id,
+            "queue": queue,
+            "tenant": keys.tenant_of(queue),
+            "result_ttl": result_ttl,
+        },
+    )
     pipe.hsetnx(key, "total", 0)
     if source:
         pipe.hsetnx(key, "source", source)
@@ -90,9 +98,11 @@ def register_batch(
 
 
 def queue_of(route: str, queue: str, model: str) -> str:
-    """The queue a job of ``model`` goes to under ``route`` ('queue' or 'model')."""
+    """The list a job of ``model`` goes to under ``route`` ('queue' or 'model'). ``queue``
+    may name a tenant's list (``mlxq@team-a``, :func:`schemas.keys.tenant_queue`): model
+    routing keeps the tenant on the model's queue."""
     if route == "model":
-        return keys.queue_for_model(model)
+        return keys.tenant_queue(keys.queue_for_model(model), keys.tenant_of(queue))
     if route == "queue":
         return queue
     raise ValueError(f"route must be 'queue' or 'model', not {route!r}")

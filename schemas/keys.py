@@ -21,6 +21,55 @@ DEFAULT_QUEUE = "mlxq"
 #: before the batch queues by default.
 INTERACTIVE_QUEUE = "mlxq.interactive"
 
+#: The tenant of jobs submitted without one; its jobs wait on the queue's own list.
+DEFAULT_TENANT = "default"
+
+#: Hash: tenant -> its weight in fair share (a number; 1 when unset).
+TENANTS = f"{PREFIX}:tenants"
+
+#: Sorted sets ``mlxq:fair:<queue>``: the queue's lists with work (``<queue>@<tenant>``
+#: and the queue's own), scored by virtual time (``schemas/lua/fair.lua``).
+FAIR_PREFIX = f"{PREFIX}:fair:"
+
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def validate_tenant(tenant: str) -> str:
+    """Return ``tenant`` if it is 1-32 lowercase letters, digits, '_' or '-' (first a letter
+    or digit); else raise ValueError."""
+    if not _TENANT_RE.fullmatch(tenant):
+        raise ValueError(
+            f"invalid tenant {tenant!r}: use 1-32 lowercase letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return tenant
+
+
+def tenant_queue(queue: str, tenant: str) -> str:
+    """The list a tenant's jobs of ``queue`` wait on: ``queue@tenant`` (the default
+    tenant's: ``queue`` itself). Workers serve ``queue``; its take shares it fairly."""
+    if tenant == DEFAULT_TENANT:
+        return queue
+    if "@" in queue:
+        raise ValueError(f"queue {queue!r} already names a tenant; name the queue alone")
+    return f"{queue}@{validate_tenant(tenant)}"
+
+
+def base_queue(queue: str) -> str:
+    """The queue workers serve that the list ``queue`` (maybe ``queue@tenant``) is part of."""
+    return queue.split("@", 1)[0]
+
+
+def tenant_of(queue: str) -> str:
+    """The tenant whose jobs wait on the list ``queue``."""
+    return queue.split("@", 1)[1] if "@" in queue else DEFAULT_TENANT
+
+
+def fair_key(queue: str) -> str:
+    """Sorted set: the lists of ``queue`` with work, by virtual time (fair share)."""
+    return f"{FAIR_PREFIX}{base_queue(queue)}"
+
+
 #: Sorted set of batch ids, scored by creation time (unix seconds).
 BATCHES = f"{PREFIX}:batches"
 

@@ -5,7 +5,7 @@ enqueue and cancel sweep, the worker's lifecycle (take, end, requeue, renew,
 recover, prune, unregister) and the write-once result every record writer runs.
 Each file starts with the keys and arguments it touches. A line
 ``--! include NAME`` is replaced by the file ``NAME.lua`` (shared fragments:
-``now_ms``, ``drop``, ``write_once_body``), and ``{{NAME}}`` by a constant of
+``now_ms``, ``drop``, ``write_once_body``, ``fair``), and ``{{NAME}}`` by a constant of
 :data:`CONSTANTS`, so a script is one self-contained source as Redis sees it.
 """
 
@@ -24,6 +24,11 @@ CONSTANTS = {
     "NOTIFY_PREFIX": f"'{keys.NOTIFY_PREFIX}'",
     "NOTIFY_TTL": str(keys.NOTIFY_TTL),
     "ERRORS_KEPT": str(keys.BATCH_ERRORS_KEPT),
+    "FAIR_PREFIX": f"'{keys.FAIR_PREFIX}'",
+    "FAIR_SCAN": "64",  # lists found empty per take, at most (each leaves the set)
+    "QUEUE_PREFIX": f"'{keys.rq_queue_key('')}'",
+    "TENANTS": f"'{keys.TENANTS}'",
+    "DEFAULT_TENANT": f"'{keys.DEFAULT_TENANT}'",
 }
 
 

@@ -8,6 +8,7 @@
 -- each ended job's id there. A job whose hash exists is skipped (it is in the batch
 -- already): a chunk sent twice (a retry after a lost reply) is enqueued once, and the
 -- second call answers with the total, not -1, when the queue has filled meanwhile.
+--! include fair
 local jp, qp, ttl, at, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local nq = tonumber(ARGV[6])
 local names, per = {}, {}
@@ -35,6 +36,7 @@ end
 for i = 1, nq do
   if #per[i] > 0 then
     push(qp .. names[i], per[i])
+    fair_join(names[i])
     redis.call('SADD', KEYS[3], names[i])
     redis.call('SADD', KEYS[4], qp .. names[i])
   end

@@ -6,6 +6,7 @@
 -- recovering token, to be failed), "done" (it has its record), "gone" (no job hash),
 -- "inbox" (moved back from a dead process's inbox).
 --! include now_ms
+--! include fair
 
 local dead, any = {}, false
 for _, tok in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms)) do
@@ -46,6 +47,7 @@ for i = 1, #entries, 2 do
         redis.call('HDEL', KEYS[1], id)
         redis.call('HSET', job, 'status', 'queued')
         redis.call('LPUSH', ARGV[7] .. queue, id)
+        fair_join(queue)
         table.insert(out, {'requeued', id, queue, tostring(crashes)})
       end
     end
@@ -60,6 +62,7 @@ for tok, _ in pairs(dead) do
     while queue do
       local id = redis.call('LMOVE', inbox, ARGV[7] .. queue, 'RIGHT', 'LEFT')
       if not id then break end
+      fair_join(queue)
       table.insert(out, {'inbox', id, queue, '0'})
     end
   end

@@ -8,6 +8,7 @@
 -- queued again, jobs already queued again or running (a retry sent twice), jobs whose
 -- record is no longer the one read (ended again meanwhile), jobs whose request is not
 -- kept (written outside a run: an invalid line, a lost job hash).
+--! include fair
 if redis.call('HEXISTS', KEYS[1], 'cancelled_at') == 1 then return {'cancelled'} end
 local jp, rp, qp, fp, cp, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local queued, pending, changed, unkept = 0, 0, 0, 0
@@ -29,6 +30,7 @@ for i = 7, #ARGV, 2 do
       redis.call('DEL', cp .. id)
       redis.call('ZREM', fp .. origin, id)
       redis.call('RPUSH', qp .. origin, id)
+      fair_join(origin)
       redis.call('SADD', KEYS[2], qp .. origin)
       queued = queued + 1
     end

@@ -1,4 +1,6 @@
--- Take the next job (the inbox first, then the queues in order) and start it.
+-- Take the next job (the inbox first, then the queues in order) and start it. A queue
+-- with tenants' lists gives the job of the tenant whose turn it is (``fair.lua``); the
+-- reply names the list it came from.
 -- Jobs of a cancelled batch (its hash has ``cancelled_at``) are dropped on the way,
 -- up to 1,000 per call (``schemas.cancel``), never started.
 -- KEYS: running, leases, inbox, rq worker hash, rq:suspended, queue lists...
@@ -11,6 +13,7 @@
 -- {"start", id, queue, {hash fields}}.
 --! include now_ms
 --! include drop
+--! include fair
 
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
 if redis.call('EXISTS', KEYS[5]) == 1 and redis.call('LLEN', KEYS[3]) == 0 then
@@ -22,8 +25,8 @@ while dropped < 1000 do
   queue = ARGV[9]
   if not id then
     for i = 6, #KEYS do
-      id = redis.call('LPOP', KEYS[i])
-      if id then queue = ARGV[i + 4]; break end
+      id, queue = fair_pop(KEYS[i], ARGV[i + 4])
+      if id then break end
     end
   end
   if not id then break end

@@ -402,8 +402,14 @@ class Lifecycle(Upkeep):
         return out
 
     def waiting(self, queue: str) -> int:
-        """How many jobs wait in ``queue`` now."""
-        return int(self.conn.llen(keys.rq_queue_key(queue)))
+        """How many jobs wait in ``queue`` now, its tenants' lists included (at most 100
+        of them counted)."""
+        base = keys.base_queue(queue)
+        lists = {base, *(m.decode() for m in self.conn.zrange(keys.fair_key(base), 0, 99))}
+        with self.conn.pipeline(transaction=False) as pipe:
+            for name in lists:
+                pipe.llen(keys.rq_queue_key(name))
+            return sum(int(n) for n in pipe.execute())
 
     def first_waiting(self, queues: list[str]) -> str | None:
         """The first of ``queues`` that holds a job now (one round trip), or None."""

@@ -175,7 +175,17 @@ class Upkeep:
     def prune(self, step: int = PRUNE_STEP, most: int = 10) -> int:
         """Drop expired entries of RQ's finished / failed registries of this worker's queues,
         ``step`` per registry per script call, at most ``most`` calls; how many went."""
-        registries = [f(q) for q in self.queues for f in (keys.rq_finished_key, keys.rq_failed_key)]
+        tenants = [  # the lists of tenants on this worker's queues have registries too
+            name
+            for k in self.conn.smembers(keys.RQ_QUEUES)
+            if "@" in (name := k.decode().removeprefix(keys.rq_queue_key("")))
+            and keys.base_queue(name) in self.queues
+        ]
+        registries = [
+            f(q)
+            for q in [*self.queues, *tenants]
+            for f in (keys.rq_finished_key, keys.rq_failed_key)
+        ]
         removed = 0
         for _ in range(most):
             n = int(self.conn.eval(scripts.PRUNE, len(registries), *registries, step))

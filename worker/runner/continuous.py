@@ -64,7 +64,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from schemas import ChatRequest, GenerationError, MlxqError, ResultRecord
+from schemas import ChatRequest, GenerationError, MlxqError, ResultRecord, keys
 from schemas.fleet import BatchInfo
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
@@ -352,7 +352,7 @@ class ContinuousBatch:
         at least :data:`OWN_FLOOR` of the slots."""
         if len(self.slots) < self.cap:
             return True
-        own = [s for s in self.slots.values() if s.job.queue == self.queue]
+        own = [s for s in self.slots.values() if keys.base_queue(s.job.queue) == self.queue]
         if len(own) <= max(1, int(self.cap * OWN_FLOOR)):
             return False
         self._preempt(own[-1])  # the last to join: the least work lost

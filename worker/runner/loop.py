@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from schemas import ResultRecord
+from schemas import ResultRecord, keys
 from schemas.fleet import BatchInfo
 from worker.engine.memory import wired_limit
 from worker.lifecycle import registry
@@ -202,12 +202,14 @@ class Worker:
             self.run_embeddings(job)
             return
 
+        queue = keys.base_queue(job.queue)  # a tenant's list joins its queue's batches
+
         def depth() -> int:  # batch or speculate: how many wait?
-            return 1 + min(self.lifecycle.waiting(job.queue), (self.max_batch or AUTO_CAP) - 1)
+            return 1 + min(self.lifecycle.waiting(queue), (self.max_batch or AUTO_CAP) - 1)
 
         r = route(job.envelope.request, self.rt.policy, depth, batching=self.max_batch != 1)
         if r.batch is not None:
-            ContinuousBatch(self, job.queue, r.batch, r.depth).run(job, r)
+            ContinuousBatch(self, queue, r.batch, r.depth).run(job, r)
             return
         self.run_alone(job, r)
 
@@ -215,7 +217,7 @@ class Worker:
         """Run ``job`` alone as routed and end it (also between a batch's steps)."""
         try:
             with self.computing():
-                upcoming = functools.partial(self.lifecycle.peek, job.queue, PEEK)
+                upcoming = functools.partial(self.lifecycle.peek, keys.base_queue(job.queue), PEEK)
                 record, after = run_alone(job, r, self.rt, self.conn, upcoming)
         except BaseException:
             self.lifecycle.requeue(job)
@@ -226,7 +228,8 @@ class Worker:
 
     def run_embeddings(self, first: Job) -> None:
         """Embed ``first`` with the jobs behind it that use the same model, and end them."""
-        jobs = gather(first, lambda: self.take_from(first.queue), self.lifecycle.requeue)
+        queue = keys.base_queue(first.queue)
+        jobs = gather(first, lambda: self.take_from(queue), self.lifecycle.requeue)
         try:
             with self.computing():
                 ended = run_embeddings(jobs, self.rt)

@@ -1,0 +1,133 @@
+"""Fair share between tenants: jobs taken by the real take script on a real Redis, then
+through a real worker on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from producer import Client
+from producer.batches import batch_status
+from producer.tenants import queued, set_weight
+from schemas import keys
+from tests.conftest import chat, run_worker
+from tests.test_lifecycle import expire, lifecycle, succeeded
+from tests.test_producer_cli import invoke
+
+
+def _submit(conn, tenant: str, n: int, batch_id: str, model: str = "some/model") -> list[str]:
+    bodies = [chat(model, f"{batch_id} {i}", max_tokens=1) for i in range(n)]
+    return Client(connection=conn).submit(bodies, batch_id=batch_id, tenant=tenant).job_ids
+
+
+def _takes(lc, n: int) -> list[str]:
+    """The batches of the next ``n`` jobs taken (each ended at once, as a worker would)."""
+    out = []
+    for _ in range(n):
+        job = lc.take()
+        if job is None:
+            break
+        out.append(keys.batch_of(job.id))
+        lc.end(job, succeeded(job))
+    return out
+
+
+def test_a_small_batch_behind_a_big_one_starts_at_once(conn):
+    _submit(conn, "big-team", 200, "big")
+    _submit(conn, "small-team", 10, "small")
+    order = _takes(lifecycle(conn), 211)  # the last take finds every list empty
+    assert len(order) == 210
+    last_small = max(i for i, b in enumerate(order) if b == "small")
+    assert last_small < 20  # every small job before the 11th big one (FIFO: after all 200)
+    assert conn.llen(keys.rq_queue_key("mlxq@big-team")) == 0
+    assert not conn.exists(keys.fair_key("mlxq"))  # every list ran dry and left the set
+
+
+def test_weights_share_the_takes_while_both_have_work(conn):
+    set_weight(conn, "heavy", 3)
+    _submit(conn, "heavy", 200, "h")
+    _submit(conn, "light", 200, "l")
+    order = _takes(lifecycle(conn), 100)
+    heavy = order.count("h")
+    assert 0.9 * 75 <= heavy <= 1.1 * 75, heavy
+
+
+def test_the_default_tenant_shares_too_and_an_idle_tenant_banks_no_credit(conn):
+    _submit(conn, keys.DEFAULT_TENANT, 100, "plain")  # on the queue's own list
+    lc = lifecycle(conn)
+    assert _takes(lc, 10) == ["plain"] * 10  # alone: FIFO as before tenants
+    _submit(conn, "x", 10, "x1")
+    order = _takes(lc, 20)
+    assert order.count("x1") == 10 and order.count("plain") == 10
+    # x was idle while plain ran on: its return gets its share, not a burst of credit.
+    assert _takes(lc, 20) == ["plain"] * 20
+    _submit(conn, "x", 10, "x2")
+    order = _takes(lc, 10)
+    assert 4 <= order.count("x2") <= 6, order
+
+
+def test_requeue_and_recovery_put_a_tenants_job_back_on_its_list_in_the_share(conn):
+    (first, *_) = _submit(conn, "a", 3, "a")
+    _submit(conn, "b", 3, "b")
+    a = lifecycle(conn, "a")
+    job = a.take()
+    assert job.id == first and job.queue == "mlxq@a"
+    assert a.requeue(job)
+    assert conn.lindex(keys.rq_queue_key("mlxq@a"), 0) == first.encode()
+    held = a.take()
+    assert held.id == first  # a's turn again: its virtual time did not move on a requeue
+    expire(conn, a)
+    b = lifecycle(conn, "b")  # recovers a's job to the front of mlxq@a
+    assert conn.lindex(keys.rq_queue_key("mlxq@a"), 0) == first.encode()
+    assert set(_takes(b, 6)) == {"a", "b"}
+    assert conn.llen(keys.rq_queue_key("mlxq@a")) == 0
+
+
+def test_tenant_batches_run_through_a_worker_small_one_first_and_cancel_sweeps_them(
+    conn, redis_url, tiny
+):
+    big = _submit(conn, "big-team", 24, "wbig", tiny.target)
+    small = _submit(conn, "small-team", 4, "wsmall", tiny.target)
+    idle = _submit(conn, "idle-team", 5, "widle", tiny.target)
+    Client(connection=conn).cancel("widle")
+    assert queued(conn)["big-team"] == {"mlxq": 24}
+    run_worker(redis_url, max_batch=4)
+    for b in ("wbig", "wsmall"):
+        s = batch_status(conn, b)
+        assert s.finished and s.failed == 0, s
+    done_big = [j.decode() for j in conn.lrange(keys.batch_done_key("wbig"), 0, -1)]
+    done_small = [j.decode() for j in conn.lrange(keys.batch_done_key("wsmall"), 0, -1)]
+    assert sorted(done_big) == sorted(big) and sorted(done_small) == sorted(small)
+    # The small batch's last job ended before half of the big one's had.
+    last_small = max(_finished(conn, j) for j in small)
+    assert sum(_finished(conn, j) < last_small for j in big) < 12
+    assert batch_status(conn, "widle").cancelled == len(idle)
+    assert conn.llen(keys.rq_queue_key("mlxq@idle-team")) == 0
+
+
+def _finished(conn, job_id: str) -> float:
+    from schemas.store import read_result
+
+    return read_result(conn, job_id).finished_at
+
+
+@pytest.mark.parametrize("bad", ["Upper", "-lead", "x" * 33, "a b", "a@b", ""])
+def test_hostile_tenant_names_are_refused_by_name(conn, redis_url, tmp_path, bad):
+    with pytest.raises(ValueError, match="invalid tenant"):
+        keys.tenant_queue("mlxq", bad) if bad else keys.validate_tenant(bad)
+    path = tmp_path / "jobs.jsonl"
+    path.write_text('{"model": "m", "messages": [{"role": "user", "content": "x"}]}\n')
+    result = invoke("submit", path, "--tenant", bad, "--redis-url", redis_url)
+    assert result.exit_code == 2 and "invalid tenant" in result.output
+    assert conn.dbsize() == 0
+    result = invoke("tenant", "set", "--weight", "2", "--redis-url", redis_url, "--", bad)
+    assert result.exit_code == 2 and "invalid tenant" in result.output
+
+
+def test_weights_out_of_range_are_refused(redis_url):
+    for w in ("0", "-1", "1000", "nan"):
+        result = invoke("tenant", "set", "team", "--weight", w, "--redis-url", redis_url)
+        assert result.exit_code == 2 and "out of range" in result.output, w
+    result = invoke("tenant", "set", "team", "--weight", "2.5", "--redis-url", redis_url)
+    assert result.exit_code == 0
+    listed = invoke("tenant", "list", "--redis-url", redis_url)
+    assert "team" in listed.output and "weight 2.5" in listed.output
