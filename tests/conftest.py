@@ -28,6 +28,7 @@ QUICK_FILES = {
     "test_choices.py",
     "test_coalesce.py",
     "test_engine.py",
+    "test_fairshare.py",
     "test_figures.py",
     "test_goodput.py",
     "test_lifecycle.py",
