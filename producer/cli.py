@@ -31,7 +31,7 @@ from producer.lines import Defaults
 from producer.retry import RetryFilter, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
-from producer.tenants import queued, set_weight, weights
+from producer.tenants import queued, set_weight, usage, weights
 from schemas import InvalidRequestError, keys
 from schemas.connect import redis_from_url
 from schemas.settings import (
@@ -568,6 +568,42 @@ def tenant_list(redis_url: str) -> None:
     for name in names:
         per = ", ".join(f"{q}: {n}" for q, n in sorted(waiting.get(name, {}).items())) or "-"
         click.echo(f"{name:<34}weight {given.get(name, 1.0):<8g}waiting {per}")
+
+
+@main.command("usage")
+@click.option("--tenant", default=None, help="Only this tenant.")
+@click.option(
+    "--days",
+    type=click.IntRange(1, 40),
+    default=1,
+    show_default=True,
+    help="UTC days to sum, today included (kept 40 days).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the totals as JSON.")
+@_redis_option
+def usage_cmd(tenant: str | None, days: int, as_json: bool, redis_url: str) -> None:
+    """Per tenant: jobs, failed jobs, prompt and completion tokens, and job seconds (each
+    job's run time) of the last DAYS days, counted once per record written."""
+    if tenant is not None:
+        try:
+            keys.validate_tenant(tenant)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--tenant") from None
+    totals = usage(_connect(redis_url), days, tenant)
+    if as_json:
+        click.echo(json.dumps(totals))
+        return
+    if not totals:
+        click.echo(f"no usage in the last {days} day(s)")
+        return
+    click.echo(
+        f"{'tenant':<34}{'jobs':>9}{'failed':>8}{'prompt tok':>12}{'compl. tok':>12}{'job s':>10}"
+    )
+    for name, f in totals.items():
+        click.echo(
+            f"{name:<34}{f['jobs']:>9.0f}{f['failed']:>8.0f}{f['prompt_tokens']:>12.0f}"
+            f"{f['completion_tokens']:>12.0f}{f['job_seconds']:>10.1f}"
+        )
 
 
 @main.group()

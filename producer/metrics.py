@@ -15,6 +15,7 @@ own ``/metrics`` would, and PromQL's ``rate()`` handles that.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from redis import Redis
 
 from producer.batches import status_of
 from producer.figures import Belief, beliefs
+from producer.tenants import USAGE_TENANTS, parse_usage
 from schemas import keys
 from schemas.figures import measurements
 from schemas.fleet import WorkerInfo
@@ -82,7 +84,8 @@ class FleetCollector(Collector):
         pipe.hkeys(keys.RUNNING)
         pipe.zrevrange(keys.BATCHES, 0, self.recent_batches - 1)
         pipe.time()
-        rq_queues, names, leases, holders, running, batches, now = pipe.execute()
+        pipe.hgetall(keys.usage_key(keys.usage_day(time.time())))
+        rq_queues, names, leases, holders, running, batches, now, today = pipe.execute()
         prefix = len(keys.rq_queue_key(""))
         queues = sorted(_text(q)[prefix:] for q in rq_queues)
         names = [_text(n) for n in names]
@@ -130,6 +133,7 @@ class FleetCollector(Collector):
             "lease_left": lease_left,
             "running": len(running),
             "batches": progress,
+            "usage": parse_usage(today),
         }
 
     def collect(self) -> Iterator[Metric]:
@@ -138,6 +142,22 @@ class FleetCollector(Collector):
         yield from _batch_metrics(state["batches"])
         yield from _worker_metrics(state["workers"], state["lease_left"])
         yield from _figures_metrics(beliefs(self.conn, prune=False)[0])
+        yield from _usage_metrics(state["usage"])
+
+
+def _usage_metrics(today: dict[str, dict[str, float]]) -> Iterator[Metric]:
+    """Today's (UTC) usage per tenant: the busiest :data:`USAGE_TENANTS` (bounded series)."""
+    family = GaugeMetricFamily(
+        "mlxq_tenant_usage_today",
+        "Today's (UTC) usage per tenant: jobs, failed, prompt_tokens, completion_tokens, "
+        "job_seconds (resets at midnight UTC).",
+        labels=["tenant", "kind"],
+    )
+    busiest = sorted(today, key=lambda n: -today[n]["jobs"])[:USAGE_TENANTS]
+    for tenant in sorted(busiest):
+        for kind, value in today[tenant].items():
+            family.add_metric([tenant, kind], value)
+    yield family
 
 
 def _figures_metrics(found: list[Belief]) -> Iterator[Metric]:

@@ -8,6 +8,7 @@ tenants with work by weight (``schemas/lua/fair.lua``). Weights live in ``mlxq:t
 from __future__ import annotations
 
 import math
+import time
 
 from redis import Redis
 
@@ -49,3 +50,44 @@ def queued(conn: Redis) -> dict[str, dict[str, int]]:
         if depth:
             out.setdefault(keys.tenant_of(name), {})[keys.base_queue(name)] = int(depth)
     return out
+
+
+#: The fields the end script counts per tenant and day (``schemas.keys.usage_key``).
+USAGE_FIELDS = ("jobs", "failed", "prompt_tokens", "completion_tokens", "job_seconds")
+#: Tenants a usage report or a metrics scrape names at most (the busiest by jobs).
+USAGE_TENANTS = 100
+
+
+def parse_usage(raw: dict[bytes, bytes]) -> dict[str, dict[str, float]]:
+    """One day's usage hash as tenant -> field -> total (unknown fields skipped)."""
+    out: dict[str, dict[str, float]] = {}
+    for k, v in raw.items():
+        tenant, _, name = k.decode().rpartition(":")
+        if name in USAGE_FIELDS and tenant:
+            try:
+                out.setdefault(tenant, dict.fromkeys(USAGE_FIELDS, 0.0))[name] = float(v)
+            except ValueError:
+                continue
+    return out
+
+
+def usage(
+    conn: Redis, days: int = 1, tenant: str | None = None, now: float | None = None
+) -> dict[str, dict[str, float]]:
+    """Per tenant, the totals of the last ``days`` UTC days (today included), the busiest
+    :data:`USAGE_TENANTS` by jobs."""
+    at = time.time() if now is None else now
+    with conn.pipeline(transaction=False) as pipe:
+        for d in range(days):
+            pipe.hgetall(keys.usage_key(keys.usage_day(at - d * 86400)))
+        raws = pipe.execute()
+    out: dict[str, dict[str, float]] = {}
+    for raw in raws:
+        for name, fields in parse_usage(raw).items():
+            if tenant is not None and name != tenant:
+                continue
+            total = out.setdefault(name, dict.fromkeys(USAGE_FIELDS, 0.0))
+            for f, v in fields.items():
+                total[f] += v
+    busiest = sorted(out, key=lambda n: -out[n]["jobs"])[:USAGE_TENANTS]
+    return {n: out[n] for n in sorted(busiest)}

@@ -31,6 +31,22 @@ TENANTS = f"{PREFIX}:tenants"
 #: and the queue's own), scored by virtual time (``schemas/lua/fair.lua``).
 FAIR_PREFIX = f"{PREFIX}:fair:"
 
+#: Usage per tenant is kept this long (seconds) per day.
+USAGE_TTL = 40 * 24 * 3600
+
+
+def usage_key(day: str) -> str:
+    """Hash, 40 days: ``<tenant>:<field>`` -> the day's (UTC, ``YYYY-MM-DD``) total of
+    ``jobs``, ``failed``, ``prompt_tokens``, ``completion_tokens`` and ``job_seconds`` (each
+    job's run time, so jobs batched together each count theirs)."""
+    return f"{PREFIX}:usage:{day}"
+
+
+def usage_day(at: float) -> str:
+    """The UTC day (``YYYY-MM-DD``) of unix time ``at``."""
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
+
+
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 
 

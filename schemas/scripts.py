@@ -29,6 +29,7 @@ CONSTANTS = {
     "QUEUE_PREFIX": f"'{keys.rq_queue_key('')}'",
     "TENANTS": f"'{keys.TENANTS}'",
     "DEFAULT_TENANT": f"'{keys.DEFAULT_TENANT}'",
+    "USAGE_TTL": str(keys.USAGE_TTL),
 }
 
 

@@ -131,3 +131,34 @@ def test_weights_out_of_range_are_refused(redis_url):
     assert result.exit_code == 0
     listed = invoke("tenant", "list", "--redis-url", redis_url)
     assert "team" in listed.output and "weight 2.5" in listed.output
+
+
+def test_usage_per_tenant_sums_the_records_and_is_exported(conn, redis_url, tiny):
+    from prometheus_client import generate_latest
+
+    from producer.metrics import registry_for
+    from producer.tenants import usage
+    from schemas.store import read_result
+
+    ids = {
+        "team-a": _submit(conn, "team-a", 5, "ua", tiny.target),
+        "team-b": _submit(conn, "team-b", 3, "ub", tiny.target),
+        keys.DEFAULT_TENANT: _submit(conn, keys.DEFAULT_TENANT, 2, "ud", tiny.target),
+    }
+    bad = chat(tiny.small_ctx, "word " * 200, max_tokens=2)  # fails: over the context
+    Client(connection=conn).submit([bad], batch_id="ubad", tenant="team-b")
+    run_worker(redis_url, max_batch=4)
+    got = usage(conn)
+    for tenant, job_ids in ids.items():
+        records = [read_result(conn, j) for j in job_ids]
+        assert got[tenant]["prompt_tokens"] == sum(r.response.usage.prompt_tokens for r in records)
+        assert got[tenant]["completion_tokens"] == sum(
+            r.response.usage.completion_tokens for r in records
+        )
+        assert got[tenant]["job_seconds"] > 0
+    assert (got["team-a"]["jobs"], got["team-b"]["jobs"], got["team-b"]["failed"]) == (5, 4, 1)
+    assert usage(conn, tenant="team-a").keys() == {"team-a"}
+    text = generate_latest(registry_for(conn)).decode()
+    assert 'mlxq_tenant_usage_today{kind="jobs",tenant="team-a"} 5.0' in text
+    result = invoke("usage", "--days", "2", "--redis-url", redis_url)
+    assert result.exit_code == 0 and "team-b" in result.output

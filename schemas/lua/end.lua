@@ -5,7 +5,8 @@
 --       ended_at (RQ format), worker counter field, seconds worked, the error for
 --       RQ's result stream (as RQ stores it: base64 of zlib; "" when it succeeded),
 --       worker name, the job hash's new ``data`` ("": keep it; a succeeded job's
---       request is dropped: ``schemas.ENDED_JOB_DATA``, a call with no arguments)
+--       request is dropped: ``schemas.ENDED_JOB_DATA``, a call with no arguments),
+--       the day's usage hash ("": none), the tenant, prompt tokens, completion tokens
 -- An empty record JSON writes no record (a refused job nobody can be told about).
 -- Returns 1 if this call wrote the record (0: none written, or the job had one).
 -- Safe to run twice (a retry after a lost reply): the second call finds the hold gone
@@ -41,6 +42,15 @@ if redis.call('EXISTS', KEYS[5]) == 1 then
     redis.call('EXPIRE', KEYS[9], ARGV[2])
   end
   redis.call('ZADD', KEYS[7], math.floor(now_ms / 1000) + tonumber(ARGV[2]), id)
+end
+if fresh == 1 and ARGV[14] and ARGV[14] ~= '' then  -- the tenant's usage, counted once
+  local u, t = ARGV[14], ARGV[15]
+  redis.call('HINCRBY', u, t .. ':jobs', 1)
+  if ARGV[3] == 'failed' then redis.call('HINCRBY', u, t .. ':failed', 1) end
+  redis.call('HINCRBY', u, t .. ':prompt_tokens', ARGV[16])
+  redis.call('HINCRBY', u, t .. ':completion_tokens', ARGV[17])
+  redis.call('HINCRBYFLOAT', u, t .. ':job_seconds', ARGV[10])
+  redis.call('EXPIRE', u, {{USAGE_TTL}})
 end
 if counts and redis.call('EXISTS', KEYS[8]) == 1 then
   redis.call('HINCRBY', KEYS[8], ARGV[9], 1)

@@ -380,6 +380,7 @@ class Lifecycle(Upkeep):
                 base64.b64encode(zlib.compress(exc.encode())).decode() if exc else "",
                 self.name,
                 ENDED_JOB_DATA if ok else "",
+                *_usage(e.queue, record),
             ],
         )
 
@@ -449,3 +450,15 @@ def dead_letter(conn: Redis, job_id: str, reason: str) -> None:
 def _ttl(payload: dict[str, Any] | None) -> int:
     ttl = (payload or {}).get("result_ttl")
     return ttl if isinstance(ttl, int) and ttl > 0 else keys.DEFAULT_RESULT_TTL
+
+
+def _usage(queue: str, record: ResultRecord | None) -> list[Any]:
+    """The end script's usage arguments: the day's hash, the tenant, prompt and completion
+    tokens ("" for the hash when no record is written)."""
+    if record is None:
+        return ["", "", 0, 0]
+    usage = getattr(record.response, "usage", None)
+    prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
+    completion = int(getattr(usage, "completion_tokens", 0) or 0)
+    day = keys.usage_day(record.finished_at)
+    return [keys.usage_key(day), keys.tenant_of(queue), prompt, completion]
