@@ -810,9 +810,20 @@ def serve(
 
     import uvicorn
 
-    from producer.serve.settings import ENV_API_KEYS, ENV_CONFIG, MB, GatewaySettings, load_api_keys
+    from producer.serve.settings import (
+        ENV_API_KEYS,
+        ENV_CONFIG,
+        MB,
+        GatewaySettings,
+        load_api_keys,
+        load_key_tenants,
+    )
 
-    api_keys = load_api_keys(api_key_file, os.environ.get(ENV_API_KEYS))
+    try:
+        api_keys = load_api_keys(api_key_file, os.environ.get(ENV_API_KEYS))
+        key_tenants = load_key_tenants(api_key_file, os.environ.get(ENV_API_KEYS))
+    except ValueError as e:
+        raise click.UsageError(f"API keys: {e}") from None
     if not api_keys and not no_auth:
         raise click.UsageError(
             "no API keys: pass --api-key-file or set MLXQ_API_KEYS (or --no-auth)"
@@ -821,6 +832,7 @@ def serve(
     settings = GatewaySettings(
         redis_url=redis_url,
         api_keys=api_keys,
+        key_tenants=key_tenants,
         auth=not no_auth,
         allow_models=allow_models,
         queue=queue,

@@ -162,3 +162,36 @@ def test_usage_per_tenant_sums_the_records_and_is_exported(conn, redis_url, tiny
     assert 'mlxq_tenant_usage_today{kind="jobs",tenant="team-a"} 5.0' in text
     result = invoke("usage", "--days", "2", "--redis-url", redis_url)
     assert result.exit_code == 0 and "team-b" in result.output
+
+
+def test_gateway_keys_name_their_tenant_for_batch_api_batches(conn, redis_url, tiny, tmp_path):
+    from producer.serve.settings import load_key_tenants
+    from tests.test_faults import wait_for
+    from tests.test_gateway import Gateway, write_batch_file
+
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("sk-team-a-key team-a  # team A\nsk-plain-key\n")
+    gw = Gateway(redis_url, tmp_path, "--api-key-file", str(key_file))
+    try:
+        path = write_batch_file(tmp_path / "in.jsonl", tiny.target, 3)
+        made = {}
+        for key in ("sk-team-a-key", "sk-plain-key"):
+            client = gw.client(key=key)
+            uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+            made[key] = client.batches.create(
+                input_file_id=uploaded.id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+            ).id
+        wait_for(lambda: conn.llen(keys.rq_queue_key("mlxq@team-a")) == 3, timeout=30)
+        wait_for(lambda: conn.llen(keys.rq_queue_key("mlxq")) == 3, timeout=30)
+        assert conn.hget(keys.batch_key(made["sk-team-a-key"]), "tenant") == b"team-a"
+        assert conn.hget(keys.batch_key(made["sk-plain-key"]), "tenant") == b"default"
+    finally:
+        gw.stop()
+    bad = tmp_path / "bad-keys.txt"
+    bad.write_text("sk-x Not_A_Tenant\n")
+    with pytest.raises(ValueError, match="invalid tenant") as e:
+        load_key_tenants(bad, None)
+    assert "sk-x" not in str(e.value)  # a key is never printed
+    assert load_key_tenants(None, "sk-1,sk-2=team-b") == (("sk-2", "team-b"),)

@@ -497,7 +497,8 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
             return error(
                 400, f"file {spec.input_file_id!r} has purpose {meta['purpose']!r}, not 'batch'"
             )
-        batch_id = await _run(batchapi.create, sync(request), spec, s)
+        tenant = s.tenant_of(request.headers.get("authorization"))
+        batch_id = await _run(batchapi.create, sync(request), spec, s, tenant)
         await _validate(request, batch_id, spec.input_file_id, spec.endpoint)
         return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))
 

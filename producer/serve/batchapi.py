@@ -50,13 +50,17 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
 
 
-def create(conn: Redis, body: BatchCreate, settings: GatewaySettings) -> str:
-    """Register a batch in status ``validating``; the caller then runs :func:`validate`."""
+def create(
+    conn: Redis, body: BatchCreate, settings: GatewaySettings, tenant: str = keys.DEFAULT_TENANT
+) -> str:
+    """Register a batch in status ``validating``; the caller then runs :func:`validate`.
+    Its jobs go to ``tenant``'s list of the gateway's queue (fair share)."""
     batch_id, now = new_batch_id(), time.time()
     fields = {
         "batch_id": batch_id,
         "created_at": now,
-        "queue": settings.queue,
+        "queue": keys.tenant_queue(settings.queue, tenant),
+        "tenant": tenant,
         "result_ttl": settings.result_ttl,
         "total": 0,
         "input_file_id": body.input_file_id,
@@ -127,7 +131,7 @@ def validate(
                 checked,
                 defaults,
                 batch_id=batch_id,
-                queue=settings.queue,
+                queue=(conn.hget(key, "queue") or settings.queue.encode()).decode(),
                 job_timeout=settings.job_timeout,
                 result_ttl=settings.result_ttl,
                 source=f"gateway:{file_id}",

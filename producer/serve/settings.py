@@ -44,6 +44,9 @@ class GatewaySettings:
     job_timeout: int = 3600
     #: WAIT for this many replicas after each enqueue (``--wait-replicas``).
     wait_replicas: int = 0
+    #: (key, tenant) of keys that name a tenant: their Batch API batches are that
+    #: tenant's (fair share, usage); other keys' are the default tenant's.
+    key_tenants: tuple[tuple[str, str], ...] = ()
 
     def to_env(self) -> str:
         data = asdict(self) | {"api_keys": sorted(self.api_keys)}
@@ -54,7 +57,19 @@ class GatewaySettings:
         data = json.loads(os.environ[ENV_CONFIG])
         data["api_keys"] = frozenset(data["api_keys"])
         data["allow_models"] = tuple(data["allow_models"])
+        data["key_tenants"] = tuple(tuple(kt) for kt in data["key_tenants"])
         return cls(**data)
+
+    def tenant_of(self, header: str | None) -> str:
+        """The tenant of the key an ``Authorization`` header carries (default if none)."""
+        if not header or not header.startswith("Bearer "):
+            return keys.DEFAULT_TENANT
+        given = header[len("Bearer ") :].strip().encode()
+        found = keys.DEFAULT_TENANT
+        for key, tenant in self.key_tenants:  # every key compared: constant time
+            if hmac.compare_digest(given, key.encode()):
+                found = tenant
+        return found
 
     def key_ok(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries one of the API keys."""
@@ -72,16 +87,35 @@ class GatewaySettings:
 
 def load_api_keys(path: Path | None, env: str | None) -> frozenset[str]:
     """Keys from a file (one per line, ``#`` comments) and from ``MLXQ_API_KEYS``
-    (comma- or space-separated)."""
-    found: set[str] = set()
+    (comma- or space-separated); a key may name its tenant (see :func:`load_key_tenants`)."""
+    return frozenset(key for key, _ in _entries(path, env))
+
+
+def load_key_tenants(path: Path | None, env: str | None) -> tuple[tuple[str, str], ...]:
+    """(key, tenant) of the keys that name one: ``KEY TENANT`` on a line of the file,
+    ``KEY=TENANT`` in ``MLXQ_API_KEYS``. Raises ValueError naming a bad tenant (never
+    the key)."""
+    return tuple(sorted((k, t) for k, t in _entries(path, env) if t is not None))
+
+
+def _entries(path: Path | None, env: str | None) -> list[tuple[str, str | None]]:
+    raw: list[tuple[str, str | None]] = []
     if path is not None:
-        for line in path.read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                found.add(line)
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            parts = line.split("#", 1)[0].split()
+            if len(parts) > 2:
+                raise ValueError(f"{path}:{n}: expected KEY or KEY TENANT")
+            if parts:
+                raw.append((parts[0], parts[1] if len(parts) == 2 else None))
     for part in (env or "").replace(",", " ").split():
-        found.add(part)
-    return frozenset(found)
+        key, sep, tenant = part.partition("=")
+        raw.append((key, tenant if sep else None))
+    for key, tenant in raw:
+        if tenant is not None:
+            keys.validate_tenant(tenant)
+        if not key:
+            raise ValueError("an API key is empty")
+    return raw
 
 
 def error(
