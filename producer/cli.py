@@ -31,7 +31,7 @@ from producer.lines import Defaults
 from producer.retry import RetryFilter, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
-from producer.tenants import queued, set_weight, usage, weights
+from producer.tenants import limits, queued, set_limits, set_weight, usage, weights
 from schemas import InvalidRequestError, keys
 from schemas.connect import redis_from_url
 from schemas.settings import (
@@ -545,15 +545,37 @@ def tenant() -> None:
 
 @tenant.command("set")
 @click.argument("name")
-@click.option("--weight", type=float, required=True, help="Share weight (default 1): 0.01-100.")
+@click.option("--weight", type=float, default=None, help="Share weight (default 1): 0.01-100.")
+@click.option(
+    "--max-running", type=int, default=None, help="Most jobs held fleet-wide at once (0: none)."
+)
+@click.option(
+    "--tokens-per-day",
+    type=int,
+    default=None,
+    help="Most prompt + completion tokens per UTC day; past it jobs fail 429 (0: none).",
+)
 @_redis_option
-def tenant_set(name: str, weight: float, redis_url: str) -> None:
-    """Give tenant NAME a weight: tenants with work share each queue's takes by weight."""
+def tenant_set(
+    name: str,
+    weight: float | None,
+    max_running: int | None,
+    tokens_per_day: int | None,
+    redis_url: str,
+) -> None:
+    """Set tenant NAME's weight (its share of each queue's takes while it has work), its
+    running limit (its jobs wait past it) and its daily token quota."""
+    if weight is None and max_running is None and tokens_per_day is None:
+        raise click.UsageError("give --weight, --max-running or --tokens-per-day")
+    conn = _connect(redis_url)
     try:
-        set_weight(_connect(redis_url), name, weight)
+        keys.validate_tenant(name)
+        if weight is not None:
+            set_weight(conn, name, weight)
+        set_limits(conn, name, max_running, tokens_per_day)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    click.echo(f"tenant {name}: weight {weight:g}")
+    click.echo(f"tenant {name}: updated")
 
 
 @tenant.command("list")
@@ -561,13 +583,15 @@ def tenant_set(name: str, weight: float, redis_url: str) -> None:
 def tenant_list(redis_url: str) -> None:
     """Tenants with a weight or with jobs waiting: weight and jobs waiting per queue."""
     conn = _connect(redis_url)
-    given, waiting = weights(conn), queued(conn)
-    names = sorted(set(given) | set(waiting))
+    given, waiting, capped = weights(conn), queued(conn), limits(conn)
+    names = sorted(set(given) | set(waiting) | set(capped))
     if not names:
-        click.echo("no tenants with a weight or with jobs waiting")
+        click.echo("no tenants with a weight, a limit or jobs waiting")
     for name in names:
         per = ", ".join(f"{q}: {n}" for q, n in sorted(waiting.get(name, {}).items())) or "-"
-        click.echo(f"{name:<34}weight {given.get(name, 1.0):<8g}waiting {per}")
+        lim = capped.get(name, {})
+        caps = "".join(f"  {k.replace('_', ' ')} {v}" for k, v in sorted(lim.items()))
+        click.echo(f"{name:<34}weight {given.get(name, 1.0):<8g}waiting {per}{caps}")
 
 
 @main.command("usage")

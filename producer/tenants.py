@@ -25,6 +25,34 @@ def set_weight(conn: Redis, tenant: str, weight: float) -> None:
     conn.hset(keys.TENANTS, tenant, repr(float(weight)))
 
 
+def set_limits(
+    conn: Redis, tenant: str, max_running: int | None, tokens_per_day: int | None
+) -> None:
+    """Set (a number) or clear (0) the tenant's running limit and daily token quota."""
+    keys.validate_tenant(tenant)
+    if tenant == keys.DEFAULT_TENANT and max_running:
+        raise ValueError("the default tenant takes no running limit (name the tenant's batches)")
+    for key, value in ((keys.TENANT_LIMITS, max_running), (keys.TENANT_QUOTAS, tokens_per_day)):
+        if value is None:
+            continue
+        if value < 0:
+            raise ValueError(f"limits are 0 (none) or more, not {value}")
+        if value:
+            conn.hset(key, tenant, value)
+        else:
+            conn.hdel(key, tenant)
+
+
+def limits(conn: Redis) -> dict[str, dict[str, int]]:
+    """Per tenant with one: ``max_running`` and ``tokens_per_day``."""
+    out: dict[str, dict[str, int]] = {}
+    for key, name in ((keys.TENANT_LIMITS, "max_running"), (keys.TENANT_QUOTAS, "tokens_per_day")):
+        for k, v in conn.hgetall(key).items():
+            if v.isdigit():
+                out.setdefault(k.decode(), {})[name] = int(v)
+    return out
+
+
 def weights(conn: Redis) -> dict[str, float]:
     """Every tenant given a weight (others weigh 1)."""
     out = {}

@@ -19,6 +19,7 @@ from schemas.errors import (
     ModelNotFoundError,
     ModelTooLargeError,
     PoisonJobError,
+    QuotaExceededError,
     UnsafeJobError,
 )
 from schemas.job import ENDED_JOB_DATA, JobEnvelope, JobRefused, StoredJob, job_data, read_job_hash
@@ -63,6 +64,7 @@ __all__ = [
     "ModelNotFoundError",
     "ModelTooLargeError",
     "PoisonJobError",
+    "QuotaExceededError",
     "ResultRecord",
     "StoredJob",
     "TextPart",

@@ -102,6 +102,14 @@ class PoisonJobError(MlxqError):
     code = "poison_job"
 
 
+class QuotaExceededError(MlxqError):
+    """The job's tenant used its tokens of the day (``producer tenant set --tokens-per-day``)."""
+
+    code = "quota_exceeded"
+    type = "rate_limit_error"
+    status_code = 429
+
+
 class CancelledError(MlxqError):
     """The job was cancelled before it started (``producer cancel``)."""
 

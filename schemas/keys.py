@@ -27,6 +27,12 @@ DEFAULT_TENANT = "default"
 #: Hash: tenant -> its weight in fair share (a number; 1 when unset).
 TENANTS = f"{PREFIX}:tenants"
 
+#: Hash: tenant -> the most jobs of it the fleet may hold at once (unset: no limit).
+TENANT_LIMITS = f"{PREFIX}:tenant-limits"
+
+#: Hash: tenant -> the most prompt + completion tokens its jobs may use per UTC day.
+TENANT_QUOTAS = f"{PREFIX}:tenant-quotas"
+
 #: Sorted sets ``mlxq:fair:<queue>``: the queue's lists with work (``<queue>@<tenant>``
 #: and the queue's own), scored by virtual time (``schemas/lua/fair.lua``).
 FAIR_PREFIX = f"{PREFIX}:fair:"

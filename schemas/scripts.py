@@ -30,6 +30,8 @@ CONSTANTS = {
     "TENANTS": f"'{keys.TENANTS}'",
     "DEFAULT_TENANT": f"'{keys.DEFAULT_TENANT}'",
     "USAGE_TTL": str(keys.USAGE_TTL),
+    "LIMITS": f"'{keys.TENANT_LIMITS}'",
+    "RUNNING": f"'{keys.RUNNING}'",
 }
 
 

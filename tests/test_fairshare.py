@@ -195,3 +195,48 @@ def test_gateway_keys_name_their_tenant_for_batch_api_batches(conn, redis_url, t
         load_key_tenants(bad, None)
     assert "sk-x" not in str(e.value)  # a key is never printed
     assert load_key_tenants(None, "sk-1,sk-2=team-b") == (("sk-2", "team-b"),)
+
+
+def test_a_tenant_at_its_running_limit_waits_and_the_others_go_on(conn):
+    from producer.tenants import set_limits
+
+    set_limits(conn, "capped", 2, None)
+    _submit(conn, "capped", 10, "c")
+    _submit(conn, "free", 10, "f")
+    lc = lifecycle(conn)
+    held = [lc.take() for _ in range(8)]
+    order = [keys.batch_of(j.id) for j in held]
+    assert order.count("c") == 2 and order.count("f") == 6, order
+    lc.end(held[order.index("c")], succeeded(held[order.index("c")]))  # one ends: room for one
+    nxt = [keys.batch_of(lc.take().id) for _ in range(3)]
+    assert nxt.count("c") == 1, nxt
+    set_limits(conn, "capped", 0, None)  # lifted
+    rest = [keys.batch_of(lc.take().id) for _ in range(8)]
+    assert rest.count("c") >= 4, rest
+
+
+def test_a_tenant_past_its_tokens_of_the_day_gets_429s_and_the_others_run(conn, redis_url, tiny):
+    from producer.tenants import set_limits, usage
+    from schemas.store import read_result
+
+    first = _submit(conn, "metered", 2, "m1", tiny.target)
+    run_worker(redis_url)
+    used = usage(conn)["metered"]
+    spent = int(used["prompt_tokens"] + used["completion_tokens"])
+    assert all(read_result(conn, j).status == "succeeded" for j in first)
+    set_limits(conn, "metered", None, spent)  # exactly used up
+    later = _submit(conn, "metered", 3, "m2", tiny.target)
+    other = _submit(conn, "unmetered", 2, "u", tiny.target)
+    run_worker(redis_url, max_batch=4)
+    for j in later:
+        record = read_result(conn, j)
+        assert record.status == "failed" and record.status_code == 429
+        assert (
+            record.error.code == "quota_exceeded"
+            and f"{spent} of its {spent}" in record.error.message
+        )
+    assert all(read_result(conn, j).status == "succeeded" for j in other)
+    set_limits(conn, "metered", None, 0)  # lifted: retry runs them
+    assert Client(connection=conn).retry("m2", error_codes=("quota_exceeded",)).queued == 3
+    run_worker(redis_url)
+    assert all(read_result(conn, j).status == "succeeded" for j in later)

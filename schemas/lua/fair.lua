@@ -28,18 +28,35 @@ local function fair_give_back(name)
     fair_join(name)
   end
 end
+-- A tenant with a running limit (``mlxq:tenant-limits``) whose jobs held fleet-wide
+-- (``mlxq:running``, counted only for such tenants) reach it is passed over: its jobs
+-- wait, its turn keeps.
+local function fair_full(member, held)
+  local tenant = string.match(member, '@(.+)$')
+  if not tenant then return false end
+  local limit = tonumber(redis.call('HGET', {{LIMITS}}, tenant) or '')
+  if not limit then return false end
+  if not held.values then held.values = redis.call('HVALS', {{RUNNING}}) end
+  local n, suffix = 0, '@' .. tenant
+  for _, v in ipairs(held.values) do
+    if string.sub(v, -#suffix) == suffix then n = n + 1 end
+  end
+  return n >= limit
+end
 local function fair_pop(list, name)
   local fair = {{FAIR_PREFIX}} .. name
-  for _ = 1, {{FAIR_SCAN}} do
-    local head = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
-    if #head == 0 then break end
-    local member = head[1]
-    local id = redis.call('LPOP', {{QUEUE_PREFIX}} .. member)
-    if id then
-      redis.call('ZADD', fair, tonumber(head[2]) + 1 / fair_weight(member), member)
-      return id, member
+  local members = redis.call('ZRANGE', fair, 0, {{FAIR_SCAN}} - 1, 'WITHSCORES')
+  local held = {}
+  for j = 1, #members, 2 do
+    local member = members[j]
+    if not fair_full(member, held) then
+      local id = redis.call('LPOP', {{QUEUE_PREFIX}} .. member)
+      if id then
+        redis.call('ZADD', fair, tonumber(members[j + 1]) + 1 / fair_weight(member), member)
+        return id, member
+      end
+      redis.call('ZREM', fair, member)
     end
-    redis.call('ZREM', fair, member)
   end
   return redis.call('LPOP', list), name
 end

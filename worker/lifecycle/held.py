@@ -41,6 +41,7 @@ from schemas import (
     JobRefused,
     Metrics,
     MlxqError,
+    QuotaExceededError,
     ResultRecord,
     UnsafeJobError,
     keys,
@@ -59,6 +60,8 @@ DEFAULT_LEASE_S = 30
 DEFAULT_MAX_CRASHES = 3
 #: Longest single blocking wait (seconds): a stop request is seen at least this often.
 BLOCK_S = 1.0
+#: Seconds a worker keeps the tenants' token quotas it read (``mlxq:tenant-quotas``).
+QUOTA_READ_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ class Lifecycle(Upkeep):
         # writes it, the heartbeat's reconcile reads it), and the ids Redis lists as
         # held here that were not in it at the last reconcile.
         self.holding: set[str] = set()
+        self._quotas: dict[str, int] = {}
+        self._quotas_at = -QUOTA_READ_S
         self._holding_lock = threading.Lock()
         self._suspects: set[str] = set()
 
@@ -240,6 +245,35 @@ class Lifecycle(Upkeep):
             log.info(
                 "job %s: dropped a copy (%s)", job_id, "running now" if kind == "held" else kind
             )
+
+    def over_quota(self, job: Job) -> bool:
+        """End ``job`` failed (429 ``quota_exceeded``) if its tenant has used its tokens of
+        the UTC day; True if so. Quotas are read at most every :data:`QUOTA_READ_S`, usage
+        at each job of a tenant that has one (jobs running meanwhile may go past it)."""
+        tenant = keys.tenant_of(job.queue)
+        if time.monotonic() - self._quotas_at > QUOTA_READ_S:
+            self._quotas = {
+                k.decode(): int(v)
+                for k, v in self.conn.hgetall(keys.TENANT_QUOTAS).items()
+                if v.isdigit()
+            }
+            self._quotas_at = time.monotonic()
+        quota = self._quotas.get(tenant)
+        if quota is None:
+            return False
+        day = keys.usage_key(keys.usage_day(time.time()))
+        used = sum(
+            int(v or 0)
+            for v in self.conn.hmget(day, f"{tenant}:prompt_tokens", f"{tenant}:completion_tokens")
+        )
+        if used < quota:
+            return False
+        error = QuotaExceededError(
+            f"tenant {tenant!r} has used {used} of its {quota} tokens today (UTC): "
+            "not run (producer retry runs it again once the quota allows)"
+        )
+        self._fail_unrun(job.id, job.queue, job.envelope.model_dump(), error)
+        return True
 
     def refuse(self, refused: Refused) -> bool:
         """End a refused job: RQ's status failed; a failed record when the job names its

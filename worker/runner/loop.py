@@ -194,6 +194,9 @@ class Worker:
         if self._stop:  # the stop came while this job was being taken: it was not begun
             self.lifecycle.requeue(got)
             return None
+        if self.lifecycle.over_quota(got):  # its tenant's tokens of the day are used
+            self.rt.stats.failed += 1
+            return None
         return got
 
     def _run(self, job: Job) -> None:
