@@ -273,7 +273,9 @@ _SWEEP = source("cancel_sweep")
 SWEEP_STEP = 2000
 
 
-def cancel_batch(conn: Redis, batch_id: str) -> tuple[int, int]:
+def cancel_batch(
+    conn: Redis, batch_id: str, event: str | None = "batch.cancelled"
+) -> tuple[int, int]:
     """Cancel the batch: none of its queued jobs will start; running ones finish.
 
     One flag on the batch record does it (workers check it when they take a job),
@@ -283,7 +285,10 @@ def cancel_batch(conn: Redis, batch_id: str) -> tuple[int, int]:
     them. Returns (jobs cancelled, jobs still running).
     """
     status = batch_status(conn, batch_id)
-    conn.hsetnx(keys.batch_key(batch_id), CANCELLED_AT, repr(time.time()))
+    if conn.hsetnx(keys.batch_key(batch_id), CANCELLED_AT, repr(time.time())) and event:
+        from producer.webhooks import emit  # its tenant's webhook, if it has one
+
+        emit(conn, batch_id, event)
     sweep = conn.register_script(_SWEEP)
     for queue in batch_queues(conn, batch_id):
         args = [keys.rq_job_key(""), f"{batch_id}-", SWEEP_STEP]

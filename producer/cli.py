@@ -32,6 +32,14 @@ from producer.retry import RetryFilter, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, BatchCancelledError, new_batch_id
 from producer.tenants import limits, queued, set_limits, set_weight, usage, weights
+from producer.webhooks import (
+    ENV_ALLOW_PRIVATE,
+    ENV_SECRET,
+    Deliverer,
+    WebhookError,
+    deliveries,
+    set_webhook,
+)
 from schemas import InvalidRequestError, keys
 from schemas.connect import redis_from_url
 from schemas.settings import (
@@ -371,16 +379,21 @@ def status(batch_id: str, redis_url: str, watch: bool, as_json: bool) -> None:
         raise click.ClickException(str(e)) from None
     waiting = _unserved(conn, batch_id) if not s.finished else []
     if as_json:
-        click.echo(json.dumps(s.as_dict() | {"queues_without_workers": waiting}))
+        extra = {"queues_without_workers": waiting, "webhooks": deliveries(conn, batch_id)}
+        click.echo(json.dumps(s.as_dict() | extra))
         return
     click.echo(_status_line(s))
     for queue in waiting:
         click.echo(f"  waiting: no live worker serves queue {queue!r}", err=True)
+    for d in deliveries(conn, batch_id):
+        why = f"HTTP {d['status']}" if d.get("status") else d.get("error", "")
+        click.echo(f"  webhook {d['event']}: {d['result']} ({why})".replace(" ()", ""))
 
 
 def _unserved(conn: Redis, batch_id: str) -> list[str]:
     """The batch's queues that hold jobs but have no live worker listening."""
-    queues = [q for q in batch_queues(conn, batch_id) if conn.llen(keys.rq_queue_key(q))]
+    lists = [q for q in batch_queues(conn, batch_id) if conn.llen(keys.rq_queue_key(q))]
+    queues = sorted({keys.base_queue(q) for q in lists})  # workers serve a tenant's queue
     return [q for q, n in queue_watchers(conn, queues).items() if n == 0]
 
 
@@ -555,24 +568,35 @@ def tenant() -> None:
     default=None,
     help="Most prompt + completion tokens per UTC day; past it jobs fail 429 (0: none).",
 )
+@click.option(
+    "--webhook",
+    default=None,
+    metavar="URL",
+    help="POST the tenant's batch events here, signed with MLXQ_WEBHOOK_SECRET ('': none).",
+)
 @_redis_option
 def tenant_set(
     name: str,
     weight: float | None,
     max_running: int | None,
     tokens_per_day: int | None,
+    webhook: str | None,
     redis_url: str,
 ) -> None:
     """Set tenant NAME's weight (its share of each queue's takes while it has work), its
-    running limit (its jobs wait past it) and its daily token quota."""
-    if weight is None and max_running is None and tokens_per_day is None:
-        raise click.UsageError("give --weight, --max-running or --tokens-per-day")
+    running limit (its jobs wait past it), its daily token quota and its webhook URL
+    (private addresses only with MLXQ_WEBHOOK_ALLOW_PRIVATE=1)."""
+    if weight is None and max_running is None and tokens_per_day is None and webhook is None:
+        raise click.UsageError("give --weight, --max-running, --tokens-per-day or --webhook")
     conn = _connect(redis_url)
     try:
         keys.validate_tenant(name)
         if weight is not None:
             set_weight(conn, name, weight)
         set_limits(conn, name, max_running, tokens_per_day)
+        if webhook is not None:
+            allow = os.environ.get(ENV_ALLOW_PRIVATE, "") in ("1", "true", "yes")
+            set_webhook(conn, name, webhook, allow)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     click.echo(f"tenant {name}: updated")
@@ -592,6 +616,27 @@ def tenant_list(redis_url: str) -> None:
         lim = capped.get(name, {})
         caps = "".join(f"  {k.replace('_', ' ')} {v}" for k, v in sorted(lim.items()))
         click.echo(f"{name:<34}weight {given.get(name, 1.0):<8g}waiting {per}{caps}")
+
+
+@main.command()
+@_redis_option
+@click.option("--once", is_flag=True, help="Deliver what is due now, then exit.")
+def webhooks(redis_url: str, once: bool) -> None:
+    """Deliver tenants' batch webhook events (every `producer serve` process does this too,
+    when MLXQ_WEBHOOK_SECRET is set)."""
+    conn = _connect(redis_url)
+    try:
+        deliverer = Deliverer.from_env(conn)
+    except WebhookError as e:
+        raise click.UsageError(str(e)) from None
+    if deliverer is None:
+        raise click.UsageError(f"set {ENV_SECRET} (whsec_ + base64) to sign the events")
+    while True:
+        n = deliverer.run_once()
+        if once:
+            click.echo(f"{n} delivery attempt(s)")
+            return
+        time.sleep(1.0)
 
 
 @main.command("usage")

@@ -33,6 +33,22 @@ TENANT_LIMITS = f"{PREFIX}:tenant-limits"
 #: Hash: tenant -> the most prompt + completion tokens its jobs may use per UTC day.
 TENANT_QUOTAS = f"{PREFIX}:tenant-quotas"
 
+#: Hash: tenant -> the URL its batches' webhook events are POSTed to.
+TENANT_WEBHOOKS = f"{PREFIX}:tenant-webhooks"
+
+#: Sorted set: webhook events to deliver ("<type> <batch id> <retried>"), scored by when
+#: the next attempt is due (unix seconds); ``producer.webhooks`` delivers them.
+WEBHOOKS = f"{PREFIX}:webhooks"
+
+#: Hash: a pending event -> the unix time it was first due (given up a day after).
+WEBHOOKS_SINCE = f"{PREFIX}:webhooks:since"
+
+
+def webhook_log_key(batch_id: str) -> str:
+    """List (capped at 20, batch TTL): the batch's webhook deliveries and failures (JSON)."""
+    return f"{PREFIX}:batch:{batch_id}:webhooks"
+
+
 #: Sorted sets ``mlxq:fair:<queue>``: the queue's lists with work (``<queue>@<tenant>``
 #: and the queue's own), scored by virtual time (``schemas/lua/fair.lua``).
 FAIR_PREFIX = f"{PREFIX}:fair:"
@@ -111,6 +127,11 @@ def validate_batch_id(batch_id: str) -> str:
     if not _ID_RE.fullmatch(batch_id):
         raise ValueError(f"invalid batch id {batch_id!r}: use 1-64 letters, digits, '_' or '-'")
     return batch_id
+
+
+def is_batch_id(batch_id: str) -> bool:
+    """Whether ``batch_id`` is a valid batch id (:func:`validate_batch_id`)."""
+    return _ID_RE.fullmatch(batch_id) is not None
 
 
 def job_id_for(batch_id: str, custom_id: str) -> str:

@@ -32,6 +32,8 @@ CONSTANTS = {
     "USAGE_TTL": str(keys.USAGE_TTL),
     "LIMITS": f"'{keys.TENANT_LIMITS}'",
     "RUNNING": f"'{keys.RUNNING}'",
+    "WEBHOOK_URLS": f"'{keys.TENANT_WEBHOOKS}'",
+    "WEBHOOKS": f"'{keys.WEBHOOKS}'",
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -37,11 +38,14 @@ from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from producer.submit import BatchCancelledError
+from producer.webhooks import Deliverer
 from schemas import ChatRequest, InvalidRequestError, describe_validation_error
 from schemas.completions import CompletionRequest
 from schemas.connect import async_redis_from_url, redis_from_url
 from schemas.embeddings import EmbeddingRequest
 from schemas.responses import ResponsesRequest, TranslationError, to_chat
+
+log = logging.getLogger(__name__)
 
 
 class Guard:
@@ -109,11 +113,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         app.state.notifier = Notifier(app.state.aredis)
         app.state.enqueue.start()
         app.state.notifier.start()
+        deliverer = Deliverer.from_env(app.state.redis)  # batch webhooks, if a secret is set
+        hooks = asyncio.create_task(_deliver(deliverer)) if deliverer else None
         # The startup heap (FastAPI, pydantic, redis: ~65k objects) leaves the collector:
         # a full collection over it held every request in this process for ~15 ms.
         gc.collect()
         gc.freeze()
         yield
+        if hooks is not None:
+            hooks.cancel()
         await app.state.notifier.stop()
         await app.state.enqueue.stop()
         await app.state.aredis.aclose()
@@ -128,6 +136,17 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     _batch_routes(app, settings)
     page.page_routes(app)
     return app
+
+
+async def _deliver(deliverer: Deliverer, every_s: float = 1.0) -> None:
+    """Deliver due batch webhook events, forever (each gateway process; claims keep two
+    from sending one event at once)."""
+    while True:
+        try:
+            await run_in_threadpool(deliverer.run_once)
+        except Exception:  # Redis away, a bug: log, and go on next second
+            log.exception("webhook delivery")
+        await asyncio.sleep(every_s)
 
 
 def _errors(app: FastAPI) -> None:

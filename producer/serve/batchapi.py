@@ -28,6 +28,7 @@ from producer.lines import Defaults
 from producer.serve.files import iter_output_file, output_file_id, spool_upload
 from producer.serve.settings import GatewaySettings
 from producer.submit import BatchCancelledError, new_batch_id
+from producer.webhooks import emit
 from schemas import keys
 from schemas.cancel import CANCELLED_AT
 
@@ -157,13 +158,15 @@ def _fail(conn: Redis, key: str, errors: list[dict[str, Any]], count: int) -> No
         key,
         mapping={"gw_status": "failed", "failed_at": time.time(), "errors": json.dumps(errors)},
     )
+    emit(conn, key.rsplit(":", 1)[-1], "batch.failed")
 
 
 def cancel(conn: Redis, batch_id: str) -> None:
     """Cancel a batch (O(1): ``producer cancel``); one still validating is never enqueued."""
     key = keys.batch_key(batch_id)
     if conn.hget(key, "gw_status") == b"validating":
-        conn.hsetnx(key, CANCELLED_AT, repr(time.time()))
+        if conn.hsetnx(key, CANCELLED_AT, repr(time.time())):
+            emit(conn, batch_id, "batch.cancelled")
         return
     cancel_batch(conn, batch_id)
 
@@ -212,8 +215,9 @@ def batch_object(conn: Redis, batch_id: str) -> dict[str, Any] | None:
         "failed": s.failed + s.cancelled,
     }
     if s.cancelled_at is None and not s.finished and time.time() > expires:
-        conn.hsetnx(keys.batch_key(batch_id), "expired_at", time.time())
-        cancel_batch(conn, batch_id)  # OpenAI ends a batch at its window; so does mlxq
+        if conn.hsetnx(keys.batch_key(batch_id), "expired_at", time.time()):
+            emit(conn, batch_id, "batch.expired")
+        cancel_batch(conn, batch_id, event=None)  # OpenAI ends a batch at its window
         return batch_object(conn, batch_id)
     ended_at = _ts(meta.get("last_done_at")) or _ts(meta.get(CANCELLED_AT))
     if s.cancelled_at is not None and s.running == 0:

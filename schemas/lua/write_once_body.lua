@@ -29,6 +29,15 @@ if ARGV[1] ~= '' and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) th
       redis.call('EXPIRE', errors, ARGV[2])
     end
   end
+  -- the batch's last record: its tenant's webhook, if one is set, gets batch.completed
+  local b = redis.call('HMGET', KEYS[2], 'total', 'succeeded', 'failed', 'tenant', 'retried')
+  if b[4] and tonumber(b[1] or 0) > 0
+    and tonumber(b[2] or 0) + tonumber(b[3] or 0) == tonumber(b[1])
+    and redis.call('HEXISTS', {{WEBHOOK_URLS}}, b[4]) == 1 then
+    local event = 'batch.completed ' .. string.match(KEYS[2], '[^:]+$') .. ' ' .. (b[5] or '0')
+    redis.call('ZADD', {{WEBHOOKS}}, 'NX', ARGV[5], event)
+    redis.call('HSETNX', {{WEBHOOKS}} .. ':since', event, ARGV[5])
+  end
   wrote, fresh = 1, 1
 elseif ARGV[1] ~= '' and redis.call('GET', KEYS[1]) == ARGV[1] then
   wrote = 1
