@@ -49,8 +49,10 @@ def _start(url: str, workers: int, sleep_s: float, kind: str) -> list[subprocess
     ]
 
 
-def run(url: str, workers: int, sleep_s: float, jobs: int, kind: str) -> float:
-    """Jobs/s of ``workers`` processes: mlxq workers, or plain RQ SimpleWorkers (``kind="rq"``)."""
+def run(url: str, workers: int, sleep_s: float, jobs: int, kind: str, tenants: int = 0) -> float:
+    """Jobs/s of ``workers`` processes: mlxq workers, or plain RQ SimpleWorkers (``kind="rq"``).
+    ``tenants`` > 0: the jobs are that many tenants' batches, submitted one after another
+    (fair share interleaves them)."""
     conn = Redis.from_url(url)
     conn.flushall()
     procs = _start(url, workers, sleep_s, kind)
@@ -61,8 +63,8 @@ def run(url: str, workers: int, sleep_s: float, jobs: int, kind: str) -> float:
                 raise SystemExit("workers did not start")
             time.sleep(0.05)
         start = time.monotonic()
+        done_key = "bench:rq-anchor:done"
         if kind == "rq":
-            done_key = "bench:rq-anchor:done"
             queue = Queue("rq-anchor", connection=conn, serializer=JSONSerializer)
             func = "bench.fleet_worker.rq_sleep_job"
             queue.enqueue_many(
@@ -70,14 +72,18 @@ def run(url: str, workers: int, sleep_s: float, jobs: int, kind: str) -> float:
             )
         else:
             body = {"model": "simulated", "messages": [{"role": "user", "content": "x"}]}
-            s = Client(connection=conn).submit([body] * jobs)
-            done_key = keys.batch_done_key(s.batch_id)
-        for _ in range(jobs):  # block on the done list: no polling load on the 2 cores
-            if conn.blpop([done_key], timeout=60) is None:
+            names = [f"t{i}" for i in range(tenants)] or [keys.DEFAULT_TENANT]
+            batches = [
+                Client(connection=conn).submit([body] * (jobs // len(names)), tenant=name).batch_id
+                for name in names
+            ]
+        done_keys = [done_key] if kind == "rq" else [keys.batch_done_key(b) for b in batches]
+        for _ in range(jobs):  # block on the done lists: no polling load on the 2 cores
+            if conn.blpop(done_keys, timeout=60) is None:
                 raise SystemExit("fleet stalled")
         elapsed = time.monotonic() - start
         if kind != "rq":
-            succeeded = int(conn.hget(keys.batch_key(s.batch_id), "succeeded") or 0)
+            succeeded = sum(int(conn.hget(keys.batch_key(b), "succeeded") or 0) for b in batches)
             if succeeded != jobs:
                 raise SystemExit(f"only {succeeded} of {jobs} simulated jobs succeeded")
     finally:
@@ -97,8 +103,17 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2,4,8")
     ap.add_argument("--sleep-ms", type=float, default=50)
     ap.add_argument("--jobs-per-worker", type=int, default=40)
+    ap.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="Compare 1 tenant with this many (fair share) instead of mlxq with plain RQ.",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="Rounds of the --tenants comparison.")
     args = ap.parse_args()
     sleep_s = args.sleep_ms / 1000
+    if args.tenants:
+        return _tenants(args, sleep_s)
     rows = []
     print("SIMULATED compute: each job sleeps", args.sleep_ms, "ms instead of generating")
     with LocalRedis() as server:
@@ -133,6 +148,28 @@ def main() -> None:
         },
         "jobs/s",
     )
+
+
+def _tenants(args: argparse.Namespace, sleep_s: float) -> None:
+    """Jobs/s with all jobs one tenant's vs spread over ``--tenants``, alternated."""
+    print("SIMULATED compute: each job sleeps", args.sleep_ms, "ms instead of generating")
+    with LocalRedis() as server:
+        for n in (int(x) for x in args.workers.split(",")):
+            jobs = n * args.jobs_per_worker
+            one, many = [], []
+            for _ in range(args.rounds):
+                one.append(run(server.url, n, sleep_s, jobs, "mlxq", tenants=1))
+                many.append(run(server.url, n, sleep_s, jobs, "mlxq", tenants=args.tenants))
+            print(
+                f"{n} workers, {jobs} jobs: 1 tenant {[round(x, 1) for x in one]} jobs/s, "
+                f"{args.tenants} tenants {[round(x, 1) for x in many]} jobs/s; "
+                f"best {max(many) / max(one):.3f}, median {_mid(many) / _mid(one):.3f}",
+                flush=True,
+            )
+
+
+def _mid(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 if __name__ == "__main__":

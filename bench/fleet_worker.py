@@ -2,8 +2,9 @@
 
 Everything else is the production path: the lifecycle's take (and start) script,
 the lease and heartbeat, payload validation, the end script with its write-once
-result record, batch counters and done list. Only ``ChatGenerator.get_or_create``
-and the generation are swapped for a sleep standing in for a Mac's compute.
+result record, batch counters and done list. Only the running of a job alone
+(``worker.runner.loop.run_alone``: model, prompt, generation) is swapped for a sleep
+standing in for a Mac's compute.
 """
 
 from __future__ import annotations
@@ -11,33 +12,37 @@ from __future__ import annotations
 import sys
 import time
 
-from worker.engine import GenerationOutput
-from worker.runner import alone as jobs
+from schemas import AssistantMessage, ChatCompletion, Choice, Metrics, ResultRecord, Usage
+from worker.runner import loop
 
 
-class SleepGenerator:
-    load_time_s = 0.0
-    cache_hit = True
+def sleep_job(seconds: float):
+    """``run_alone`` with its generation replaced by a sleep: the record is written by the
+    real lifecycle, as any job's."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def generate(self, request, default_num_draft_tokens=3, on_text=None, **_) -> GenerationOutput:
-        time.sleep(self.seconds)
-        return GenerationOutput(
-            text="simulated",
-            finish_reason="length",
-            prompt_tokens=1,
-            completion_tokens=1,
-            time_to_first_token_s=self.seconds,
-            prompt_tokens_per_s=0.0,
-            generation_tokens_per_s=0.0,
-            total_time_s=self.seconds,
-            draft_tokens_proposed=0,
-            draft_tokens_accepted=0,
-            peak_memory_gb=0.0,
-            token_ids=(0,),
+    def run(job, route, rt, conn, upcoming=None):
+        start = time.monotonic()
+        time.sleep(seconds)
+        req = job.envelope.request
+        response = ChatCompletion(
+            id=f"chatcmpl-{job.id[-20:]}",
+            created=int(time.time()),
+            model=req.model,
+            choices=[Choice(message=AssistantMessage(content="simulated"), finish_reason="length")],
+            usage=Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2),
         )
+        record = ResultRecord(
+            job_id=job.id,
+            batch_id=job.envelope.batch_id,
+            custom_id=job.envelope.custom_id,
+            status="succeeded",
+            response=response,
+            metrics=Metrics(worker_id=rt.worker_id, total_time_s=time.monotonic() - start),
+            finished_at=time.time(),
+        )
+        return record, None
+
+    return run
 
 
 def rq_sleep_job(seconds: float, done_key: str) -> int:
@@ -68,9 +73,7 @@ def main() -> None:
         rq_main(sys.argv[2], sys.argv[3])
         return
     seconds = float(sys.argv[1])
-    jobs.ChatGenerator.get_or_create = classmethod(  # type: ignore[method-assign]
-        lambda cls, *a, **k: SleepGenerator(seconds)
-    )
+    loop.run_alone = sleep_job(seconds)  # type: ignore[assignment]
     from worker.cli import main as worker_main
 
     worker_main(sys.argv[2:])
