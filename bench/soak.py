@@ -3,6 +3,7 @@
 Counts what the promise is about: every job ends with exactly one result record.
 
     .venv/bin/python -m bench.soak [--jobs 300] [--workers 3] [--seconds 240] [--max-batch 8]
+        [--tenants N]
 
 ``--max-batch 1`` runs every job on the one-at-a-time path; the default runs them
 in continuous batches (one kill hands back several jobs).
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--lease", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=8, help="the workers' --max-batch")
+    ap.add_argument("--tenants", type=int, default=0, help="split the jobs over N tenants")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     OUT.mkdir(exist_ok=True)
@@ -72,7 +74,15 @@ def main() -> None:
             }
             for i in range(args.jobs)
         }
-        summary = Client(connection=conn).submit(requests)
+        # --tenants N: N tenants' batches sharing the queue fairly (fair.lua on every take,
+        # requeue and recovery)
+        names = [f"t{i}" for i in range(args.tenants)] or [keys.DEFAULT_TENANT]
+        items = list(requests.items())
+        summaries = [
+            Client(connection=conn).submit(dict(items[i :: len(names)]), tenant=name)
+            for i, name in enumerate(names)
+        ]
+        batch_keys = [keys.batch_key(s.batch_id) for s in summaries]
         procs = {
             f"w{i}": start_worker(server.url, f"w{i}", args.lease, args.max_batch)
             for i in range(args.workers)
@@ -80,8 +90,9 @@ def main() -> None:
         start = time.monotonic()
         next_kill = start + rng.uniform(1, 4)
         while time.monotonic() - start < args.seconds:
-            done = int(conn.hget(keys.batch_key(summary.batch_id), "succeeded") or 0) + int(
-                conn.hget(keys.batch_key(summary.batch_id), "failed") or 0
+            done = sum(
+                int(conn.hget(k, "succeeded") or 0) + int(conn.hget(k, "failed") or 0)
+                for k in batch_keys
             )
             if done >= args.jobs:
                 break
@@ -103,12 +114,17 @@ def main() -> None:
             p.send_signal(signal.SIGTERM)
         for p in procs.values():
             p.wait(60)
-        ids = summary.job_ids
+        ids = [j for s in summaries for j in s.job_ids]
         results = conn.mget([keys.result_key(j) for j in ids])
         records = [json.loads(r) for r in results if r]
-        announced = [j.decode() for j in conn.lrange(keys.batch_done_key(summary.batch_id), 0, -1)]
+        announced = [
+            j.decode()
+            for s in summaries
+            for j in conn.lrange(keys.batch_done_key(s.batch_id), 0, -1)
+        ]
         report = {
             "jobs_submitted": args.jobs,
+            "tenants": args.tenants,
             "workers": args.workers,
             "max_batch": args.max_batch,
             "kills_sigkill": kills,
