@@ -43,6 +43,7 @@ from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished,
 from worker.engine.request import Prepared
 from worker.engine.sampling import logits_processors, pick, sampler_for
 from worker.engine.sequence import OnText, Sequence
+from worker.engine.speculate import accepted, counted, draft_unseen
 
 Cache = list[Any]
 
@@ -251,9 +252,7 @@ class SpecBatchEngine:
         done: list[Finished] = []
         t_tail, d_tail, keep, emitted, accepts = [], [], [], 0, []
         for i, row in enumerate(rows):
-            a = 0
-            while a < ks[i] and chosen[i][a] == drafts[i][a]:
-                a += 1
+            a = accepted(chosen[i], drafts[i], ks[i])
             accepts.append(a)
             t_tail.append(kr - a)
             d_tail.append(kr - 1 - a if a < kr else 0)
@@ -262,18 +261,17 @@ class SpecBatchEngine:
                 token = chosen[i][j]
                 row.history.append(token)
                 emitted += 1
-                if j < a:  # proposals count once the row reaches them (not past its end)
-                    row.draft_proposed += 1
-                    row.draft_accepted += 1
-                else:
-                    row.draft_proposed += ks[i] - a
-                    row.draft_rejections += a < ks[i]
+                p, kept, r = counted(j, a, ks[i])
+                row.draft_proposed += p
+                row.draft_accepted += kept
+                row.draft_rejections += r
                 finish = row.emit(token, self.eos, vectors(i, j))
                 if finish is not None:
                     break
             row.idle_rounds += caps[i] > 0 and ks[i] == 0  # (a lookup that found nothing)
-            if self.draft is not None:
-                self._settle_draft(row, drafts[i], chosen[i], a, kr, d_mark is not None)
+            if self.draft is not None:  # (every row's draft ran kr passes)
+                restored = d_mark is not None and kr > 0
+                row.pending = draft_unseen(drafts[i], chosen[i], a, restored, row.pending)
             if finish is None:
                 keep.append(i)
             else:
@@ -313,18 +311,6 @@ class SpecBatchEngine:
                 c.finalize()
         mx.eval([c.state for c in self.t_cache])
         self.replays += 1
-
-    @staticmethod
-    def _settle_draft(
-        row: _Row, drafts: list[int], chosen: list[int], a: int, kr: int, restored: bool
-    ) -> None:
-        """What the draft has still to see of ``row`` after a round that kept ``a``."""
-        if kr == 0:  # the draft did not run: it has this token to see as well
-            row.pending.append(row.history[-1])
-        elif restored:  # the draft goes back to after its first pass
-            row.pending = chosen[: a + 1]
-        else:
-            row.pending = [drafts[-1], row.history[-1]] if a == kr else [row.history[-1]]
 
     def _lookup(self, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """Each row's prompt-lookup proposal (up to ``ks[i]`` tokens), padded to the longest,

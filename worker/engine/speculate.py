@@ -68,6 +68,38 @@ class Token:
     from_draft: bool
 
 
+def accepted(chosen: list[int], proposed: list[int], num: int) -> int:
+    """How many of the first ``num`` proposals the target keeps: each while it equals the
+    token the target chose at its position (greedy: exactly what the target alone would
+    write). The target's own token at position ``a`` follows them."""
+    a = 0
+    while a < num and chosen[a] == proposed[a]:
+        a += 1
+    return a
+
+
+def counted(j: int, a: int, num: int) -> tuple[int, int, int]:
+    """(proposed, accepted, rejections) that emitting position ``j`` of a round that kept
+    ``a`` of ``num`` proposals adds: a kept proposal counts once the sequence reaches it;
+    the target's token counts the rest as proposed, and the round as a rejection if it
+    rejected one. Proposals past a sequence's end count as neither."""
+    return (1, 1, 0) if j < a else (num - a, 0, int(a < num))
+
+
+def draft_unseen(
+    proposed: list[int], chosen: list[int], a: int, restored: bool, unseen: list[int]
+) -> list[int]:
+    """What a draft has still to see after a round that kept ``a`` of ``proposed`` (then
+    ``chosen[a]``): every token since its last pass. ``unseen``: what it had to see
+    before the round; ``restored``: its cache went back to after its first pass."""
+    num = len(proposed)
+    if num == 0:  # it did not run: this token is unseen as well
+        return [*unseen, chosen[0]]
+    if restored:  # the kept tokens go next
+        return chosen[: a + 1]
+    return [proposed[-1], chosen[a]] if a == num else [chosen[a]]
+
+
 class Proposer(Protocol):
     """What offers each round's tokens for the target to verify."""
 
@@ -111,16 +143,12 @@ class DraftProposer:
 
     def settle(self, proposed: list[int], chosen: list[int], a: int) -> None:
         num = len(proposed)
-        if num == 0:  # it did not run: this token is unseen as well
-            self.unseen = [*self.unseen, chosen[0]]
-        elif a == num:  # it saw all but its last token
-            self.unseen = [proposed[-1], chosen[a]]
-        elif self.mark is not None:  # back to after its first pass; the kept tokens go next
+        restored = num > 0 and a < num and self.mark is not None
+        if restored:  # back to after its first pass
             rewind.restore(self.cache, self.mark)
-            self.unseen = chosen[: a + 1]
-        else:
+        elif num > 0 and a < num:
             rewind.trim(self.cache, num - 1 - a)  # (it never saw its last token)
-            self.unseen = [chosen[a]]
+        self.unseen = draft_unseen(proposed, chosen, a, restored, self.unseen)
 
 
 class LookupProposer:
@@ -226,21 +254,17 @@ def speculative_tokens(
         tally.idle += num == 0 and not tally.gave_up
         chosen = chosen_arr.tolist()
         proposed = drafts.tolist() if drafts is not None else []
-        a = 0
-        while a < num and chosen[a] == proposed[a]:
-            a += 1
+        a = accepted(chosen, proposed, num)
         # -- emit: accepted proposals, then the target's token ---------------------
         for j in range(a + 1):
             if emitted >= max_tokens:
                 break
             history.append(chosen[j])
             emitted += 1
-            if j < a:
-                tally.proposed += 1
-                tally.accepted += 1
-            else:
-                tally.proposed += num - a
-                tally.rejections += a < num
+            p, kept, r = counted(j, a, num)
+            tally.proposed += p
+            tally.accepted += kept
+            tally.rejections += r
             yield Token(chosen[j], lps[j], j < a)
         if emitted >= max_tokens:
             count_round()
