@@ -95,3 +95,71 @@ def test_prompt_longer_than_context_is_refused(cache, tiny):
         run(cache, tiny.small_ctx, max_tokens=500)
     ok = run(cache, tiny.small_ctx)  # the default limit fits the room left
     assert ok.prompt_tokens + ok.completion_tokens <= 64
+
+
+ENGINES = ["alone", "alone-draft", "alone-lookup", "batch", "specbatch", "specbatch-lookup"]
+
+
+def _engine(kind: str, gen: ChatGenerator):
+    from worker.engine.batch import BatchEngine
+    from worker.engine.lookup import DEFAULT_LOOKUP
+    from worker.engine.single import SingleEngine
+    from worker.engine.specbatch import SpecBatchEngine
+
+    return {
+        "alone": lambda: SingleEngine(gen.target),
+        "alone-draft": lambda: SingleEngine(gen.target, gen.draft),
+        "alone-lookup": lambda: SingleEngine(gen.target, lookup=DEFAULT_LOOKUP),
+        "batch": lambda: BatchEngine(gen.target, 4),
+        "specbatch": lambda: SpecBatchEngine(gen.target, gen.draft, 3),
+        "specbatch-lookup": lambda: SpecBatchEngine(gen.target, None, 3),
+    }[kind]()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_every_path_is_an_engine_with_one_interface(cache, tiny, kind):
+    """Every way a sequence runs (alone plain, alone with a draft or prompt lookup, a
+    batch, a speculative batch) is an Engine: add, step, lengths, first_token_at, remove,
+    run_to_end; the greedy text is the same through each."""
+    from worker.engine.protocol import run_to_end
+
+    gen = ChatGenerator.get_or_create(tiny.target, tiny.twin, cache=cache)
+    req = ChatRequest.model_validate(chat(tiny.target, temperature=0, max_tokens=12))
+    job = gen.prepare(req)
+    want = run(cache, tiny.target, max_tokens=12)
+    engine = _engine(kind, gen)
+    assert len(engine) == 0 and engine.kv_bytes == 0
+    pieces: list[str] = []
+    engine.add("a", job, on_text=lambda text, _lp: pieces.append(text))
+    assert len(engine) == 1 and engine.first_token_at("a") is None
+    assert engine.step().prefilled  # (a batch may take a step more to its first token)
+    for _ in range(3):
+        if engine.first_token_at("a") is not None:
+            break
+        engine.step()
+    assert engine.first_token_at("a") is not None
+    held, left = engine.lengths()[0]
+    assert held == len(job.prompt) + 12 - left and 0 <= left < 12, (held, left)
+    assert engine.kv_bytes > 0
+    out = run_to_end(engine)["a"]
+    assert out.token_ids == want.token_ids and out.text == want.text == "".join(pieces)
+    assert len(engine) == 0
+    # A sequence removed mid-way gives no output and leaves the engine empty.
+    engine = _engine(kind, gen)
+    engine.add("b", job)
+    engine.step()
+    engine.remove("b")
+    assert len(engine) == 0 and run_to_end(engine) == {}
+
+
+def test_a_job_alone_is_one_sequence(cache, tiny):
+    from worker.engine.protocol import CannotTake
+    from worker.engine.single import SingleEngine
+
+    gen = ChatGenerator.get_or_create(tiny.target, cache=cache)
+    job = gen.prepare(ChatRequest.model_validate(chat(tiny.target, max_tokens=4)))
+    engine = SingleEngine(gen.target)
+    engine.add(1, job)
+    with pytest.raises(CannotTake, match="one sequence"):
+        engine.add(2, job)
+    engine.close()

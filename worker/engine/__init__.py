@@ -2,10 +2,11 @@
 
 One request preparation (``request``), one sequence type every engine advances
 (``sequence``) and one output (``output``); engines behind one protocol
-(``protocol``): a continuous batch (``batch``), a speculative batch
-(``specbatch``); one sequence alone (``single``: plain through mlx-lm's loop,
-speculative through ``speculate``, exact on every cache type by ``rewind``), and n
-choices of one prompt (``generator``). The model cache (``models``), the prefix
+(``protocol``, run to their end by ``protocol.run_to_end``): one sequence alone
+(``single``: plain through mlx-lm's loop, speculative through ``speculate``, exact on
+every cache type by ``rewind``), a continuous batch (``batch``, which also runs n
+choices of one prompt, ``generator``), a speculative batch (``specbatch``, with the
+accept, count and draft rules of ``speculate``). The model cache (``models``), the prefix
 cache (``prefix``, its snapshots of every cache type in ``layers``), memory
 measurement (``memory``), constrained decoding (``constrain``), sampling and
 logprobs live here too.

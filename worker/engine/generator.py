@@ -9,13 +9,13 @@ same way (``worker.engine.request.prepare``); the runner reserves its KV memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from schemas import ChatRequest, MlxqError, ModelKindError
+from schemas import ChatRequest, ModelKindError
 from worker.engine.batch import BatchEngine
 from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
@@ -23,10 +23,10 @@ from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
 from worker.engine.prefill import prefill
 from worker.engine.prefix import MIN_TOKENS, common_prefix, starting_cache
-from worker.engine.protocol import NO_START, Start
+from worker.engine.protocol import NO_START, Start, run_to_end
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
 from worker.engine.sequence import Deadline, OnText
-from worker.engine.single import generate
+from worker.engine.single import SingleEngine
 
 
 @dataclass
@@ -114,20 +114,9 @@ class ChatGenerator:
         # stream_generate's penalties see only what is prefilled: leave them their window.
         limit = len(job.prompt) - max(1, job.params.penalty_window)
         start = self.starting_cache(job, limit, draft, company)
-        return generate(
-            self.target.model,
-            self.target.tokenizer,
-            job.prompt,
-            job.params,
-            draft_model=draft.model if draft else None,
-            on_text=on_text,
-            deadline=deadline,
-            cache=start.cache,
-            cached=start.cached,
-            reused=start.reused,
-            lookup=lookup,
-            give_up_below=give_up_below,
-        )
+        engine = SingleEngine(self.target, draft, lookup, give_up_below)
+        engine.add(0, job, start, on_text)
+        return run_to_end(engine, deadline)[0]
 
     def generate_choices(
         self, request: ChatRequest | Prepared, deadline: Deadline | None = None
@@ -140,7 +129,6 @@ class ChatGenerator:
         n = job.request.n if job.request is not None else 1
         engine = BatchEngine(self.target, n)
         start_at = time.perf_counter()
-        outs: dict[Hashable, GenerationOutput] = {}
         try:
             layers, held, reused = self._shared_prefill(job)
             seed = job.params.seed
@@ -148,15 +136,10 @@ class ChatGenerator:
                 choice = job.with_params(seed=seed + i) if seed is not None else job
                 start = Start(restore(layers, held), held, reused) if layers else NO_START
                 engine.add(i, choice, start)
-            while len(engine):
-                for tag, out in engine.step().done:
-                    if isinstance(out, MlxqError):
-                        raise out
-                    outs[tag] = out
-                if deadline is not None:
-                    deadline.check()
-        finally:
+        except BaseException:
             engine.close()
+            raise
+        outs = run_to_end(engine, deadline)
         first, others = outs[0], tuple(outs[i] for i in range(1, n))
         total = sum(o.completion_tokens for o in outs.values())
         elapsed = time.perf_counter() - start_at

@@ -1,8 +1,9 @@
 """What an engine is: sequences join, each step advances them, finished ones come out.
 
-Every engine (a continuous batch on one model, a speculative batch on a target and
-its draft) has this interface, so whatever runs one (``worker.runner``) runs any of
-them; each advances the one sequence type (``worker.engine.sequence``). Anchors:
+Every engine (a job alone, plain or speculative; a continuous batch on one model; a
+speculative batch on a target and its draft) has this interface, so whatever runs one
+(``worker.runner``, :func:`run_to_end`) runs any of them; each advances the one
+sequence type (``worker.engine.sequence``). Anchors:
 vLLM v1's EngineCore (add_request / step -> typed outputs / abort) and mlx-lm's
 BatchGenerator (insert / next / remove).
 """
@@ -17,6 +18,7 @@ from schemas import MlxqError
 from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
 from worker.engine.request import Prepared
+from worker.engine.sequence import Deadline, OnText
 
 #: A finished sequence: its tag and its output, or what failed it (it alone).
 Finished = tuple[Hashable, GenerationOutput | MlxqError]
@@ -94,9 +96,15 @@ class Engine(Protocol):
         ...
 
     def add(
-        self, tag: Hashable, job: Prepared, start: Start = NO_START, *, first: bool = False
+        self,
+        tag: Hashable,
+        job: Prepared,
+        start: Start = NO_START,
+        on_text: OnText | None = None,
+        first: bool = False,
     ) -> None:
         """A sequence joins (it is prefilled at the next step); ``tag`` names it.
+        ``on_text`` receives its text as it grows (``worker.engine.sequence.OnText``).
         ``first``: prefilled before sequences that joined earlier and wait still.
         Raises :class:`CannotTake` (and changes nothing) if this engine cannot hold it."""
         ...
@@ -120,3 +128,24 @@ class Engine(Protocol):
     def close(self) -> None:
         """Let go of every sequence and its caches."""
         ...
+
+
+def run_to_end(
+    engine: Engine, deadline: Deadline | None = None
+) -> dict[Hashable, GenerationOutput]:
+    """Step ``engine`` until every sequence it holds has ended: their outputs by tag. A
+    sequence's failure is raised (an :class:`~schemas.MlxqError`), and past ``deadline``
+    :class:`~schemas.JobTimeoutError` (checked at every step). The engine is closed
+    either way."""
+    outs: dict[Hashable, GenerationOutput] = {}
+    try:
+        while len(engine):
+            for tag, out in engine.step().done:
+                if isinstance(out, MlxqError):
+                    raise out
+                outs[tag] = out
+            if deadline is not None and len(engine):
+                deadline.check()
+    finally:
+        engine.close()
+    return outs
