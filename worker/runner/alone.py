@@ -182,7 +182,10 @@ def run_alone(
             if out.gave_up_after:
                 decision = dataclasses.replace(decision, reason=_gave_up(decision, out))
         route = route.with_decision(decision)
-        record = records.success(job, rt, out, generator, completion_id=completion_id, route=route)
+        parsed = streamer.parser if streamer is not None else None
+        record = records.success(
+            job, rt, out, generator, completion_id=completion_id, route=route, parser=parsed
+        )
         if streamer is not None:
             return record, functools.partial(streamer.end, record)
         return record, None

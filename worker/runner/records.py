@@ -40,9 +40,15 @@ def new_completion_id() -> str:
 
 
 def completion_for(
-    job: Job, out: GenerationOutput, completion_id: str, generator: ChatGenerator
+    job: Job,
+    out: GenerationOutput,
+    completion_id: str,
+    generator: ChatGenerator,
+    parser: OutputParser | None = None,
 ) -> ChatCompletion:
-    """The OpenAI ``chat.completion`` object for a finished generation (its n choices)."""
+    """The OpenAI ``chat.completion`` object for a finished generation (its n choices).
+    ``parser``: the one a streamed job's text went through, whose final state is then
+    the message (its stream and its record agree by construction)."""
     bytes_of = None
     if out.logprobs is not None:
         bytes_of = token_bytes(generator.target.tokenizer, generator.target.vocab_size)
@@ -52,11 +58,15 @@ def completion_for(
     tools = request.template_tools
     thinking = None if request.raw_prompt else reasoning.thinking_of(tokenizer)
     thought = 0  # reasoning tokens, over the choices
+    streamed = parser
 
     def message(o: GenerationOutput, choice: int) -> tuple[AssistantMessage, str]:
         nonlocal thought
-        parser = OutputParser(thinking, o.in_reasoning, family)
-        parser.feed(o.text)
+        if choice == 0 and streamed is not None:
+            parser = streamed
+        else:
+            parser = OutputParser(thinking, o.in_reasoning, family)
+            parser.feed(o.text)
         msg, reason = parser.message(
             o.finish_reason, tools, lambda n: toolcalls.call_id(completion_id, choice, n)
         )
@@ -117,9 +127,11 @@ def success(
     completion_id: str | None = None,
     batched_with: int = 1,
     route: Route | None = None,
+    parser: OutputParser | None = None,
 ) -> ResultRecord:
     """The succeeded record (completion and metrics) for a finished generation, run as
-    ``route`` says (None: plainly, no proposer)."""
+    ``route`` says (None: plainly, no proposer). ``parser``: a streamed job's (see
+    :func:`completion_for`)."""
     req = job.envelope.request
     rt.stats.add(req.model, req.draft_model, out)
     decision = route.decision if route is not None else None
@@ -148,7 +160,7 @@ def success(
         batch_id=job.envelope.batch_id,
         custom_id=job.envelope.custom_id,
         status="succeeded",
-        response=completion_for(job, out, completion_id or new_completion_id(), generator),
+        response=completion_for(job, out, completion_id or new_completion_id(), generator, parser),
         metrics=metrics,
         finished_at=time.time(),
     )
