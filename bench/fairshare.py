@@ -11,7 +11,7 @@ real take and end scripts), no model runs: this measures the queue, not MLX.
    last job: without tenants (FIFO) vs as two tenants. Printed: big jobs taken before
    the small batch's last.
 
-    .venv/bin/python -m bench.fairshare [--jobs 20000] [--big 200000]
+    .venv/bin/python -m bench.fairshare [--jobs 20000] [--big 200000] [--skip-cost]
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from schemas import ResultRecord, keys
 from worker.lifecycle.held import Lifecycle
 
 
-def _submit(conn: Redis, n: int, batch_id: str, tenant: str) -> None:
-    bodies = [
+def _submit(conn: Redis, n: int, batch_id: str, tenant: str) -> list[str]:
+    bodies = (
         {"model": "m", "messages": [{"role": "user", "content": f"{batch_id} {i}"}]}
         for i in range(n)
-    ]
-    Client(connection=conn).submit(bodies, batch_id=batch_id, tenant=tenant)
+    )
+    return Client(connection=conn).submit(bodies, batch_id=batch_id, tenant=tenant).job_ids
 
 
 def _lifecycle(conn: Redis) -> Lifecycle:
@@ -71,11 +71,19 @@ def cost(conn: Redis, jobs: int, tenants: int | None) -> tuple[float, float]:
     return n / wall, usec / n
 
 
-def head_of_line(conn: Redis, big: int, tenants: bool) -> int:
-    """Big-batch jobs taken before the small batch's last one."""
+def head_of_line(conn: Redis, big: int, tenants: bool, most: int) -> tuple[int, float]:
+    """Big-batch jobs taken before the small batch's last one, and seconds submitting
+    both. Past ``most`` takes, the small batch's last job's place in its list (jobs
+    ahead of it: FIFO takes every one of them first) stands in for taking them all."""
     conn.flushall()
+    start = time.perf_counter()
     _submit(conn, big, "big", "big-team" if tenants else keys.DEFAULT_TENANT)
-    _submit(conn, 10, "small", "small-team" if tenants else keys.DEFAULT_TENANT)
+    small_ids = _submit(conn, 10, "small", "small-team" if tenants else keys.DEFAULT_TENANT)
+    submitted = time.perf_counter() - start
+    if not tenants and big > most:
+        ahead = conn.lpos(keys.rq_queue_key("mlxq"), small_ids[-1])
+        assert ahead is not None
+        return int(ahead) - 9, submitted
     lc = _lifecycle(conn)
     bigs = smalls = 0
     pipe = conn.pipeline(transaction=False)
@@ -88,7 +96,7 @@ def head_of_line(conn: Redis, big: int, tenants: bool) -> int:
         if len(pipe) >= 1000:
             pipe.execute()
     pipe.execute()
-    return bigs
+    return bigs, submitted
 
 
 def _median(xs: list[float]) -> float:
@@ -100,20 +108,27 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=20_000)
     ap.add_argument("--big", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--most-takes",
+        type=int,
+        default=200_000,
+        help="a FIFO head-of-line arm past this many jobs counts the jobs ahead instead",
+    )
+    ap.add_argument("--skip-cost", action="store_true", help="only the head-of-line part")
     args = ap.parse_args()
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
         print(f"1. take + end of {args.jobs} jobs, one by one (the real scripts), alternated")
         rows = [("no tenants", None), ("1 tenant", 1), ("10 tenants", 10)]
         runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in rows}
-        for r in range(args.rounds):
+        for r in range(0 if args.skip_cost else args.rounds):
             for label, tenants in rows:
                 runs[label].append(cost(conn, args.jobs, tenants))
                 rate, usec = runs[label][-1]
                 print(f"   round {r + 1} {label:<12} {rate:6.0f} jobs/s  Redis {usec:6.1f} us/job")
         med = {k: (_median([x[0] for x in v]), _median([x[1] for x in v])) for k, v in runs.items()}
-        base = med["no tenants"]
-        for label, (rate, usec) in med.items():
+        base = med.get("no tenants", (0.0, 0.0))
+        for label, (rate, usec) in med.items() if not args.skip_cost else ():
             print(
                 f"   median {label:<12} {rate:6.0f} jobs/s ({rate / base[0]:.3f} of no tenants)  "
                 f"Redis {usec:6.1f} us/job ({usec / base[1]:.2f}x)"
@@ -121,10 +136,12 @@ def main() -> None:
         print(
             f"2. a {args.big}-job batch, then a 10-job batch: big jobs taken before the last small"
         )
-        fifo = head_of_line(conn, args.big, tenants=False)
-        fair = head_of_line(conn, args.big, tenants=True)
-        print(f"   without tenants (FIFO): {fifo}")
-        print(f"   as two tenants:         {fair}")
+        fifo, fifo_s = head_of_line(conn, args.big, False, args.most_takes)
+        fair, fair_s = head_of_line(conn, args.big, True, args.most_takes)
+        how = " (jobs ahead of it in the list)" if args.big > args.most_takes else ""
+        print(f"   without tenants (FIFO): {fifo}{how}; submitted in {fifo_s:.1f} s")
+        print(f"   as two tenants:         {fair}; submitted in {fair_s:.1f} s")
+        print(f"   Redis memory: {conn.info('memory')['used_memory_human']}")
 
 
 if __name__ == "__main__":
