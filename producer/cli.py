@@ -196,6 +196,13 @@ def main() -> None:
     "(weights: producer tenant set).",
 )
 @click.option(
+    "--priority",
+    type=click.IntRange(keys.MIN_PRIORITY, keys.MAX_PRIORITY),
+    default=0,
+    show_default=True,
+    help="Within its tenant, batches of higher priority are taken first (FIFO at equal priority).",
+)
+@click.option(
     "--skip-invalid",
     is_flag=True,
     envvar="MLXQ_SKIP_INVALID",
@@ -222,6 +229,7 @@ def submit(
     batch_id: str | None,
     route: str,
     tenant: str,
+    priority: int,
     skip_invalid: bool,
     rejected: Path | None,
     wait_replicas: int,
@@ -239,7 +247,7 @@ def submit(
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--batch-id") from None
     try:
-        queue = keys.tenant_queue(queue, tenant)
+        queue = keys.tenant_queue(queue, tenant, priority)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--tenant") from None
     stdin = str(file) == "-"
@@ -886,18 +894,24 @@ def serve(
         GatewaySettings,
         load_api_keys,
         load_key_tenants,
+        load_tenant_weights,
     )
+    from producer.tenants import set_weight
 
     try:
         api_keys = load_api_keys(api_key_file, os.environ.get(ENV_API_KEYS))
         key_tenants = load_key_tenants(api_key_file, os.environ.get(ENV_API_KEYS))
+        weights = load_tenant_weights(api_key_file, os.environ.get(ENV_API_KEYS))
     except ValueError as e:
         raise click.UsageError(f"API keys: {e}") from None
     if not api_keys and not no_auth:
         raise click.UsageError(
             "no API keys: pass --api-key-file or set MLXQ_API_KEYS (or --no-auth)"
         )
-    _connect(redis_url)
+    conn = _connect(redis_url)
+    for tenant, weight in sorted(weights.items()):  # the key file's weights: set at start
+        set_weight(conn, tenant, weight)
+        click.echo(f"tenant {tenant}: weight {weight:g} (from the API keys)", err=True)
     settings = GatewaySettings(
         redis_url=redis_url,
         api_keys=api_keys,

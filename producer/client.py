@@ -58,10 +58,12 @@ class Client:
         result_ttl: int = keys.DEFAULT_RESULT_TTL,
         route: str = "queue",
         tenant: str = keys.DEFAULT_TENANT,
+        priority: int = 0,
     ) -> SubmitSummary:
         """Submit requests as one batch. A mapping gives custom ids; else they are ``req-N``.
         A request is a chat request, or an embeddings one (a body with ``input``). The
-        batch belongs to ``tenant``: workers share each queue fairly between tenants.
+        batch belongs to ``tenant``: workers share each queue fairly between tenants, and
+        take a tenant's batches of higher ``priority`` (-9 to 9) first.
 
         Every request is validated before anything is enqueued (pydantic's
         ValidationError names the field).
@@ -79,7 +81,7 @@ class Client:
             self.connection,
             items,
             batch_id=batch_id,
-            queue=keys.tenant_queue(self.queue, tenant),
+            queue=keys.tenant_queue(self.queue, tenant, priority),
             job_timeout=job_timeout,
             result_ttl=result_ttl,
             source="python-api",

@@ -85,6 +85,7 @@ def register_batch(
             "batch_id": batch_id,
             "queue": queue,
             "tenant": keys.tenant_of(queue),
+            "priority": keys.priority_of(queue),
             "result_ttl": result_ttl,
         },
     )
@@ -99,10 +100,12 @@ def register_batch(
 
 def queue_of(route: str, queue: str, model: str) -> str:
     """The list a job of ``model`` goes to under ``route`` ('queue' or 'model'). ``queue``
-    may name a tenant's list (``mlxq@team-a``, :func:`schemas.keys.tenant_queue`): model
-    routing keeps the tenant on the model's queue."""
+    may name a tenant's list (``mlxq@team-a``, ``mlxq@team-a^2``,
+    :func:`schemas.keys.tenant_queue`): model routing keeps the tenant and priority on
+    the model's queue."""
     if route == "model":
-        return keys.tenant_queue(keys.queue_for_model(model), keys.tenant_of(queue))
+        to = keys.queue_for_model(model)
+        return keys.tenant_queue(to, keys.tenant_of(queue), keys.priority_of(queue))
     if route == "queue":
         return queue
     raise ValueError(f"route must be 'queue' or 'model', not {route!r}")

@@ -17,12 +17,17 @@ from schemas import keys
 MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
 
 
+def check_weight(weight: float) -> float:
+    """``weight`` if it is a fair-share weight (ValueError naming the range if not)."""
+    if not (math.isfinite(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
+        raise ValueError(f"weight {weight!r} out of range: use {MIN_WEIGHT} to {MAX_WEIGHT}")
+    return float(weight)
+
+
 def set_weight(conn: Redis, tenant: str, weight: float) -> None:
     """Give ``tenant`` ``weight`` (its share is weight / the sum of those with work)."""
     keys.validate_tenant(tenant)
-    if not (math.isfinite(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
-        raise ValueError(f"weight {weight!r} out of range: use {MIN_WEIGHT} to {MAX_WEIGHT}")
-    conn.hset(keys.TENANTS, tenant, repr(float(weight)))
+    conn.hset(keys.TENANTS, tenant, repr(check_weight(weight)))
 
 
 def set_limits(
@@ -76,7 +81,9 @@ def queued(conn: Redis) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for name, depth in zip(names, depths, strict=True):
         if depth:
-            out.setdefault(keys.tenant_of(name), {})[keys.base_queue(name)] = int(depth)
+            per = out.setdefault(keys.tenant_of(name), {})
+            base = keys.base_queue(name)  # (a tenant's lists of every priority, summed)
+            per[base] = per.get(base, 0) + int(depth)
     return out
 
 

@@ -49,8 +49,10 @@ def webhook_log_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}:webhooks"
 
 
-#: Sorted sets ``mlxq:fair:<queue>``: the queue's lists with work (``<queue>@<tenant>``
-#: and the queue's own), scored by virtual time (``schemas/lua/fair.lua``).
+#: Sorted sets ``mlxq:fair:<queue>``: the queue's lists with work (``<queue>@<tenant>``,
+#: ``<queue>@<tenant>^<priority>`` and the queue's own), scored by their tenant's virtual
+#: time (``schemas/lua/fair.lua``); sets ``mlxq:fair:<queue>@<tenant>:ranked``: a tenant's
+#: lists of priority != 0 in the sorted set.
 FAIR_PREFIX = f"{PREFIX}:fair:"
 
 #: Usage per tenant is kept this long (seconds) per day.
@@ -83,24 +85,53 @@ def validate_tenant(tenant: str) -> str:
     return tenant
 
 
-def tenant_queue(queue: str, tenant: str) -> str:
+#: A batch's priority within its tenant (``producer submit --priority``): higher first.
+MIN_PRIORITY, MAX_PRIORITY = -9, 9
+
+
+def validate_priority(priority: int) -> int:
+    """Return ``priority`` if it is an integer from -9 to 9; else raise ValueError."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"invalid priority {priority!r}: use an integer")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(
+            f"priority {priority} out of range: use {MIN_PRIORITY} to {MAX_PRIORITY} "
+            "(higher runs first within its tenant; 0 by default)"
+        )
+    return priority
+
+
+def tenant_queue(queue: str, tenant: str, priority: int = 0) -> str:
     """The list a tenant's jobs of ``queue`` wait on: ``queue@tenant`` (the default
-    tenant's: ``queue`` itself). Workers serve ``queue``; its take shares it fairly."""
-    if tenant == DEFAULT_TENANT:
+    tenant's: ``queue`` itself), ``queue@tenant^P`` for its batches of priority P != 0.
+    Workers serve ``queue``; its take shares it fairly between tenants and, within a
+    tenant, takes from its highest priority first."""
+    if not validate_priority(priority) and tenant == DEFAULT_TENANT:
         return queue
-    if "@" in queue:
+    if "@" in queue or "^" in queue:
         raise ValueError(f"queue {queue!r} already names a tenant; name the queue alone")
-    return f"{queue}@{validate_tenant(tenant)}"
+    validate_tenant(tenant)
+    return f"{queue}@{tenant}^{priority}" if priority else f"{queue}@{tenant}"
 
 
 def base_queue(queue: str) -> str:
-    """The queue workers serve that the list ``queue`` (maybe ``queue@tenant``) is part of."""
+    """The queue workers serve that the list ``queue`` (maybe ``queue@tenant[^P]``) is
+    part of."""
     return queue.split("@", 1)[0]
 
 
 def tenant_of(queue: str) -> str:
     """The tenant whose jobs wait on the list ``queue``."""
-    return queue.split("@", 1)[1] if "@" in queue else DEFAULT_TENANT
+    return queue.split("@", 1)[1].split("^", 1)[0] if "@" in queue else DEFAULT_TENANT
+
+
+def priority_of(queue: str) -> int:
+    """The priority of the batches whose jobs wait on the list ``queue`` (0 if none)."""
+    _, _, priority = queue.partition("@")[2].partition("^")
+    try:
+        return int(priority) if priority else 0
+    except ValueError:
+        return 0
 
 
 def fair_key(queue: str) -> str:

@@ -14,9 +14,12 @@ from tests.test_lifecycle import expire, lifecycle, succeeded
 from tests.test_producer_cli import invoke
 
 
-def _submit(conn, tenant: str, n: int, batch_id: str, model: str = "some/model") -> list[str]:
+def _submit(
+    conn, tenant: str, n: int, batch_id: str, model: str = "some/model", priority: int = 0
+) -> list[str]:
     bodies = [chat(model, f"{batch_id} {i}", max_tokens=1) for i in range(n)]
-    return Client(connection=conn).submit(bodies, batch_id=batch_id, tenant=tenant).job_ids
+    client = Client(connection=conn)
+    return client.submit(bodies, batch_id=batch_id, tenant=tenant, priority=priority).job_ids
 
 
 def _takes(lc, n: int) -> list[str]:
@@ -32,12 +35,14 @@ def _takes(lc, n: int) -> list[str]:
 
 
 def test_a_small_batch_behind_a_big_one_starts_at_once(conn):
-    _submit(conn, "big-team", 200, "big")
+    _submit(conn, "big-team", 2000, "big")
     _submit(conn, "small-team", 10, "small")
-    order = _takes(lifecycle(conn), 211)  # the last take finds every list empty
-    assert len(order) == 210
+    order = _takes(lifecycle(conn), 2011)  # the last take finds every list empty
+    assert len(order) == 2010
     last_small = max(i for i, b in enumerate(order) if b == "small")
-    assert last_small < 20  # every small job before the 11th big one (FIFO: after all 200)
+    # Every small job ends before half of the big batch has (FIFO: after all 2,000); in
+    # fact before the 11th big one.
+    assert last_small < 20
     assert conn.llen(keys.rq_queue_key("mlxq@big-team")) == 0
     assert not conn.exists(keys.fair_key("mlxq"))  # every list ran dry and left the set
 
@@ -80,6 +85,62 @@ def test_requeue_and_recovery_put_a_tenants_job_back_on_its_list_in_the_share(co
     assert conn.lindex(keys.rq_queue_key("mlxq@a"), 0) == first.encode()
     assert set(_takes(b, 6)) == {"a", "b"}
     assert conn.llen(keys.rq_queue_key("mlxq@a")) == 0
+
+
+def test_a_tenants_higher_priority_batch_goes_first_and_the_share_holds(conn):
+    _submit(conn, "a", 40, "a-normal")
+    _submit(conn, "a", 5, "a-low", priority=-3)
+    _submit(conn, "b", 40, "b-normal")
+    _submit(conn, "a", 10, "a-urgent", priority=2)  # submitted last, taken first of a's
+    _submit(conn, "a", 10, "a-high", priority=1)
+    assert conn.hget(keys.batch_key("a-urgent"), "priority") == b"2"
+    assert queued(conn)["a"] == {"mlxq": 65}
+    order = _takes(lifecycle(conn), 106)  # the last take finds every list empty
+    assert len(order) == 105
+    of_a = [b for b in order if b.startswith("a-")]
+    assert of_a == ["a-urgent"] * 10 + ["a-high"] * 10 + ["a-normal"] * 40 + ["a-low"] * 5
+    # Priority orders a's own batches; b's share does not move: a and b alternate while
+    # both have work (a's 60 first jobs against b's 40).
+    first_80 = order[:80]
+    assert 38 <= sum(b.startswith("a-") for b in first_80) <= 42, first_80
+    assert not conn.exists(keys.fair_key("mlxq"), "mlxq:fair:mlxq@a:ranked")
+
+
+def test_priority_on_the_default_tenant_and_back_to_its_list_after_requeue(conn):
+    _submit(conn, keys.DEFAULT_TENANT, 10, "plain")
+    (first, *_) = _submit(conn, keys.DEFAULT_TENANT, 3, "rush", priority=5)
+    lc = lifecycle(conn)
+    job = lc.take()
+    assert job.id == first and job.queue == "mlxq@default^5"
+    assert lc.requeue(job)
+    assert lc.take().id == first  # back on its list, first of it, and its list first
+    expire(conn, lc)
+    other = lifecycle(conn, "other")  # recovers it to the front of its list
+    assert _takes(other, 13) == ["rush"] * 3 + ["plain"] * 10
+
+
+def test_a_running_limit_counts_every_priority_of_the_tenant(conn):
+    from producer.tenants import set_limits
+
+    set_limits(conn, "capped", 2, None)
+    _submit(conn, "capped", 5, "c-high", priority=4)
+    _submit(conn, "capped", 5, "c")
+    lc = lifecycle(conn)
+    held = [lc.take() for _ in range(3)]
+    assert [keys.batch_of(j.id) for j in held[:2]] == ["c-high", "c-high"]
+    assert held[2] is None  # its limit: neither of its lists is taken from
+
+
+@pytest.mark.parametrize("bad", ["10", "-10", "high", "1.5"])
+def test_hostile_priorities_are_refused_by_name(conn, redis_url, tmp_path, bad):
+    path = tmp_path / "jobs.jsonl"
+    path.write_text('{"model": "m", "messages": [{"role": "user", "content": "x"}]}\n')
+    result = invoke("submit", path, "--priority", bad, "--redis-url", redis_url)
+    assert result.exit_code == 2 and "--priority" in result.output
+    for value in (10, True, "1"):
+        with pytest.raises(ValueError, match="priority"):
+            keys.tenant_queue("mlxq", "team", value)
+    assert conn.dbsize() == 0
 
 
 def test_tenant_batches_run_through_a_worker_small_one_first_and_cancel_sweeps_them(
@@ -165,14 +226,15 @@ def test_usage_per_tenant_sums_the_records_and_is_exported(conn, redis_url, tiny
 
 
 def test_gateway_keys_name_their_tenant_for_batch_api_batches(conn, redis_url, tiny, tmp_path):
-    from producer.serve.settings import load_key_tenants
+    from producer.serve.settings import load_key_tenants, load_tenant_weights
     from tests.test_faults import wait_for
     from tests.test_gateway import Gateway, write_batch_file
 
     key_file = tmp_path / "keys.txt"
-    key_file.write_text("sk-team-a-key team-a  # team A\nsk-plain-key\n")
+    key_file.write_text("sk-team-a-key team-a 3  # team A, weight 3\nsk-plain-key\n")
     gw = Gateway(redis_url, tmp_path, "--api-key-file", str(key_file))
     try:
+        assert conn.hget(keys.TENANTS, "team-a") == b"3.0"  # the key file's weight, at start
         path = write_batch_file(tmp_path / "in.jsonl", tiny.target, 3)
         made = {}
         for key in ("sk-team-a-key", "sk-plain-key"):
@@ -194,7 +256,21 @@ def test_gateway_keys_name_their_tenant_for_batch_api_batches(conn, redis_url, t
     with pytest.raises(ValueError, match="invalid tenant") as e:
         load_key_tenants(bad, None)
     assert "sk-x" not in str(e.value)  # a key is never printed
-    assert load_key_tenants(None, "sk-1,sk-2=team-b") == (("sk-2", "team-b"),)
+    assert load_key_tenants(None, "sk-1,sk-2=team-b:2") == (("sk-2", "team-b"),)
+    assert load_tenant_weights(None, "sk-1,sk-2=team-b:2,sk-3=team-c") == {"team-b": 2.0}
+    for env, why in (
+        ("sk-secret=team-b:lots", "tenant 'team-b'"),
+        ("sk-secret=team-b:0", "out of range"),
+        ("sk-secret=team-b:inf", "out of range"),
+        ("sk-secret=team-b:2,sk-other=team-b:3", "two weights"),
+    ):
+        with pytest.raises(ValueError, match=why) as e:
+            load_tenant_weights(None, env)
+        assert "sk-secret" not in str(e.value) and "sk-other" not in str(e.value)
+    bad.write_text("sk-secret team-b 1 2\n")
+    result = invoke("serve", "--api-key-file", str(bad), "--redis-url", redis_url)
+    assert result.exit_code != 0 and "KEY TENANT WEIGHT" in result.output
+    assert "sk-secret" not in result.output
 
 
 def test_a_tenant_at_its_running_limit_waits_and_the_others_go_on(conn):

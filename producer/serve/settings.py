@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
+from producer.tenants import check_weight
 from schemas import keys
 from schemas.settings import DEFAULT_REDIS_URL
 
@@ -88,34 +89,61 @@ class GatewaySettings:
 def load_api_keys(path: Path | None, env: str | None) -> frozenset[str]:
     """Keys from a file (one per line, ``#`` comments) and from ``MLXQ_API_KEYS``
     (comma- or space-separated); a key may name its tenant (see :func:`load_key_tenants`)."""
-    return frozenset(key for key, _ in _entries(path, env))
+    return frozenset(key for key, _, _ in _entries(path, env))
 
 
 def load_key_tenants(path: Path | None, env: str | None) -> tuple[tuple[str, str], ...]:
-    """(key, tenant) of the keys that name one: ``KEY TENANT`` on a line of the file,
-    ``KEY=TENANT`` in ``MLXQ_API_KEYS``. Raises ValueError naming a bad tenant (never
-    the key)."""
-    return tuple(sorted((k, t) for k, t in _entries(path, env) if t is not None))
+    """(key, tenant) of the keys that name one: ``KEY TENANT [WEIGHT]`` on a line of the
+    file, ``KEY=TENANT[:WEIGHT]`` in ``MLXQ_API_KEYS``. Raises ValueError naming a bad
+    tenant or weight (never the key)."""
+    return tuple(sorted((k, t) for k, t, _ in _entries(path, env) if t is not None))
 
 
-def _entries(path: Path | None, env: str | None) -> list[tuple[str, str | None]]:
-    raw: list[tuple[str, str | None]] = []
+def load_tenant_weights(path: Path | None, env: str | None) -> dict[str, float]:
+    """The fair-share weight each key names for its tenant (``KEY TENANT WEIGHT``): the
+    gateway sets them at start. Two keys giving one tenant different weights: ValueError
+    naming the tenant."""
+    weights: dict[str, float] = {}
+    for _, tenant, weight in _entries(path, env):
+        if tenant is None or weight is None:
+            continue
+        if weights.setdefault(tenant, weight) != weight:
+            raise ValueError(
+                f"tenant {tenant!r} is given two weights ({weights[tenant]:g} and {weight:g})"
+            )
+    return weights
+
+
+Entry = tuple[str, str | None, float | None]  # (key, tenant, weight)
+
+
+def _entries(path: Path | None, env: str | None) -> list[Entry]:
+    raw: list[tuple[str, list[str], str]] = []  # (key, [tenant, weight] given, where)
     if path is not None:
         for n, line in enumerate(path.read_text().splitlines(), start=1):
             parts = line.split("#", 1)[0].split()
-            if len(parts) > 2:
-                raise ValueError(f"{path}:{n}: expected KEY or KEY TENANT")
+            if len(parts) > 3:
+                raise ValueError(f"{path}:{n}: expected KEY, KEY TENANT or KEY TENANT WEIGHT")
             if parts:
-                raw.append((parts[0], parts[1] if len(parts) == 2 else None))
-    for part in (env or "").replace(",", " ").split():
-        key, sep, tenant = part.partition("=")
-        raw.append((key, tenant if sep else None))
-    for key, tenant in raw:
-        if tenant is not None:
-            keys.validate_tenant(tenant)
+                raw.append((parts[0], parts[1:], f"{path}:{n}"))
+    for i, part in enumerate((env or "").replace(",", " ").split(), start=1):
+        key, sep, rest = part.partition("=")
+        tenant, colon, weight = rest.partition(":")
+        given = [tenant, weight] if colon else [tenant] if sep else []
+        raw.append((key, given, f"{ENV_API_KEYS} entry {i}"))
+    out: list[Entry] = []
+    for key, given, where in raw:
         if not key:
-            raise ValueError("an API key is empty")
-    return raw
+            raise ValueError(f"{where}: an API key is empty")
+        tenant = keys.validate_tenant(given[0]) if given else None
+        weight = None
+        if len(given) == 2:
+            try:
+                weight = check_weight(float(given[1]))
+            except ValueError as e:
+                raise ValueError(f"{where}: tenant {tenant!r}: {e}") from None
+        out.append((key, tenant, weight))
+    return out
 
 
 def error(

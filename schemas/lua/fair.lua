@@ -1,29 +1,88 @@
--- Lua: fair share over tenants (``producer submit --tenant``). A tenant's jobs on queue Q
--- wait on their own list, ``Q@<tenant>`` (the default tenant's on Q itself); the sorted
--- set ``mlxq:fair:Q`` holds the lists with work, scored by virtual time. ``fair_pop``
--- takes from the list of least virtual time and advances it by 1/weight (weights in
--- ``mlxq:tenants``), so tenants with work share a queue's takes in proportion to their
--- weights, whatever each has queued; a list found empty leaves the set. ``fair_join``,
--- run by every script that puts an id on a list, brings the list (back) in at the least
--- virtual time present: a tenant that was idle banks no credit.
-local function fair_join(name)
-  local base = string.match(name, '^(.-)@')
-  local fair = {{FAIR_PREFIX}} .. (base or name)
-  if not base and redis.call('EXISTS', fair) == 0 then return end
-  local least = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')[2] or '0'
-  redis.call('ZADD', fair, 'NX', least, name)
-  if base then redis.call('ZADD', fair, 'NX', least, base) end
+-- Lua: fair share over tenants (``producer submit --tenant``), and priority within one
+-- (``--priority``). A tenant's jobs on queue Q wait on their own list, ``Q@<tenant>``
+-- (the default tenant's on Q itself); its batches of priority P != 0 on ``Q@<tenant>^P``.
+-- The sorted set ``mlxq:fair:Q`` holds the lists with work, scored by their tenant's
+-- virtual time less P * EPS (so a tenant's lists sit together, its highest priority
+-- first). ``fair_pop`` takes from the first list, and advances every list of that
+-- tenant by 1/weight (weights in ``mlxq:tenants``): tenants with work share a queue's
+-- takes in proportion to their weights, whatever each has queued, and within a tenant
+-- the highest priority goes first. A list found empty leaves the set. ``fair_join``,
+-- run by every script that puts an id on a list, brings the list (back) in at its
+-- tenant's virtual time, or the least present: a tenant that was idle banks no credit.
+-- The set ``mlxq:fair:Q@<tenant>:ranked`` names the tenant's lists of priority != 0.
+local FAIR_EPS = 1e-4  -- priorities apart (|P| <= 9: under a take's step, >= 1/100)
+local function fair_parts(name)  -- base queue, tenant, priority
+  local base, rest = string.match(name, '^(.-)@(.+)$')
+  if not base then return name, {{DEFAULT_TENANT}}, 0 end
+  local tenant, p = string.match(rest, '^(.-)%^(%-?%d+)$')
+  if tenant then return base, tenant, tonumber(p) end
+  return base, rest, 0
 end
-local function fair_weight(name)
-  local tenant = string.match(name, '@(.+)$') or {{DEFAULT_TENANT}}
+local function fair_ranked(base, tenant)
+  return {{FAIR_PREFIX}} .. base .. '@' .. tenant .. ':ranked'
+end
+-- Every list of the tenant: its priority 0 list, then its ranked ones.
+local function fair_lists(base, tenant)
+  local plain = base
+  if tenant ~= {{DEFAULT_TENANT}} then plain = base .. '@' .. tenant end
+  local lists = redis.call('SMEMBERS', fair_ranked(base, tenant))
+  table.insert(lists, 1, plain)
+  return lists
+end
+local function fair_time(member, score)  -- a member's tenant's virtual time
+  local _, _, p = fair_parts(member)
+  return tonumber(score) + p * FAIR_EPS
+end
+-- The tenant's virtual time (from any of its lists in the set), or nil.
+local function fair_tenant_time(fair, base, tenant)
+  for _, l in ipairs(fair_lists(base, tenant)) do
+    local score = redis.call('ZSCORE', fair, l)
+    if score then return fair_time(l, score) end
+  end
+  return nil
+end
+local function fair_enter(fair, name)
+  local base, tenant, p = fair_parts(name)
+  if redis.call('ZSCORE', fair, name) then return end
+  local t = fair_tenant_time(fair, base, tenant)
+  if not t then
+    local least = redis.call('ZRANGE', fair, 0, 0, 'WITHSCORES')
+    t = least[1] and fair_time(least[1], least[2]) or 0
+  end
+  redis.call('ZADD', fair, t - p * FAIR_EPS, name)
+  if p ~= 0 then redis.call('SADD', fair_ranked(base, tenant), name) end
+end
+local function fair_join(name)
+  local base = fair_parts(name)
+  local fair = {{FAIR_PREFIX}} .. base
+  if name == base and redis.call('EXISTS', fair) == 0 then return end
+  fair_enter(fair, name)
+  if name ~= base then fair_enter(fair, base) end
+end
+local function fair_weight(tenant)
   return tonumber(redis.call('HGET', {{TENANTS}}, tenant) or '') or 1
+end
+-- The tenant of ``name`` at virtual time ``t``: each of its lists in the set re-scored.
+local function fair_move(fair, name, t)
+  local base, tenant = fair_parts(name)
+  for _, l in ipairs(fair_lists(base, tenant)) do
+    local _, _, p = fair_parts(l)
+    redis.call('ZADD', fair, 'XX', t - p * FAIR_EPS, l)
+  end
+end
+local function fair_leave(fair, name)
+  local base, tenant, p = fair_parts(name)
+  redis.call('ZREM', fair, name)
+  if p ~= 0 then redis.call('SREM', fair_ranked(base, tenant), name) end
 end
 -- A job handed back unstarted (``requeue.lua``) gives its take back: its list's turn
 -- comes again next, as the job is first on it.
 local function fair_give_back(name)
-  local fair = {{FAIR_PREFIX}} .. (string.match(name, '^(.-)@') or name)
-  if redis.call('ZSCORE', fair, name) then
-    redis.call('ZINCRBY', fair, -1 / fair_weight(name), name)
+  local base, tenant = fair_parts(name)
+  local fair = {{FAIR_PREFIX}} .. base
+  local score = redis.call('ZSCORE', fair, name)
+  if score then
+    fair_move(fair, name, fair_time(name, score) - 1 / fair_weight(tenant))
   else
     fair_join(name)
   end
@@ -32,14 +91,14 @@ end
 -- (``mlxq:running``, counted only for such tenants) reach it is passed over: its jobs
 -- wait, its turn keeps.
 local function fair_full(member, held)
-  local tenant = string.match(member, '@(.+)$')
-  if not tenant then return false end
+  local _, tenant = fair_parts(member)
+  if tenant == {{DEFAULT_TENANT}} then return false end
   local limit = tonumber(redis.call('HGET', {{LIMITS}}, tenant) or '')
   if not limit then return false end
   if not held.values then held.values = redis.call('HVALS', {{RUNNING}}) end
-  local n, suffix = 0, '@' .. tenant
-  for _, v in ipairs(held.values) do
-    if string.sub(v, -#suffix) == suffix then n = n + 1 end
+  local n = 0
+  for _, v in ipairs(held.values) do  -- "<token> <list>"
+    if string.match(v, '@([%w_%-]+)') == tenant then n = n + 1 end
   end
   return n >= limit
 end
@@ -52,10 +111,11 @@ local function fair_pop(list, name)
     if not fair_full(member, held) then
       local id = redis.call('LPOP', {{QUEUE_PREFIX}} .. member)
       if id then
-        redis.call('ZADD', fair, tonumber(members[j + 1]) + 1 / fair_weight(member), member)
+        local _, tenant = fair_parts(member)
+        fair_move(fair, member, fair_time(member, members[j + 1]) + 1 / fair_weight(tenant))
         return id, member
       end
-      redis.call('ZREM', fair, member)
+      fair_leave(fair, member)
     end
   end
   return redis.call('LPOP', list), name
