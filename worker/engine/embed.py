@@ -87,7 +87,8 @@ def pool(hidden: mx.array, mask: mx.array, lengths: mx.array, mode: str) -> mx.a
         return mx.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     if mode == "max":
         return mx.max(mx.where(m > 0, hidden, -mx.inf), axis=1)
-    total = mx.sum(hidden * m, axis=1)
+    # where, not a product: whatever a padded position holds (an inf, a NaN) stays out
+    total = mx.sum(mx.where(m > 0, hidden, 0.0), axis=1)
     count = mx.maximum(mx.sum(m, axis=1), 1.0)
     return total / (mx.sqrt(count) if mode == "mean_sqrt_len" else count)
 
