@@ -43,9 +43,9 @@ from tests.conftest import chat, run_jobs
 from tests.models import noisy_copy
 from tests.test_policy import drive
 from worker.dev.tinymodels import TinySpec, ensure_model
+from worker.engine.identity import weights_identity
 from worker.engine.models import local_dir
 from worker.runner.figures import SharedFigures
-from worker.runner.identity import weights_identity
 from worker.schedule.policy import LOOKUP, PLAIN, SpeculationPolicy
 from worker.schedule.shared import adopt, export
 

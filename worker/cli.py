@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import click
 from redis import Redis
@@ -128,6 +129,22 @@ class _Commands(click.Group):
     "kept across jobs and counted inside --cache-gb; 0 turns it off.",
 )
 @click.option(
+    "--prefix-cache-dir",
+    envvar="MLXQ_PREFIX_CACHE_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also keep shared prefixes on disk here: a new or restarted worker on this machine "
+    "starts from them (keyed by the weights, not the name) [default: memory only].",
+)
+@click.option(
+    "--prefix-cache-disk-gb",
+    envvar="MLXQ_PREFIX_CACHE_DISK_GB",
+    type=click.FloatRange(min=0.001),
+    default=10.0,
+    show_default=True,
+    help="Size of --prefix-cache-dir: least recently used files go first.",
+)
+@click.option(
     "--allow-model",
     "allow_models",
     envvar="MLXQ_ALLOW_MODELS",
@@ -247,6 +264,8 @@ def main(
     max_jobs: int | None,
     cache_gb: float | None,
     prefix_cache_gb: float,
+    prefix_cache_dir: Path | None,
+    prefix_cache_disk_gb: float,
     allow_models: tuple[str, ...],
     model_dirs: tuple[str, ...],
     num_draft_tokens: int,
@@ -291,8 +310,21 @@ def main(
             access = access.with_named(model)
         except MlxqError as e:
             raise click.ClickException(f"--model {model}: {e}") from None
+    disk = None
+    if prefix_cache_dir is not None and prefix_cache_gb > 0:
+        from worker.engine.prefixdisk import PrefixDisk
+
+        try:
+            disk = PrefixDisk(prefix_cache_dir, int(prefix_cache_disk_gb * 1e9))
+        except OSError as e:
+            raise click.BadParameter(str(e), param_hint="--prefix-cache-dir") from None
     rt = runtime.WorkerRuntime(
-        cache=ModelCache(budget, prefix_bytes=int(prefix_cache_gb * 1e9), locate=access.locate),
+        cache=ModelCache(
+            budget,
+            prefix_bytes=int(prefix_cache_gb * 1e9),
+            locate=access.locate,
+            prefix_disk=disk,
+        ),
         access=access,
         default_num_draft_tokens=num_draft_tokens,
         policy=SpeculationPolicy(

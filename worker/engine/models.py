@@ -37,6 +37,7 @@ from schemas import (
 )
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
+from worker.engine.identity import weights_identity
 from worker.engine.memory import (
     DEVICE_SHARE,
     KVProfile,
@@ -45,6 +46,7 @@ from worker.engine.memory import (
     kv_profile,
 )
 from worker.engine.prefix import PrefixCache
+from worker.engine.prefixdisk import PrefixDisk
 from worker.engine.rewind import leaves
 
 log = logging.getLogger(__name__)
@@ -213,11 +215,12 @@ class ModelCache:
         budget_bytes: int | None = None,
         prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         locate: Callable[[str], Path] = resolve_path,
+        prefix_disk: PrefixDisk | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         #: Name -> directory to load from (``worker.runner.access`` restricts it).
         self.locate = locate
-        self.prefixes = PrefixCache(prefix_bytes)
+        self.prefixes = PrefixCache(prefix_bytes, prefix_disk)
         self._entries: OrderedDict[CacheKey, LoadedModel] = OrderedDict()
         self._compatible: dict[tuple[CacheKey, CacheKey], bool] = {}
         self.loads = 0
@@ -335,7 +338,21 @@ class ModelCache:
         entry.uses = 1
         self._entries[key] = entry
         self.loads += 1
+        if self.prefixes.disk is not None and entry.kind == "chat":
+            self._identify(entry)
         return entry, False
+
+    def _identify(self, entry: LoadedModel) -> None:
+        """Give the prefix cache ``entry``'s weights identity (its base's and its
+        adapter's): its kept prefixes then go to disk and come back from it."""
+        try:
+            identity = weights_identity(self.locate(entry.name))
+            if entry.adapter is not None:
+                identity += "+" + weights_identity(self.locate(entry.adapter))
+        except Exception as e:  # unreadable: this model's prefixes stay in memory
+            log.warning("prefix cache on disk: %s stays in memory (%s)", entry.name, e)
+            return
+        self.prefixes.identify(entry.key, identity)
 
     def _make_room(self, needed: int, keep: tuple[CacheKey, ...], what: str) -> None:
         if self.budget_bytes is None:

@@ -26,6 +26,8 @@ job whose prompt starts with a kept prefix prefills only the rest.
   (linear attention, SSM) and a sliding window that has wrapped hold exactly
   their entry's tokens, so such an entry serves a prompt that starts with all of
   them (``worker.engine.layers``).
+- **Disk.** With ``--prefix-cache-dir``, entries are also written to disk and a new or
+  restarted worker on the machine reads them back (``worker.engine.prefixdisk``).
 - **Memory.** Entries are compact copies (exactly their tokens' state, a
   sliding window's at most its window, not the generation buffer), counted in
   bytes under the cache's own budget (``--prefix-cache-gb``) and inside the
@@ -52,6 +54,7 @@ import numpy as np
 from worker.engine.layers import nbytes as cache_nbytes
 from worker.engine.layers import restore, shortest, snapshot
 from worker.engine.prefill import prefill
+from worker.engine.prefixdisk import PrefixDisk
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class PrefixStats:
     lookups: int = 0
     hits: int = 0
     tokens_reused: int = 0
+    disk_hits: int = 0  # entries loaded from disk (``--prefix-cache-dir``)
 
 
 def block_hashes(prompt: Sequence[int]) -> list[int]:
@@ -111,10 +115,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    """Kept prefixes of every model, least recently used first, under a byte budget."""
+    """Kept prefixes of every model, least recently used first, under a byte budget; also
+    on ``disk`` (``worker.engine.prefixdisk``) for the models given an identity."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, disk: PrefixDisk | None = None) -> None:
         self.budget_bytes = max(0, int(budget_bytes))
+        self.disk = disk
+        self._ids: dict[Hashable, str] = {}  # model -> its weights' identity (disk only)
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], Entry] = OrderedDict()
         self._nbytes = 0  # kept up to date, so other threads can read it (fleet registry)
         self.stats = PrefixStats()
@@ -175,7 +182,30 @@ class PrefixCache:
         self._entries.move_to_end((model, best.tokens))
         return best, best_n
 
-    def put(self, model: Hashable, tokens: Sequence[int], layers: Cache, room: int) -> bool:
+    def identify(self, model: Hashable, identity: str) -> None:
+        """``model``'s weights identity: its entries are written to and read from disk."""
+        self._ids[model] = identity
+
+    def from_disk(self, model: Hashable, net: nn.Module, prompt: Sequence[int], room: int) -> None:
+        """Bring the longest entry on disk that ``prompt`` begins with into memory, if it
+        gives at least :data:`MIN_TOKENS` more than memory holds (``net``: the model, whose
+        caches the file's layers must be; ``room``: as :meth:`put`)."""
+        identity = self._ids.get(model)
+        if self.disk is None or identity is None or not self.enabled:
+            return
+        found = self.disk.longest(identity, prompt)
+        if found is None:
+            return
+        matched = self.match(model, prompt)
+        if matched is not None and len(found.tokens) - matched[1] < MIN_TOKENS:
+            return
+        layers = self.disk.load(found, net)
+        if layers is not None and self.put(model, found.tokens, layers, room, write=False):
+            self.stats.disk_hits += 1
+
+    def put(
+        self, model: Hashable, tokens: Sequence[int], layers: Cache, room: int, write: bool = True
+    ) -> bool:
         """Keep ``layers`` (the KV state of exactly ``tokens``) if it fits: within the cache's
         budget and within ``room`` bytes more than it holds now (what the model cache can
         spare). Older entries go first to make space; True if it was kept."""
@@ -194,6 +224,9 @@ class PrefixCache:
             self._remove(next(iter(self._entries)))
         self._entries[key] = Entry(key[1], layers, nbytes, shortest(layers, len(tokens)))
         self._nbytes += nbytes
+        identity = self._ids.get(model)
+        if write and self.disk is not None and identity is not None:
+            self.disk.save(identity, key[1], layers)
         return True
 
     def _remove(self, key: tuple[Hashable, tuple[int, ...]]) -> int:
@@ -243,6 +276,7 @@ def starting_cache(
     found: list[tuple[Cache, int]] = []
     earlier = len(prompt)  # the target's tokens that entries kept before this job hold
     for i, (key, model) in enumerate(models):
+        store.from_disk(key, model, prompt, room())
         matched = store.match(key, prompt)
         # A new entry only for MIN_TOKENS more than a kept one gives (a prompt seen before
         # whole, e.g. a job run again, would otherwise keep itself for a few tokens more).

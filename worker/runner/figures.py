@@ -36,7 +36,7 @@ from schemas.figures import (
     scope_key,
     scope_of,
 )
-from worker.runner.identity import machine_kind, weights_identity
+from worker.engine.identity import machine_kind, weights_identity
 from worker.schedule.policy import LOOKUP, SpeculationPolicy
 from worker.schedule.shared import adopt, export
 
