@@ -72,12 +72,12 @@ def through_server(target: str, system: str) -> tuple[float, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default=None, help="a model path or hub id [bench target]")
+    ap.add_argument("--target", default=None, help="a model path or hub id [the 12x1024 wide]")
     ap.add_argument("--system-tokens", type=int, default=3900)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-server", action="store_true")
     args = ap.parse_args()
-    target = args.target or model("target")
+    target = args.target or model("wide")
     tokenizer = ModelCache().get(target)[0].tokenizer
     system = system_prompt(tokenizer, args.system_tokens)
     times: dict[str, list[float]] = {"cold": [], "disk": [], "mlx_lm.server": []}
