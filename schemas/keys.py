@@ -55,6 +55,16 @@ def webhook_log_key(batch_id: str) -> str:
 #: lists of priority != 0 in the sorted set.
 FAIR_PREFIX = f"{PREFIX}:fair:"
 
+#: Lists ``mlxq:wake:<queue>``: a token per job put on one of the queue's lists (at most
+#: 64, 30 s), which idle workers block on (a hint to take; ``schemas/lua/fair.lua``).
+WAKE_PREFIX = f"{PREFIX}:wake:"
+
+
+def wake_key(queue: str) -> str:
+    """The list idle workers of ``queue`` (maybe a tenant's list of it) block on."""
+    return f"{WAKE_PREFIX}{base_queue(queue)}"
+
+
 #: Usage per tenant is kept this long (seconds) per day.
 USAGE_TTL = 40 * 24 * 3600
 

@@ -26,6 +26,9 @@ CONSTANTS = {
     "ERRORS_KEPT": str(keys.BATCH_ERRORS_KEPT),
     "FAIR_PREFIX": f"'{keys.FAIR_PREFIX}'",
     "FAIR_SCAN": "64",  # lists found empty per take, at most (each leaves the set)
+    "WAKE_PREFIX": f"'{keys.WAKE_PREFIX}'",
+    "WAKE_MAX": "64",  # idle workers one push wakes, at most
+    "WAKE_TTL": "30",
     "QUEUE_PREFIX": f"'{keys.rq_queue_key('')}'",
     "TENANTS": f"'{keys.TENANTS}'",
     "DEFAULT_TENANT": f"'{keys.DEFAULT_TENANT}'",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -357,3 +358,31 @@ def test_expired_registry_entries_are_pruned_in_bounded_steps(conn):
     job = lc.take()
     lc.end(job, succeeded(job))
     assert lc.prune() == 0 and conn.zscore(finished, job_id) > now  # kept for its TTL
+
+
+@pytest.mark.parametrize("tenant", [keys.DEFAULT_TENANT, "team-a"])
+def test_an_idle_worker_starts_a_job_on_any_queue_it_serves_at_once(conn, tenant):
+    """An idle worker blocks on its queues' wake list, which every enqueue feeds: a job on
+    its second queue (or a tenant's list of it) starts within milliseconds, not when a
+    wait on the first queue times out (BLOCK_S)."""
+    lc = lifecycle(conn, queues=(keys.INTERACTIVE_QUEUE, "mlxq"))
+    got: list = []
+
+    def take() -> None:
+        got.append(lc.take(block_s=5))
+        got.append(time.monotonic())
+
+    for _ in range(3):
+        got.clear()
+        waiter = threading.Thread(target=take)
+        waiter.start()
+        time.sleep(0.3)  # idle, blocked
+        sent = time.monotonic()
+        bodies = [chat("some/model", content="wake")]
+        (job_id,) = Client(connection=conn).submit(bodies, tenant=tenant).job_ids
+        waiter.join(5)
+        job, at = got
+        assert job is not None and job.id == job_id
+        assert at - sent < 0.2, f"started {at - sent:.2f} s after it was queued"
+        lc.end(job, succeeded(job))
+    assert conn.llen(keys.wake_key("mlxq")) <= 64  # tokens stay bounded

@@ -37,6 +37,7 @@ for i = 1, nq do
   if #per[i] > 0 then
     push(qp .. names[i], per[i])
     fair_join(names[i])
+    fair_wake(names[i], #per[i] - 1)  -- (fair_join woke one): one idle worker per job
     redis.call('SADD', KEYS[3], names[i])
     redis.call('SADD', KEYS[4], qp .. names[i])
   end

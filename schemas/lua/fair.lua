@@ -52,7 +52,20 @@ local function fair_enter(fair, name)
   redis.call('ZADD', fair, t - p * FAIR_EPS, name)
   if p ~= 0 then redis.call('SADD', fair_ranked(base, tenant), name) end
 end
+-- Wake up to ``n`` idle workers of the queue ``name`` belongs to: tokens on
+-- ``mlxq:wake:<queue>`` (at most {{WAKE_MAX}}, for {{WAKE_TTL}} s), which an idle worker
+-- blocks on; a token is a hint (the worker runs a take), so a lost one costs nothing.
+local function fair_wake(name, n)
+  if n < 1 then return end
+  local key = {{WAKE_PREFIX}} .. fair_parts(name)
+  local tokens = {}
+  for i = 1, math.min(n, {{WAKE_MAX}}) do tokens[i] = '1' end
+  redis.call('RPUSH', key, unpack(tokens))
+  redis.call('LTRIM', key, -{{WAKE_MAX}}, -1)
+  redis.call('EXPIRE', key, {{WAKE_TTL}})
+end
 local function fair_join(name)
+  fair_wake(name, 1)
   local base = fair_parts(name)
   local fair = {{FAIR_PREFIX}} .. base
   if name == base and redis.call('EXISTS', fair) == 0 then return end
@@ -78,6 +91,7 @@ end
 -- A job handed back unstarted (``requeue.lua``) gives its take back: its list's turn
 -- comes again next, as the job is first on it.
 local function fair_give_back(name)
+  fair_wake(name, 1)
   local base, tenant = fair_parts(name)
   local fair = {{FAIR_PREFIX}} .. base
   local score = redis.call('ZSCORE', fair, name)

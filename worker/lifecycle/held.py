@@ -130,6 +130,7 @@ class Lifecycle(Upkeep):
         self.wait_replicas, self.wait_shortfalls = wait_replicas, 0
         self.token = secrets.token_hex(8)
         self.inbox = keys.inbox_key(self.token)
+        self._wake_keys = list(dict.fromkeys(keys.wake_key(q) for q in self.queues))
         self.blocked = False  # in a take's wait (a stop signal may interrupt it there)
         self.stopping = False  # set by the worker's stop: a take then waits no more
         self.worker_key = keys.rq_worker_key(name)
@@ -184,12 +185,13 @@ class Lifecycle(Upkeep):
             if left <= 0 or queues != self.queues:
                 return None
             wait = min(left, BLOCK_S)
-            # The id moves into this process's inbox, which its lease covers; the
-            # next take pops it from there and starts it.
+            # Wait for a wake token of any queue served (every script that puts a job on
+            # one of their lists leaves one): then take again. A job put there some other
+            # way is found at the next take, BLOCK_S at most later.
             with self._blocking():
                 if self.stopping:
                     return None
-                self.conn.blmove(keys.rq_queue_key(queues[0]), self.inbox, wait, "LEFT", "RIGHT")
+                self.conn.blpop(self._wake_keys, wait)
 
     @contextmanager
     def _blocking(self) -> Iterator[None]:
