@@ -77,6 +77,7 @@ _WRITES = [
     ["hincrby", _KEY, "n", "1"],
     ["hincrbyfloat", _KEY, "s", "0.5"],
     ["rpush", _KEY, "x"],
+    ["ltrim", _KEY, "0", "-1"],
     ["lrem", _KEY, "0", "x"],
     ["lpop", _KEY],
     ["lmove", _KEY, _KEY + ":b", "RIGHT", "LEFT"],
@@ -94,7 +95,7 @@ _WRITES = [
 ]
 NEEDS: dict[str, list[list[str]]] = {
     "producer": _READS + _WRITES,
-    "worker": _READS + _WRITES + [["blmove", _KEY, _KEY + ":b", "RIGHT", "LEFT", "1"]],
+    "worker": _READS + _WRITES + [["blpop", _KEY, "1"]],  # (idle: on its queues' wake list)
     "gateway": _READS + _WRITES + [["blpop", _KEY, "1"], ["subscribe", "mlxq:notify:x"]],
     "reader": _READS,
     "exporter": [*_READS, ["time"]],
