@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ from redis import Redis
 from schemas import BatchOutputLine, CancelledError, InvalidRequestError, ResultRecord, keys
 from schemas.cancel import CANCELLED_AT
 from schemas.scripts import source
+from schemas.shapes import render
 
 PAGE = 1000
 
@@ -254,15 +256,30 @@ def iter_output_lines(conn: Redis, batch_id: str) -> Iterator[BatchOutputLine | 
     (expired) get an error line.
     """
     cancelled = is_cancelled(conn, batch_id)
+    shaped = bool(conn.exists(keys.batch_shapes_key(batch_id)))
     for page in batch_job_ids(conn, batch_id):
         outcomes = page_outcomes(conn, batch_id, page, cancelled)
-        for job_id, outcome in zip(page, outcomes, strict=True):
+        shapes = conn.hmget(keys.batch_shapes_key(batch_id), page) if shaped else []
+        for i, (job_id, outcome) in enumerate(zip(page, outcomes, strict=True)):
             if isinstance(outcome, ResultRecord):
-                yield BatchOutputLine.from_record(outcome)
+                line = BatchOutputLine.from_record(outcome)
+                yield reshaped(line, shapes[i]) if shaped and shapes[i] else line
             elif outcome is None:
                 yield BatchOutputLine.missing(job_id, "", "result expired or job lost")
             else:
                 yield outcome
+
+
+def reshaped(line: BatchOutputLine, shape: bytes) -> BatchOutputLine:
+    """A /v1/responses or /v1/completions line's output: its job's chat.completion
+    translated back (``schemas.shapes``; mlxq's metrics kept). Errors stay as they are."""
+    response = line.response
+    if response is None or response.status_code != 200:
+        return line
+    completion = dict(response.body)
+    metrics = completion.pop("mlxq_metrics", None)
+    body = render(json.loads(shape), completion) | {"mlxq_metrics": metrics}
+    return line.model_copy(update={"response": response.model_copy(update={"body": body})})
 
 
 #: Lua (``schemas/lua/cancel_sweep.lua``): drop the cancelled batch's ids at the head

@@ -70,12 +70,14 @@ class KnownJobs:
 @dataclass(frozen=True)
 class Prepared:
     """A job ready to enqueue: its id, the queue it goes to, its hash's ``data``, its
-    custom_id."""
+    custom_id, and the shape of a /v1/responses or /v1/completions line (JSON,
+    ``schemas.shapes``: kept beside the batch for its output line)."""
 
     job_id: str
     queue: str
     data: bytes
     custom_id: str
+    shape: str | None = None
 
 
 def enqueue_call(
@@ -168,6 +170,13 @@ class Enqueuer:
         have = self.known.contains([digest_of(j.job_id) for j in chunk])
         fresh = [j for j, h in zip(chunk, have, strict=True) if not h]
         self.present += len(chunk) - len(fresh)
+        shapes = {j.job_id: j.shape for j in fresh if j.shape is not None}
+        if shapes:  # before the jobs: a job never ends without its shape in place
+            key = keys.batch_shapes_key(self.batch_id)
+            with self.conn.pipeline(transaction=False) as pipe:
+                pipe.hset(key, mapping=shapes)
+                pipe.expire(key, self.result_ttl)
+                pipe.execute()
         if fresh:
             script_keys, args = enqueue_call(
                 self.batch_id, fresh, self.result_ttl, self.job_timeout

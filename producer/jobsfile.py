@@ -10,6 +10,7 @@ to a temporary file (:func:`spool`), never to memory.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -182,12 +183,13 @@ def _prepared(
             if text is None or lineno in checked.duplicates:
                 continue
             try:
-                custom_id, request, body = parse_line(text, lineno, defaults)
+                custom_id, request, body, shape = parse_line(text, lineno, defaults)
             except LineInvalid:
                 continue
             job_id = keys.job_id_for(batch_id, custom_id)
             data = job_data(custom_id, now, body, result_ttl)
-            yield Prepared(job_id, queue_of(route, queue, request.model), data, custom_id)
+            to = queue_of(route, queue, request.model)
+            yield Prepared(job_id, to, data, custom_id, json.dumps(shape) if shape else None)
 
 
 def spool(stream: BinaryIO, directory: str | None = None) -> Path:

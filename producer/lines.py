@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from schemas import BatchInputLine, ChatRequest, describe_validation_error
 from schemas.embeddings import CHAT_URL, EMBEDDINGS_URL, EmbeddingRequest, parse_request
+from schemas.responses import TranslationError
+from schemas.shapes import SHAPED_URLS, to_chat_job
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class ParsedLine:
     request: ChatRequest | EmbeddingRequest
     text: str
     body: dict[str, Any]
+    #: A /v1/responses or /v1/completions line's shape (``schemas.shapes``), else None.
+    shape: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,8 +53,10 @@ class ParsedFile:
 
 _NO_DEFAULTS = Defaults()
 _BATCH_KEYS = frozenset(("custom_id", "method", "url", "body"))
-#: OpenAI Batch endpoints the gateway serves over chat jobs but files do not take yet.
-GATEWAY_ONLY = ("/v1/responses", "/v1/completions")
+
+#: A line read: custom_id, request (a chat job for a shaped line), the body stored
+#: (the chat body), and the line's shape (``schemas.shapes``) or None.
+Line = tuple[str, ChatRequest | EmbeddingRequest, dict[str, Any], dict[str, Any] | None]
 
 
 class LineInvalid(Exception):
@@ -79,12 +85,13 @@ def apply_defaults(body: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
     return body
 
 
-def parse_line(
-    text: str, lineno: int, defaults: Defaults = Defaults()
-) -> tuple[str, ChatRequest | EmbeddingRequest, dict[str, Any]]:
-    """Validate one line; return ``(custom_id, request, body)``; raise :class:`LineInvalid`.
+def parse_line(text: str, lineno: int, defaults: Defaults = Defaults()) -> Line:
+    """Validate one line; return ``(custom_id, request, body, shape)``; raise
+    :class:`LineInvalid`.
 
-    ``body`` is the request's JSON object with the defaults applied.
+    ``body`` is the request's JSON object with the defaults applied (for a
+    ``/v1/responses`` or ``/v1/completions`` line: the chat body it runs as, and
+    ``shape`` says how its output is translated back, ``schemas.shapes``).
     """
     try:
         obj = json.loads(text)
@@ -101,15 +108,23 @@ def parse_line(
             raise LineInvalid("custom_id: must be a string")
         body, prefix = obj, ""
     body = apply_defaults(body, defaults)
+    shape = None
     try:
-        request = parse_request(body, url)
+        if url in SHAPED_URLS:
+            body, shape = to_chat_job(url, body)
+            request = parse_request(body, CHAT_URL)
+        else:
+            request = parse_request(body, url)
     except ValidationError as e:
         raise LineInvalid(describe_validation_error(e, prefix)) from None
+    except TranslationError as e:
+        raise LineInvalid(f"{prefix}.{e}" if prefix else str(e)) from None
     if defaults.endpoint is not None:
-        url = EMBEDDINGS_URL if isinstance(request, EmbeddingRequest) else CHAT_URL
+        if url is None:
+            url = EMBEDDINGS_URL if isinstance(request, EmbeddingRequest) else CHAT_URL
         if url != defaults.endpoint:
             raise LineInvalid(f"url: a {url} request in a batch for {defaults.endpoint}")
-    return custom_id, request, body
+    return custom_id, request, body, shape
 
 
 def _batch_line(obj: dict[str, Any]) -> tuple[str, str]:
@@ -125,11 +140,6 @@ def _batch_line(obj: dict[str, Any]) -> tuple[str, str]:
         and isinstance(obj["body"], dict)
     ):
         return cid, CHAT_URL
-    if obj.get("url") in GATEWAY_ONLY:
-        raise LineInvalid(
-            f"url: {obj['url']} lines are not run from files yet; the gateway serves "
-            f"POST {obj['url']} (producer serve)"
-        )
     try:
         line = BatchInputLine.model_validate(obj)
         return line.custom_id, line.url
@@ -146,7 +156,7 @@ def parse_lines(lines: Iterable[str], defaults: Defaults = Defaults()) -> Parsed
         if not text.strip():
             continue
         try:
-            custom_id, request, body = parse_line(text, lineno, defaults)
+            custom_id, request, body, shape = parse_line(text, lineno, defaults)
         except LineInvalid as e:
             parsed.errors.append(LineError(lineno, str(e), text))
             continue
@@ -157,7 +167,7 @@ def parse_lines(lines: Iterable[str], defaults: Defaults = Defaults()) -> Parsed
             parsed.errors.append(LineError(lineno, message, text))
             continue
         first_seen[custom_id] = lineno
-        parsed.lines.append(ParsedLine(lineno, custom_id, request, text, body))
+        parsed.lines.append(ParsedLine(lineno, custom_id, request, text, body, shape))
     return parsed
 
 

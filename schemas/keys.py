@@ -149,6 +149,12 @@ def fair_key(queue: str) -> str:
     return f"{FAIR_PREFIX}{base_queue(queue)}"
 
 
+def batch_shapes_key(batch_id: str) -> str:
+    """Hash (batch TTL): job id -> the shape of its /v1/responses or /v1/completions line
+    (JSON, ``schemas.shapes``), which its output line is translated back to."""
+    return f"{PREFIX}:batch:{batch_id}:shapes"
+
+
 #: Sorted set of batch ids, scored by creation time (unix seconds).
 BATCHES = f"{PREFIX}:batches"
 

@@ -231,5 +231,5 @@ class BatchInputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/embeddings"]
+    url: Literal["/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/completions"]
     body: dict[str, Any]
