@@ -64,6 +64,10 @@ QUICK_TESTS = {
     "tests/test_legacy.py::test_raw_prompts_continue_the_text_on_every_path",
     "tests/test_responses.py::test_the_translation_keeps_roles_calls_and_outputs_in_order",
     "tests/test_ui.py::test_the_page_loads_without_a_key_and_its_data_needs_one",
+    "tests/test_shapes.py::test_responses_and_completions_lines_run_beside_chat_lines",
+    "tests/test_shapes.py::test_bad_shaped_lines_are_refused_by_line_and_name",
+    "tests/test_prefixdisk.py::test_corrupt_truncated_and_foreign_files_are_skipped_deleted_and_never_fail_a_job",
+    "tests/test_prefixdisk.py::test_speculative_jobs_take_the_draft_prefix_from_disk_too",
 }
 
 
