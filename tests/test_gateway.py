@@ -193,7 +193,9 @@ def test_bad_requests_get_openai_errors(gateway):
     with pytest.raises(openai.NotFoundError):
         client.files.content("file-nope")
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id="x", endpoint="/v1/responses", completion_window="24h")
+        client.batches.create(
+            input_file_id="x", endpoint="/v1/audio/speech", completion_window="24h"
+        )
 
 
 def test_what_mlxq_does_not_serve_is_refused_in_one_line_naming_it(gateway):
