@@ -9,7 +9,9 @@ A job whose prompt begins with an entry on disk that is longer than what memory 
 loads it into the prefix cache first.
 
 - **Off the hot path**: a writer thread saves entries (a bounded queue; an entry that
-  finds it full is not written); the job that made the entry goes on at once.
+  finds it full is not written); the job that made the entry goes on at once. The
+  file's arrays are made on the job's thread; the writer only writes their bytes (no
+  MLX computation runs on two threads at once).
 - **Atomic**: written to a temporary file in DIR, then renamed; two workers on one
   directory never see half a file, and the same entry written twice is one file.
 - **LRU on disk**: a file's time is touched when it is loaded; past
@@ -40,7 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 from worker.engine.rewind import leaves
 
@@ -117,7 +121,7 @@ class PrefixDisk:
         self._index: dict[str, dict[tuple[int, ...], DiskEntry]] = {}
         self._seen_mtime = -1.0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[str, tuple[int, ...], Cache] | None] = queue.Queue(QUEUED)
+        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(QUEUED)
         self._writer: threading.Thread | None = None
         self._scan()
 
@@ -199,8 +203,9 @@ class PrefixDisk:
             self._writer.daemon = True
             self._writer.start()
             atexit.register(self.flush)
+        meta = {"format": FORMAT, "identity": identity, "tokens": json.dumps(list(key))}
         with contextlib.suppress(queue.Full):
-            self._queue.put_nowait((identity, key, layers))
+            self._queue.put_nowait((identity, key, *_file_content(layers, meta)))
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait (up to ``timeout_s``) until the queued entries are written."""
@@ -221,14 +226,19 @@ class PrefixDisk:
             finally:
                 self._queue.task_done()
 
-    def _write(self, identity: str, tokens: tuple[int, ...], layers: Cache) -> None:
+    def _write(
+        self,
+        identity: str,
+        tokens: tuple[int, ...],
+        arrays: dict[str, mx.array],
+        metadata: dict[str, str],
+    ) -> None:
         name = f"{identity}-{_digest(tokens)}{SUFFIX}"
         final = self.root / name
         # (mlx names what it saves *.safetensors: the temporary is one too)
         tmp = self.root / f"{TMP}{os.getpid()}-{secrets.token_hex(4)}-{name}"
-        meta = {"format": FORMAT, "identity": identity, "tokens": json.dumps(list(tokens))}
         try:
-            save_prompt_cache(str(tmp), layers, meta)
+            mx.save_safetensors(str(tmp), arrays, metadata)  # evaluated arrays: bytes only
             os.replace(tmp, final)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -274,6 +284,34 @@ class PrefixDisk:
             path.unlink()
         if entry is not None:
             self._forget(entry)
+
+
+def _file_content(layers: Cache, meta: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """What mlx-lm's ``save_prompt_cache`` writes for ``layers`` (its layout, so its
+    ``load_prompt_cache`` reads the file), made and evaluated on the caller's thread: the
+    writer thread then runs no MLX computation beside the jobs', only writes bytes."""
+    scalars: list[Any] = [""]  # (as mlx-lm: never empty, or tree_flatten drops it)
+
+    def as_array(item: tuple[str, Any]) -> tuple[str, mx.array]:
+        i, data = item
+        if isinstance(data, mx.array):
+            return item
+        if isinstance(data, (int, float, bool)):
+            scalars.append((i, "scalar"))
+            return i, mx.array(data)
+        if isinstance(data, str):
+            scalars.append((i, "string"))
+            return i, mx.array([ord(c) for c in data])
+        if data is None:
+            scalars.append((i, "none"))
+            return i, mx.array([])
+        raise ValueError(f"a cache state holds {type(data).__name__}: not written")
+
+    arrays = dict(map(as_array, tree_flatten([c.state for c in layers])))
+    classes = [type(c).__name__ for c in layers]
+    metadata = dict(tree_flatten([meta, classes, scalars]))
+    mx.eval(list(arrays.values()))
+    return arrays, metadata
 
 
 def _digest(tokens: tuple[int, ...]) -> str:
