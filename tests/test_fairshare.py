@@ -316,3 +316,29 @@ def test_a_tenant_past_its_tokens_of_the_day_gets_429s_and_the_others_run(conn, 
     assert Client(connection=conn).retry("m2", error_codes=("quota_exceeded",)).queued == 3
     run_worker(redis_url)
     assert all(read_result(conn, j).status == "succeeded" for j in later)
+
+
+def test_a_keys_requests_through_the_gateway_are_its_tenants(
+    conn, redis_url, tiny, tmp_path, workers
+):
+    """A key's chat completions wait on its tenant's list of the interactive queue and
+    count in its tenant's usage; a key without a tenant's, in the default tenant's."""
+    from producer.tenants import usage
+    from tests.test_gateway import Gateway
+
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("sk-team-a-key team-a\nsk-plain-key\n")
+    gw = Gateway(redis_url, tmp_path, "--api-key-file", str(key_file))
+    workers()
+    try:
+        for key in ("sk-team-a-key", "sk-plain-key"):
+            reply = gw.client(key=key).chat.completions.create(
+                model=tiny.target, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            assert reply.choices[0].message.content is not None
+    finally:
+        gw.stop()
+    totals = usage(conn)
+    assert totals["team-a"]["jobs"] == 1 and totals[keys.DEFAULT_TENANT]["jobs"] == 1
+    lists = {q.decode() for q in conn.smembers(keys.RQ_QUEUES)}
+    assert keys.rq_queue_key(f"{keys.INTERACTIVE_QUEUE}@team-a") in lists

@@ -41,13 +41,15 @@ def _batch(conn, model: str, n: int, tokens: int, tag: str = "b", **fields) -> l
     return Client(connection=conn).submit(jobs, batch_id=tag).job_ids
 
 
-def _interactive(conn, model: str, count: int, tag: str = "i", **fields) -> list[str]:
+def _interactive(
+    conn, model: str, count: int, tag: str = "i", tenant: str = keys.DEFAULT_TENANT, **fields
+) -> list[str]:
     jobs = {
         f"{tag}{i}": chat(model, f"question {i}", max_tokens=8, temperature=0, **fields)
         for i in range(count)
     }
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
-    return client.submit(jobs, batch_id=tag).job_ids
+    return client.submit(jobs, batch_id=tag, tenant=tenant).job_ids
 
 
 def _serve(redis_url: str, rt: runtime.WorkerRuntime, max_batch: int | None) -> threading.Thread:
@@ -76,13 +78,17 @@ def _rt(policy: SpeculationPolicy | None = None) -> runtime.WorkerRuntime:
     return runtime.WorkerRuntime(cache=ModelCache(), policy=policy or SpeculationPolicy("never"))
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_interactive_jobs_end_while_the_batch_runs(conn, redis_url, tiny, stream):
+@pytest.mark.parametrize(
+    ("stream", "tenant"),
+    [(False, keys.DEFAULT_TENANT), (True, keys.DEFAULT_TENANT), (False, "app")],
+)
+def test_interactive_jobs_end_while_the_batch_runs(conn, redis_url, tiny, stream, tenant):
+    """(``tenant``: on a tenant's list of the interactive queue, as a gateway key's.)"""
     batch = _batch(conn, tiny.target, 300, 24)
     rt = _rt()
     worker = _serve(redis_url, rt, max_batch=8)
     _wait(lambda: _ended(conn, batch) >= 8)  # the batch is running
-    asked = _interactive(conn, tiny.target, 4, stream=stream)
+    asked = _interactive(conn, tiny.target, 4, stream=stream, tenant=tenant)
     at_ask = _ended(conn, batch)
     _wait(lambda: _ended(conn, asked) == 4)
     during = _ended(conn, batch) - at_ask

@@ -232,7 +232,8 @@ async def _answer(
     queued = False
     try:
         request.state.submitted = time.perf_counter()  # the envelope's submitted_at
-        queued = await chat.enqueue(request.app.state.enqueue, job_id, body, s, notify)
+        tenant = s.tenant_of(request.headers.get("authorization"))
+        queued = await chat.enqueue(request.app.state.enqueue, job_id, body, s, notify, tenant)
         request.state.enqueued = time.perf_counter()
     finally:
         if not queued:  # refused (the queue is full) or Redis failed: nothing to wait for

@@ -45,16 +45,19 @@ async def enqueue(
     body: dict[str, Any],
     s: GatewaySettings,
     notify: str = "",
+    tenant: str = keys.DEFAULT_TENANT,
 ) -> bool:
     """Enqueue the request as a batch of one on the interactive queue, in one call of
     ``script`` (:data:`producer.enqueue.ENQUEUE_LUA`: this process's
     :class:`~producer.serve.coalesce.Coalesced` calls, or an ``AsyncScript``). False if
-    ``max_interactive`` jobs already wait. ``notify``: the list its record is announced
-    on (this process's :class:`~producer.serve.notify.Notifier`).
+    ``max_interactive`` jobs already wait (on the list of the key's ``tenant``: the
+    interactive queue's own, or ``<queue>@<tenant>``, shared fairly by the take).
+    ``notify``: the list its record is announced on (this process's
+    :class:`~producer.serve.notify.Notifier`).
     Chat batches stay out of ``mlxq:batches``: they are not Batch API batches."""
     job = Prepared(
         job_id,
-        s.interactive_queue,
+        keys.tenant_queue(s.interactive_queue, tenant),  # a key's tenant: its own list
         job_data("chat", time.time(), body, s.chat_ttl),
         "chat",
     )

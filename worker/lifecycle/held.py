@@ -449,11 +449,14 @@ class Lifecycle(Upkeep):
             return sum(int(n) for n in pipe.execute())
 
     def first_waiting(self, queues: list[str]) -> str | None:
-        """The first of ``queues`` that holds a job now (one round trip), or None."""
+        """The first of ``queues`` that holds a job now, on its own list or a tenant's
+        (its fair set names the lists with work; one round trip), or None."""
         pipe = self.conn.pipeline(transaction=False)
         for q in queues:
             pipe.llen(keys.rq_queue_key(q))
-        return next((q for q, n in zip(queues, pipe.execute(), strict=True) if n), None)
+            pipe.zcard(keys.fair_key(q))
+        found = pipe.execute()
+        return next((q for i, q in enumerate(queues) if found[2 * i] or found[2 * i + 1]), None)
 
     def requeue(self, job: Job) -> bool:
         """Give a held job back to the front of its queue, unstarted."""

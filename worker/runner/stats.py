@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from schemas import ResultRecord
+from schemas import ResultRecord, keys
 from schemas.fleet import LATENCIES, QUEUE_LATENCIES, Histogram, PairStats
 from worker.engine import GenerationOutput
 
@@ -52,7 +52,8 @@ class WorkerStats:
             if value is not None:
                 self.latency[name].observe(value)
                 if queue is not None and name in QUEUE_LATENCIES:
-                    per = self.by_queue.setdefault(queue, {n: Histogram() for n in QUEUE_LATENCIES})
+                    base = keys.base_queue(queue)  # (a tenant's list: its queue's label)
+                    per = self.by_queue.setdefault(base, {n: Histogram() for n in QUEUE_LATENCIES})
                     per[name].observe(value)
 
     def add_batch(self, size: int, kv_bytes: int, projected_bytes: int) -> None:
