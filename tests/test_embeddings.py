@@ -104,8 +104,9 @@ def test_a_rows_vector_is_the_same_padded_beside_longer_rows_on_every_cache_type
     )
     embedder = ModelCache().get(str(path))[0].embedder
     assert embedder is not None
-    rows = embedder.tokenize(["a short one", "a much longer text " * 6, "x"])
+    rows = embedder.tokenize(["a short one", "a much longer text " * 5, "x"])
     assert len({len(r) for r in rows}) == 3
+    assert max(len(r) for r in rows) <= (embedder.context or 10**6)  # within its positions
     together = embedder.forward(rows)
     alone = np.concatenate([embedder.forward([r]) for r in rows])
     # BLAS may sum a padded matrix in another order (OpenBLAS: ~1e-5); a mask gone wrong
@@ -314,32 +315,23 @@ def test_all_minilm_l6_v2_gives_sentence_transformers_vectors_through_the_queue(
     assert abs(float(v[2] @ v[3]) - ref["similarity"]["score"]) < 1e-4
 
 
-def test_a_row_that_comes_out_not_finite_is_rerun_alone_or_fails_the_job(
-    tmp_path, monkeypatch, caplog
-):
-    """A padded pass that gives a row NaN (seen twice on the CPU in the full suite) reruns
-    that row alone; a row NaN alone fails with a named error, never NaN in a result."""
+def test_rows_past_the_models_positions_and_non_finite_results_fail_by_name(tmp_path, monkeypatch):
+    """A row longer than BERT's position table is refused before the pass (read past the
+    table's end, it gave an all-NaN row now and then); a non-finite result fails by name:
+    never NaN in a result."""
     import mlx.core as mx
 
     import worker.engine.embed as embed
-    from schemas import GenerationError
+    from schemas import ContextLengthError, GenerationError
     from worker.dev.tinyembed import write_bert
     from worker.engine.models import ModelCache
 
-    embedder = ModelCache().get(str(write_bert(tmp_path / "m")))[0].embedder
-    rows = embedder.tokenize(["a short one", "a much longer text " * 6])
-    alone = np.concatenate([embedder.forward([r]) for r in rows])
-    real_pool = embed.pool
-
-    def nan_first_row_when_padded(hidden, mask, lengths, mode):
-        out = real_pool(hidden, mask, lengths, mode)
-        return mx.where(mx.arange(out.shape[0])[:, None] == 0, mx.nan, out) if len(out) > 1 else out
-
-    monkeypatch.setattr(embed, "pool", nan_first_row_when_padded)
-    with caplog.at_level("WARNING", logger="worker.engine.embed"):
-        together = embedder.forward(rows)
-    np.testing.assert_allclose(together, alone, atol=5e-5, rtol=1e-5)
-    assert "rerun alone" in caplog.text
+    embedder = ModelCache().get(str(write_bert(tmp_path / "m", context=16)))[0].embedder
+    (fits, long) = embedder.tokenize(["a short one", "a much longer text " * 3])
+    assert len(fits) <= 16 < len(long)
+    with pytest.raises(ContextLengthError, match="longer than the model's 16"):
+        embedder.forward([fits, long])
+    assert np.isfinite(embedder.forward([fits])).all()
     monkeypatch.setattr(embed, "pool", lambda *a: mx.full((1, 32), mx.nan))
     with pytest.raises(GenerationError, match="non-finite"):
-        embedder.forward([rows[0]])
+        embedder.forward([fits])

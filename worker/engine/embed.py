@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from schemas import GenerationError
+from schemas import ContextLengthError, GenerationError
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,20 @@ class Embedder:
 
     def forward(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
         """One padded forward pass over ``rows``: their pooled vectors, not normalised (a
-        row's vector does not depend on the others in the pass)."""
+        row's vector does not depend on the others in the pass). A row longer than the
+        model's positions is refused (an absolute position table read past its end gives
+        garbage, NaN now and then); a result that is not finite fails, naming it."""
+        longest = max(len(r) for r in rows)
+        if self.context is not None and longest > self.context:
+            raise ContextLengthError(
+                f"an input of {longest} tokens is longer than the model's {self.context}"
+            )
+        out = self._pass(rows)
+        if not np.isfinite(out).all():
+            raise GenerationError("the model produced non-finite values (NaN or inf)")
+        return out
+
+    def _pass(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
         longest = max(len(r) for r in rows)
         ids = np.zeros((len(rows), longest), dtype=np.int32)
         mask = np.zeros((len(rows), longest), dtype=np.int32)
@@ -180,21 +193,7 @@ class Embedder:
         hidden = self.body(ids_mx) if self.decoder else self.model(ids_mx, mask_mx)
         vectors = pool(hidden, mask_mx, lengths, self.pooling.mode)
         mx.eval(vectors)
-        out = np.array(vectors, dtype=np.float32)
-        bad = np.flatnonzero(~np.isfinite(out).all(axis=1))
-        if bad.size and len(rows) > 1:
-            # Seen twice in the full test suite on the CPU (a padded BERT row all NaN; never
-            # alone, never reproduced in isolation): such a row is computed again alone.
-            log.warning(
-                "embeddings: %d of %d rows not finite in a padded pass; rerun alone",
-                bad.size,
-                len(rows),
-            )
-            for i in bad:
-                out[i] = self.forward([rows[i]])[0]
-        if not np.isfinite(out).all():
-            raise GenerationError("the model produced non-finite values (NaN or inf)")
-        return out
+        return np.array(vectors, dtype=np.float32)
 
 
 def shorten(vector: np.ndarray, dims: int, renormalize: bool) -> np.ndarray:
