@@ -22,11 +22,13 @@ from producer.fleet import live_workers
 from producer.retry import RetryFilter, RetryReport, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
-from schemas import ResultRecord, keys
+from schemas import ChatRequest, ResultRecord, keys
 from schemas.connect import redis_from_url
 from schemas.embeddings import JobRequest, parse_request
 from schemas.fleet import WorkerInfo
+from schemas.responses import TranslationError
 from schemas.settings import DEFAULT_REDIS_URL
+from schemas.shapes import SHAPED_URLS, to_chat_job
 from schemas.store import read_result
 
 
@@ -59,11 +61,15 @@ class Client:
         route: str = "queue",
         tenant: str = keys.DEFAULT_TENANT,
         priority: int = 0,
+        endpoint: str | None = None,
     ) -> SubmitSummary:
         """Submit requests as one batch. A mapping gives custom ids; else they are ``req-N``.
         A request is a chat request, or an embeddings one (a body with ``input``). The
         batch belongs to ``tenant``: workers share each queue fairly between tenants, and
-        take a tenant's batches of higher ``priority`` (-9 to 9) first.
+        take a tenant's batches of higher ``priority`` (-9 to 9) first. With ``endpoint``
+        ``"/v1/responses"`` or ``"/v1/completions"``, the requests are bodies of that
+        endpoint: each runs as a chat job, and the batch's output lines
+        (:func:`producer.iter_output_lines`) carry the endpoint's own objects.
 
         Every request is validated before anything is enqueued (pydantic's
         ValidationError names the field).
@@ -73,10 +79,9 @@ class Client:
             if isinstance(requests, Mapping)
             else ((f"req-{i}", r) for i, r in enumerate(requests, start=1))
         )
-        items = [
-            SubmitItem(str(cid), r if isinstance(r, BaseModel) else parse_request(r))
-            for cid, r in pairs
-        ]  # all validated before anything is enqueued
+        if endpoint is not None and endpoint not in SHAPED_URLS:
+            raise ValueError(f"endpoint: {endpoint!r} is not one of {', '.join(SHAPED_URLS)}")
+        items = [_item(str(cid), r, endpoint) for cid, r in pairs]  # all validated first
         return submit_items(
             self.connection,
             items,
@@ -153,3 +158,18 @@ class Client:
         for page in batch_job_ids(self.connection, batch_id):
             for outcome in page_outcomes(self.connection, batch_id, page, cancelled):
                 yield outcome if isinstance(outcome, ResultRecord) else None
+
+
+def _item(custom_id: str, request: Any, endpoint: str | None) -> SubmitItem:
+    """One request as a submit item: a chat or embeddings request, or a body of
+    ``endpoint`` translated to its chat job (a bad one raises ValueError naming it)."""
+    if endpoint is None:
+        parsed = request if isinstance(request, BaseModel) else parse_request(request)
+        return SubmitItem(custom_id, parsed)
+    if isinstance(request, BaseModel):
+        request = request.model_dump(mode="json", exclude_unset=True)
+    try:
+        body, shape = to_chat_job(endpoint, request)
+    except TranslationError as e:
+        raise ValueError(f"{custom_id}: {e}") from None
+    return SubmitItem(custom_id, ChatRequest.model_validate(body), body, shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,9 @@ class SubmitItem:
     custom_id: str
     request: ChatRequest | EmbeddingRequest
     body: dict[str, Any] | None = None
+    #: A /v1/responses or /v1/completions request's shape (``schemas.shapes``): ``request``
+    #: is the chat job it runs as, and its output line is translated back.
+    shape: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,4 +213,5 @@ def _prepare(
             queue_of(route, queue, item.request.model),
             job_data(item.custom_id, now, body, result_ttl),
             item.custom_id,
+            json.dumps(item.shape) if item.shape is not None else None,
         )

@@ -94,6 +94,34 @@ def test_responses_and_completions_lines_run_beside_chat_lines(conn, redis_url, 
     assert again["resp"].response.body["id"] == resp["id"]
 
 
+def test_the_python_client_takes_responses_and_completions_bodies(conn, redis_url, tiny):
+    from producer import Client
+
+    client = Client(connection=conn)
+    bodies = {x["custom_id"]: x["body"] for x in _lines(tiny.target)}
+    client.submit(
+        {"r": bodies["resp"], "r2": bodies["resp-sys"]}, batch_id="py-r", endpoint="/v1/responses"
+    )
+    client.submit({"c": bodies["legacy"]}, batch_id="py-c", endpoint="/v1/completions")
+    client.submit({"chat": bodies["chat"]}, batch_id="py-chat")
+    run_worker(redis_url)
+    resp = {x.custom_id: x.response.body for x in iter_output_lines(conn, "py-r")}
+    assert {b["object"] for b in resp.values()} == {"response"}
+    assert resp["r2"]["instructions"] == "Be brief."
+    (legacy,) = [x.response.body for x in iter_output_lines(conn, "py-c")]
+    assert legacy["object"] == "text_completion"
+    (chat_line,) = [x.response.body for x in iter_output_lines(conn, "py-chat")]
+    (message,) = [o for o in resp["r"]["output"] if o["type"] == "message"]
+    assert message["content"][0]["text"] == chat_line["choices"][0]["message"]["content"]
+    with pytest.raises(ValueError, match="previous_response_id"):
+        client.submit(
+            [{"model": "m", "input": "x", "previous_response_id": "resp_1"}],
+            endpoint="/v1/responses",
+        )
+    with pytest.raises(ValueError, match="endpoint"):
+        client.submit([bodies["chat"]], endpoint="/v1/audio/speech")
+
+
 @pytest.mark.parametrize(
     ("body", "why"),
     [

@@ -91,14 +91,14 @@ end
 -- A job handed back unstarted (``requeue.lua``) gives its take back: its list's turn
 -- comes again next, as the job is first on it.
 local function fair_give_back(name)
-  fair_wake(name, 1)
   local base, tenant = fair_parts(name)
   local fair = {{FAIR_PREFIX}} .. base
   local score = redis.call('ZSCORE', fair, name)
   if score then
+    fair_wake(name, 1)
     fair_move(fair, name, fair_time(name, score) - 1 / fair_weight(tenant))
   else
-    fair_join(name)
+    fair_join(name)  -- (which wakes)
   end
 end
 -- A tenant with a running limit (``mlxq:tenant-limits``) whose jobs held fleet-wide

@@ -13,7 +13,6 @@ and causal decoders pad on the right).
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ import mlx.core as mx
 import numpy as np
 
 from schemas import ContextLengthError, GenerationError
-
-log = logging.getLogger(__name__)
 
 #: Pooling modes, by the key of ``1_Pooling/config.json`` that turns each on.
 POOLING_KEYS = {

@@ -117,7 +117,6 @@ class PrefixDisk:
         self.root.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = max(0, int(budget_bytes))
         self.enabled = self.budget_bytes > 0
-        self.loads = self.writes = 0
         self._index: dict[str, dict[tuple[int, ...], DiskEntry]] = {}
         self._seen_mtime = -1.0
         self._lock = threading.Lock()
@@ -186,7 +185,6 @@ class PrefixDisk:
             return None
         with contextlib.suppress(OSError):
             os.utime(entry.path)  # recently used: the last to go
-        self.loads += 1
         return layers
 
     # -- writing ------------------------------------------------------------
@@ -203,6 +201,8 @@ class PrefixDisk:
             self._writer.daemon = True
             self._writer.start()
             atexit.register(self.flush)
+        if self._queue.full():
+            return  # (the disk is a second copy: this one is not written)
         meta = {"format": FORMAT, "identity": identity, "tokens": json.dumps(list(key))}
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait((identity, key, *_file_content(layers, meta)))
@@ -251,7 +251,6 @@ class PrefixDisk:
                 e,
             )
             return
-        self.writes += 1
         with self._lock:
             self._index.setdefault(identity, {})[tokens] = DiskEntry(final, identity, tokens)
         self._evict()

@@ -58,16 +58,15 @@ def completion_for(
     tools = request.template_tools
     thinking = None if request.raw_prompt else reasoning.thinking_of(tokenizer)
     thought = 0  # reasoning tokens, over the choices
-    streamed = parser
 
     def message(o: GenerationOutput, choice: int) -> tuple[AssistantMessage, str]:
         nonlocal thought
-        if choice == 0 and streamed is not None:
-            parser = streamed
+        if choice == 0 and parser is not None:
+            final = parser
         else:
-            parser = OutputParser(thinking, o.in_reasoning, family)
-            parser.feed(o.text)
-        msg, reason = parser.message(
+            final = OutputParser(thinking, o.in_reasoning, family)
+            final.feed(o.text)
+        msg, reason = final.message(
             o.finish_reason, tools, lambda n: toolcalls.call_id(completion_id, choice, n)
         )
         if thinking is not None:
