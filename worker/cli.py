@@ -145,6 +145,23 @@ class _Commands(click.Group):
     help="Size of --prefix-cache-dir: least recently used files go first.",
 )
 @click.option(
+    "--kv-bits",
+    envvar="MLXQ_KV_BITS",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="Quantize full-attention KV caches to this many bits on every path: more jobs fit "
+    "in memory; outputs change slightly [default: unquantized].",
+)
+@click.option(
+    "--kv-group-size",
+    envvar="MLXQ_KV_GROUP_SIZE",
+    type=click.Choice(["32", "64", "128"]),
+    default="64",
+    show_default=True,
+    help="Values per quantization group of --kv-bits (a model whose head size it does not "
+    "divide runs unquantized, said in the log).",
+)
+@click.option(
     "--allow-model",
     "allow_models",
     envvar="MLXQ_ALLOW_MODELS",
@@ -266,6 +283,8 @@ def main(
     prefix_cache_gb: float,
     prefix_cache_dir: Path | None,
     prefix_cache_disk_gb: float,
+    kv_bits: str | None,
+    kv_group_size: str,
     allow_models: tuple[str, ...],
     model_dirs: tuple[str, ...],
     num_draft_tokens: int,
@@ -290,6 +309,7 @@ def main(
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Import the job code (mlx-lm, transformers: ~1-2 s) before registering, so
     # the first job does not pay for it and "registered" means "ready".
+    from worker.engine.kvquant import KVQuant
     from worker.engine.models import ModelCache
     from worker.runner import runtime
     from worker.runner.access import DEFAULT_MODEL_DIR, ModelAccess
@@ -324,6 +344,7 @@ def main(
             prefix_bytes=int(prefix_cache_gb * 1e9),
             locate=access.locate,
             prefix_disk=disk,
+            kv_quant=KVQuant(int(kv_bits), int(kv_group_size)) if kv_bits else None,
         ),
         access=access,
         default_num_draft_tokens=num_draft_tokens,

@@ -74,12 +74,13 @@ class BatchEngine:
         added earlier and still waiting (an interactive job's).
         """
         prompt, params, cached = job.prompt, job.params, start.cached
-        cache = start.cache
+        # Always given: mlx-lm would make an unquantized one (``--kv-bits``).
+        cache = start.cache if start.cache is not None else self.target.new_cache()
         (uid,) = self.gen.insert(
             [prompt[cached:]],
             [params.max_tokens],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[prompt[:cached]] if cache is not None else None,
+            caches=[cache],
+            all_tokens=[prompt[:cached]],
             samplers=[sampler_for(params)],
             logits_processors=[logits_processors(params)],
         )

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from schemas import ChatRequest, ModelKindError
 from worker.engine.batch import BatchEngine
 from worker.engine.layers import restore, snapshot
@@ -164,7 +162,7 @@ class ChatGenerator:
         start = self.starting_cache(job, held)
         cache, cached = start.cache, start.cached
         if cache is None:
-            cache, cached = make_prompt_cache(self.target.model), 0
+            cache, cached = self.target.new_cache(), 0
         prefill(self.target.model, prompt, cache, cached, held)
         layers = snapshot(cache, held)
         return (layers, held, start.reused) if layers is not None else (None, 0, 0)
@@ -214,7 +212,7 @@ class ChatGenerator:
             *(common_prefix(prompt, other) for other in company),
         )
         store.remember(self.target.key, prompt)
-        pairs = [(m.key, m.model) for m in (self.target, draft) if m is not None]
+        pairs = [(m.key, m) for m in (self.target, draft) if m is not None]
         cache, cached, reused = starting_cache(
             store, self.models.prefix_room, pairs, prompt, boundary, limit
         )

@@ -3,7 +3,8 @@
 What the prefix cache keeps and the n choices of one prompt share: the state of
 every layer after a prompt's first n tokens.
 
-- ``KVCache``: its first n positions (a copy that can later be cut shorter).
+- ``KVCache``: its first n positions (a copy that can later be cut shorter); a
+  quantized one (``worker.engine.kvquant``) the same, kept quantized.
 - ``RotatingKVCache`` (sliding window): the window's positions in temporal order,
   at most ``max_size`` (its attention sinks, ``keep``, first). It can be cut shorter
   only while the window has not wrapped (it still holds every position).
@@ -29,6 +30,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from worker.engine.kvquant import QuantizedKV
 from worker.engine.rewind import leaves
 
 Cache = list[Any]
@@ -66,6 +68,10 @@ def _snap(c: Any, n: int) -> Any | None:
         kept.values = mx.contiguous(c.values[..., :n, :])
         kept.offset = n
         return kept
+    if type(c) is QuantizedKV:
+        if c.offset < n:
+            return None
+        return _quantized_at(c, n, mx.contiguous)
     if type(c) is RotatingKVCache:
         if c.offset != n or c.keys is None:
             return None
@@ -103,9 +109,20 @@ def shortest(layers: Cache, n: int) -> int:
     return 1
 
 
+def _quantized_at(c: QuantizedKV, n: int, f: Any = None) -> QuantizedKV:
+    """A quantized layer's first ``n`` positions (each array through ``f``)."""
+    kept = QuantizedKV(c.group_size, c.bits)
+    kept.keys = tuple(f(x[..., :n, :]) if f else x[..., :n, :] for x in c.keys)
+    kept.values = tuple(f(x[..., :n, :]) if f else x[..., :n, :] for x in c.values)
+    kept.offset = n
+    return kept
+
+
 def _fresh(c: Any, n: int) -> Any:
     if isinstance(c, CacheList):
         return CacheList(*(_fresh(p, n) for p in c.caches))
+    if isinstance(c, QuantizedKV):
+        return _quantized_at(c, n)
     if isinstance(c, RotatingKVCache):
         keys, values, offset, keep, max_size, _ = c.state
         if n != offset:  # (only an unwrapped window: it holds every position)

@@ -53,11 +53,12 @@ def _layer_caches(caches: Iterable[Any]) -> Iterable[Any]:
             yield c
 
 
-def kv_profile(model: nn.Module) -> KVProfile:
-    """Measure ``model``'s KV bytes per sequence (one forward pass of one token)."""
+def kv_profile(model: nn.Module, cache: list[Any] | None = None) -> KVProfile:
+    """Measure ``model``'s KV bytes per sequence (one forward pass of one token into
+    ``cache``, an empty one as the engines make them; mlx-lm's own when None)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model) if cache is None else cache
     model(mx.array([[0]]), cache=cache)
     per_token, fixed, windows = 0, 0, []
     for c in _layer_caches(cache):

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from schemas import (
     ContextTooLargeError,
@@ -38,6 +38,7 @@ from schemas import (
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
 from worker.engine.identity import weights_identity
+from worker.engine.kvquant import KVQuant, QuantizedKV, make_cache, probe
 from worker.engine.memory import (
     DEVICE_SHARE,
     KVProfile,
@@ -87,6 +88,18 @@ class LoadedModel:
     _plain_kv: bool | None = field(default=None, repr=False)
     #: How it embeds, for an embedding model (None: a chat model).
     embedder: Embedder | None = field(default=None, repr=False)
+    #: How its KV caches are quantized (None: not; ``worker --kv-bits``).
+    kv_quant: KVQuant | None = None
+
+    def new_cache(self) -> list[Any]:
+        """An empty cache for one sequence, as every engine makes them (quantized KV
+        layers under ``--kv-bits``)."""
+        return make_cache(self.model, self.kv_quant)
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The bits its full-attention KV caches hold (None: unquantized)."""
+        return self.kv_quant.bits if self.kv_quant is not None else None
 
     @property
     def kind(self) -> str:
@@ -115,7 +128,7 @@ class LoadedModel:
     def kv(self) -> KVProfile:
         """The model's KV-cache bytes per sequence (measured once, ``worker.engine.memory``)."""
         if self._kv is None:
-            self._kv = kv_profile(self.model)
+            self._kv = kv_profile(self.model, self.new_cache())
         return self._kv
 
     @property
@@ -124,8 +137,8 @@ class LoadedModel:
         state): rewound by cutting positions off, and a kept prefix serves any shorter one.
         Found once, from an empty cache of the model."""
         if self._plain_kv is None:
-            cache = leaves(make_prompt_cache(self.model))
-            self._plain_kv = all(type(c) is KVCache for c in cache)
+            cache = leaves(self.new_cache())
+            self._plain_kv = all(type(c) in (KVCache, QuantizedKV) for c in cache)
         return self._plain_kv
 
     def vocab(self) -> dict[str, int]:
@@ -216,8 +229,11 @@ class ModelCache:
         prefix_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         locate: Callable[[str], Path] = resolve_path,
         prefix_disk: PrefixDisk | None = None,
+        kv_quant: KVQuant | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: ``--kv-bits``: chat models whose attention takes quantized caches use them.
+        self.kv_quant = kv_quant
         #: Name -> directory to load from (``worker.runner.access`` restricts it).
         self.locate = locate
         self.prefixes = PrefixCache(prefix_bytes, prefix_disk)
@@ -336,11 +352,24 @@ class ModelCache:
             entry = self._load_adapter(base, adapter, keep=(*keep, base.key))
         entry.pinned = pin
         entry.uses = 1
+        if self.kv_quant is not None and entry.kind == "chat":
+            self._quantize(entry)
         self._entries[key] = entry
         self.loads += 1
         if self.prefixes.disk is not None and entry.kind == "chat":
             self._identify(entry)
         return entry, False
+
+    def _quantize(self, entry: LoadedModel) -> None:
+        """Give ``entry`` quantized KV caches if its attention takes them (else it runs
+        unquantized, said once in the log; its records say so too)."""
+        assert self.kv_quant is not None
+        why = probe(entry.model, self.kv_quant)
+        if why is None:
+            entry.kv_quant = self.kv_quant
+            log.info("%s: KV caches at %d bits", _label(entry.key), self.kv_quant.bits)
+        else:
+            log.warning("%s: KV caches stay unquantized: %s", _label(entry.key), why)
 
     def _identify(self, entry: LoadedModel) -> None:
         """Give the prefix cache ``entry``'s weights identity (its base's and its
@@ -349,6 +378,8 @@ class ModelCache:
             identity = weights_identity(self.locate(entry.name))
             if entry.adapter is not None:
                 identity += "+" + weights_identity(self.locate(entry.adapter))
+            if entry.kv_quant is not None:  # its files hold quantized layers
+                identity += "+" + entry.kv_quant.tag
         except Exception as e:  # unreadable: this model's prefixes stay in memory
             log.warning("prefix cache on disk: %s stays in memory (%s)", entry.name, e)
             return

@@ -46,7 +46,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.nn as nn
 import numpy as np
@@ -55,6 +55,15 @@ from worker.engine.layers import nbytes as cache_nbytes
 from worker.engine.layers import restore, shortest, snapshot
 from worker.engine.prefill import prefill
 from worker.engine.prefixdisk import PrefixDisk
+
+
+class Runs(Protocol):
+    """A loaded model as the prefix cache needs it (``worker.engine.models.LoadedModel``)."""
+
+    model: nn.Module
+
+    def new_cache(self) -> list[Any]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +195,7 @@ class PrefixCache:
         """``model``'s weights identity: its entries are written to and read from disk."""
         self._ids[model] = identity
 
-    def from_disk(self, model: Hashable, net: nn.Module, prompt: Sequence[int], room: int) -> None:
+    def from_disk(self, model: Hashable, net: Runs, prompt: Sequence[int], room: int) -> None:
         """Bring the longest entry on disk that ``prompt`` begins with into memory, if it
         gives at least :data:`MIN_TOKENS` more than memory holds (``net``: the model, whose
         caches the file's layers must be; ``room``: as :meth:`put`)."""
@@ -199,7 +208,7 @@ class PrefixCache:
         matched = self.match(model, prompt)
         if matched is not None and len(found.tokens) - matched[1] < MIN_TOKENS:
             return
-        layers = self.disk.load(found, net)
+        layers = self.disk.load(found, net.new_cache())
         if layers is not None and self.put(model, found.tokens, layers, room, write=False):
             self.stats.disk_hits += 1
 
@@ -252,7 +261,7 @@ class PrefixCache:
 def starting_cache(
     store: PrefixCache,
     room: Callable[[], int],
-    models: Sequence[tuple[Hashable, nn.Module]],
+    models: Sequence[tuple[Hashable, Runs]],
     prompt: Sequence[int],
     boundary: int,
     limit: int,
@@ -284,7 +293,8 @@ def starting_cache(
             base, held = None, 0  # extend the entry that covers part of it, if any
             if matched is not None:
                 base, held = restore(matched[0].layers, matched[1]), matched[1]
-            layers = snapshot(prefill(model, prompt, base, held, boundary), boundary)
+            base = base if base is not None else model.new_cache()
+            layers = snapshot(prefill(model.model, prompt, base, held, boundary), boundary)
             if layers is None:
                 return None, 0, 0
             store.put(key, prompt[:boundary], layers, room())

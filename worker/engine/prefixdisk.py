@@ -44,7 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache
 
 from worker.engine.rewind import leaves
 
@@ -167,9 +167,10 @@ class PrefixDisk:
                 best = e
         return best
 
-    def load(self, entry: DiskEntry, model: Any) -> Cache | None:
-        """``entry``'s layers for ``model`` (their classes checked against the model's own
-        caches), or None: a bad file is deleted with a warning, a gone one forgotten."""
+    def load(self, entry: DiskEntry, fresh: Cache) -> Cache | None:
+        """``entry``'s layers for a model (their classes checked against ``fresh``, an
+        empty cache of the model as the engines make it), or None: a bad file is deleted
+        with a warning, a gone one forgotten."""
         try:
             layers, meta = load_prompt_cache(str(entry.path), return_metadata=True)
         except FileNotFoundError:
@@ -178,7 +179,7 @@ class PrefixDisk:
         except Exception as e:  # a truncated or corrupt array section
             self._drop(entry.path, f"unreadable ({type(e).__name__}: {e})", entry)
             return None
-        want = [type(c).__name__ for c in leaves(make_prompt_cache(model))]
+        want = [type(c).__name__ for c in leaves(fresh)]
         got = [type(c).__name__ for c in leaves(layers)]
         if got != want or meta.get("identity") != entry.identity:
             self._drop(entry.path, f"its layers ({len(got)}) are not the model's", entry)

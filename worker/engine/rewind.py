@@ -63,8 +63,15 @@ def unsupported(cache: Cache, batch: bool = False) -> str | None:
         if batch
         else (*_TRIMMABLE, RotatingKVCache, ArraysCache)
     )
-    odd = sorted({type(c).__name__ for c in leaves(cache) if type(c) not in ok})
+    odd = sorted(
+        {type(c).__name__ for c in leaves(cache) if type(c) not in ok and not _batchable(c)}
+    )
     return f"cache types {', '.join(odd)} cannot be rewound" if odd else None
+
+
+def _batchable(c: Any) -> bool:
+    """A quantized KV layer mlxq batches (``worker.engine.kvquant.QuantizedKV``)."""
+    return isinstance(c, QuantizedKVCache) and hasattr(c, "merge")
 
 
 def needs_replay(cache: Cache) -> bool:
@@ -151,9 +158,12 @@ def cut(cache: Cache, n: int) -> None:
 
 # -- batches -------------------------------------------------------------------
 def plain_kv(cache: Cache) -> bool:
-    """True if every layer of a batch's ``cache`` is a ``BatchKVCache``: rows are rewound by
+    """True if every layer of a batch's ``cache`` is a ``BatchKVCache`` (or its quantized
+    kind, ``worker.engine.kvquant``): rows are rewound by
     turning their rejected tails into padding (``worker.engine.specbatch``), no replay."""
-    return all(type(c) is BatchKVCache for c in leaves(cache))
+    return all(
+        type(c) is BatchKVCache or type(c).__name__ == "BatchQuantizedKV" for c in leaves(cache)
+    )
 
 
 def batch_checkpoint(cache: Cache, *, copy: bool = False) -> list[Any]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
 
 from schemas import MlxqError
 from worker.engine.layers import count as cache_count
@@ -101,7 +100,7 @@ class SingleEngine:
         model = self.target.model
         n_t = cache_count(model)
         cache, cached = start.cache, start.cached
-        t_cache = cache[:n_t] if cache is not None else make_prompt_cache(model)
+        t_cache = cache[:n_t] if cache is not None else self.target.new_cache()
         self._seq = Sequence(
             tag, len(prompt), params, self.target.tokenizer.detokenizer, start.reused, on_text
         )
@@ -112,7 +111,7 @@ class SingleEngine:
         proposer: Proposer
         if self.draft is not None:
             d_model = self.draft.model
-            d_cache = cache[n_t:] if cache is not None else make_prompt_cache(d_model)
+            d_cache = cache[n_t:] if cache is not None else self.draft.new_cache()
             self._cache = [*t_cache, *d_cache]
             proposer = DraftProposer(d_model, d_cache, prompt, cached)
         else:

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import dynamic_roll, make_prompt_cache
+from mlx_lm.models.cache import dynamic_roll
 
 from worker.engine import rewind
 from worker.engine.batch import UNPADDED_PREFILL
+from worker.engine.kvquant import positions
 from worker.engine.layers import count as cache_count
 from worker.engine.lookup import NgramIndex
 from worker.engine.models import LoadedModel
@@ -91,8 +92,8 @@ def _drop_tail(cache: Cache, tails: list[int]) -> None:
             continue
         shift = mx.array(extra)
         n = c.size()
-        c.keys[..., :n, :] = dynamic_roll(c.keys[..., :n, :], shift[:, None], axis=2)
-        c.values[..., :n, :] = dynamic_roll(c.values[..., :n, :], shift[:, None], axis=2)
+        for x in positions(c):  # keys and values (or their quantized triples)
+            x[..., :n, :] = dynamic_roll(x[..., :n, :], shift[:, None], axis=2)
         c.offset = c.offset - shift
         c.left_padding = c.left_padding + shift
 
@@ -160,8 +161,8 @@ class SpecBatchEngine:
             t_layers, d_layers, cached = None, None, 0
         else:
             t_layers, d_layers, cached = start.cache[:n_t], start.cache[n_t:], start.cached
-        t_layers = t_layers or make_prompt_cache(self.target.model)
-        d_layers = (d_layers or make_prompt_cache(self.draft.model)) if self.draft else []
+        t_layers = t_layers or self.target.new_cache()
+        d_layers = (d_layers or self.draft.new_cache()) if self.draft else []
         why = rewind.unsupported(t_layers + d_layers, batch=True)
         for m in self.models:
             if m.config.get("model_type") in UNPADDED_PREFILL:
