@@ -125,6 +125,7 @@ class Metrics(BaseModel):
     mlx_lm_version: str | None = None
     batch_size: int = 1
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (usage says it too)
+    kv_bits: int | None = None  # its full-attention KV cache's bits (worker --kv-bits); None: not
 
 
 #: What a succeeded job answers: a chat completion, or an embeddings list.

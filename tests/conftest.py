@@ -46,6 +46,9 @@ QUICK_FILES = {
     "test_worker.py",
 }
 QUICK_TESTS = {
+    "tests/test_kvquant.py::test_a_batch_of_quantized_rows_gives_each_row_back_exactly",
+    "tests/test_kvquant.py::test_right_padded_prefill_rolls_the_quantized_rows_like_plain_ones",
+    "tests/test_kvquant.py::test_bad_kv_flags_are_refused_by_name",
     "tests/test_fleet.py::test_stream_chunks_concatenate_to_the_final_message",
     "tests/test_prefix.py::test_same_output_with_and_without_the_cache_and_cached_tokens_say_so",
     "tests/test_structured.py::test_schema_is_enforced_alone_batched_speculative_and_streamed",
@@ -160,10 +163,18 @@ def run_worker(redis_url: str, queues=("mlxq",), runtime=None, max_jobs=None, ma
 
 
 def run_jobs(
-    conn, redis_url: str, jobs: dict, batch_id: str, max_batch=1, policy=None, **rt_fields
+    conn,
+    redis_url: str,
+    jobs: dict,
+    batch_id: str,
+    max_batch=1,
+    policy=None,
+    cache=None,
+    **rt_fields,
 ) -> dict:
     """Submit ``jobs`` as batch ``batch_id``, serve them with a fresh in-process worker
-    (fresh model cache; ``policy`` or auto), and return their records by custom_id."""
+    (``cache`` or a fresh model cache; ``policy`` or auto), and return their records by
+    custom_id."""
     from producer import Client
     from schemas.store import read_result
     from worker.engine.models import ModelCache
@@ -172,7 +183,7 @@ def run_jobs(
 
     s = Client(connection=conn).submit(jobs, batch_id=batch_id)
     rt = rt_mod.WorkerRuntime(
-        cache=ModelCache(),
+        cache=cache or ModelCache(),
         worker_id=batch_id,
         policy=policy or SpeculationPolicy("auto"),
         **rt_fields,

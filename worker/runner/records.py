@@ -152,6 +152,7 @@ def success(
             "peak_memory_gb": out.peak_memory_gb,
             "batch_size": batched_with,
             "cached_tokens": out.cached_tokens,
+            "kv_bits": generator.target.kv_bits,
         }
     )
     return ResultRecord(
