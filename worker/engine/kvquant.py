@@ -89,6 +89,13 @@ class QuantizedKV(QuantizedKVCache):
     def merge(cls, caches: list[Any]) -> BatchQuantizedKV:
         return BatchQuantizedKV.merge(caches)
 
+    @property
+    def nbytes(self) -> int:
+        # (mlx-lm 0.32's fails on an empty cache: a sequence still waiting to prefill)
+        if self.keys is None:
+            return 0
+        return sum(int(x.nbytes) for x in (*self.keys, *self.values))
+
 
 class BatchQuantizedKV(BatchKVCache):
     """mlx-lm's ``BatchKVCache`` with keys and values held quantized (triples of
