@@ -47,6 +47,7 @@ QUICK_FILES = {
 }
 QUICK_TESTS = {
     "tests/test_kvquant.py::test_a_batch_of_quantized_rows_gives_each_row_back_exactly",
+    "tests/test_kvquant.py::test_a_pass_of_several_tokens_attends_dequantized_and_keeps_them_quantized",
     "tests/test_kvquant.py::test_right_padded_prefill_rolls_the_quantized_rows_like_plain_ones",
     "tests/test_kvquant.py::test_bad_kv_flags_are_refused_by_name",
     "tests/test_fleet.py::test_stream_chunks_concatenate_to_the_final_message",

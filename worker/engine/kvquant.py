@@ -82,8 +82,54 @@ def _no_positions(like: Triple, rows: int, n: int = 0) -> Triple:
     return _each(like, lambda x: mx.zeros((rows, x.shape[1], n, x.shape[3]), x.dtype))
 
 
-class QuantizedKV(QuantizedKVCache):
+class _Attends:
+    """Which attention a quantized layer gets. mlx-lm's attention takes its quantized path
+    (``quantized_matmul`` on the packed keys) when the cache has a ``bits`` attribute. A
+    pass of one token per row (decoding) takes it: it reads a quarter of the bytes. A pass
+    of several (prefill, a speculative verify) gets the keys and values dequantized, for
+    the fused attention, transiently and one layer at a time: mlx-lm's quantized path
+    builds every query-key score (2.8x slower prefill here), and mlx-lm's own generate
+    quantizes only after 5,000 tokens for that reason. What is kept is quantized either
+    way, so the outputs are those of quantized caches."""
+
+    quant_bits: int
+    group_size: int
+    _dense = False  # the last pass was of several tokens: ``bits`` hidden
+
+    @property
+    def bits(self) -> int:
+        if self._dense:  # hasattr(cache, "bits") is False: mlx-lm runs the fused attention
+            raise AttributeError("bits")
+        return self.quant_bits
+
+    @bits.setter
+    def bits(self, value: int) -> None:
+        self.quant_bits = value
+
+    def _fetched(self, qk: Triple, qv: Triple, tokens: int, dtype: mx.Dtype) -> tuple[Any, Any]:
+        self._dense = tokens > 1
+        if not self._dense:
+            return qk, qv
+        g, b = self.group_size, self.quant_bits
+        k, v = (mx.dequantize(*t, group_size=g, bits=b).astype(dtype) for t in (qk, qv))
+        return k, v
+
+
+class QuantizedKV(_Attends, QuantizedKVCache):
     """mlx-lm's ``QuantizedKVCache``, batchable: ``merge`` makes a :class:`BatchQuantizedKV`."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        self._dense = False  # (mlx-lm's update reads ``bits``)
+        qk, qv = super().update_and_fetch(keys, values)
+        return self._fetched(qk, qv, keys.shape[2], keys.dtype)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return self.keys, self.values, self.offset, self.group_size, self.quant_bits
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        self.keys, self.values, self.offset, self.group_size, self.quant_bits = v
 
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchQuantizedKV:
@@ -97,7 +143,7 @@ class QuantizedKV(QuantizedKVCache):
         return sum(int(x.nbytes) for x in (*self.keys, *self.values))
 
 
-class BatchQuantizedKV(BatchKVCache):
+class BatchQuantizedKV(_Attends, BatchKVCache):
     """mlx-lm's ``BatchKVCache`` with keys and values held quantized (triples of
     packed values, scales and biases per position). ``bits`` and ``group_size`` make
     mlx-lm's attention take the quantized path."""
@@ -107,7 +153,7 @@ class BatchQuantizedKV(BatchKVCache):
         self.group_size, self.bits = group_size, bits
 
     def _empty(self, b: int, h: int, n: int, dim: int, dtype: mx.Dtype) -> Triple:
-        packed = dim * self.bits // 32
+        packed = dim * self.quant_bits // 32
         groups = dim // self.group_size
         return (
             mx.zeros((b, h, n, packed), dtype=mx.uint32),
@@ -115,7 +161,7 @@ class BatchQuantizedKV(BatchKVCache):
             mx.zeros((b, h, n, groups), dtype=dtype),
         )
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Triple, Triple]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         prev, n = self._idx, keys.shape[2]
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             b, h, _, dk = keys.shape
@@ -130,12 +176,12 @@ class BatchQuantizedKV(BatchKVCache):
                 self.keys, self.values = _cat(old_k, new_k, 2), _cat(old_v, new_v, 2)
         self.offset = self.offset + n
         self._idx += n
-        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.quant_bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.quant_bits)
         for i in range(3):
             self.keys[i][..., prev : self._idx, :] = qk[i]
             self.values[i][..., prev : self._idx, :] = qv[i]
-        return self.keys_and_values()
+        return self._fetched(*self.keys_and_values(), n, keys.dtype)
 
     def keys_and_values(self) -> tuple[Triple, Triple]:
         n = self._idx
@@ -203,7 +249,7 @@ class BatchQuantizedKV(BatchKVCache):
 
     def extract(self, idx: int) -> QuantizedKV:
         pad = int(self.left_padding[idx].item())
-        out = QuantizedKV(self.group_size, self.bits)
+        out = QuantizedKV(self.group_size, self.quant_bits)
         out.keys = _each(self.keys, lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx]))
         out.values = _each(
             self.values, lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx])
@@ -217,7 +263,7 @@ class BatchQuantizedKV(BatchKVCache):
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
         top = max(lengths)
         padding = [top - n for n in lengths]
-        out = cls(padding, first.group_size, first.bits)
+        out = cls(padding, first.group_size, first.quant_bits)
         if top == 0:
             return out
         held = [c for c in caches if c.keys is not None]
@@ -285,9 +331,9 @@ def describe(cache: Cache) -> str:
     """Which layers are quantized: "8-bit kv", or "8-bit kv, 16-bit sliding-window", ..."""
     ls = leaves(cache)
     parts = []
-    quant = [c for c in ls if isinstance(c, QuantizedKVCache)]
+    quant = [c for c in ls if isinstance(c, QuantizedKV)]
     if quant:
-        parts.append(f"{quant[0].bits}-bit kv")
+        parts.append(f"{quant[0].quant_bits}-bit kv")
     if any(type(c) is KVCache for c in ls):
         parts.append("unquantized kv")
     if any(isinstance(c, RotatingKVCache) for c in ls):

@@ -111,7 +111,7 @@ def shortest(layers: Cache, n: int) -> int:
 
 def _quantized_at(c: QuantizedKV, n: int, f: Any = None) -> QuantizedKV:
     """A quantized layer's first ``n`` positions (each array through ``f``)."""
-    kept = QuantizedKV(c.group_size, c.bits)
+    kept = QuantizedKV(c.group_size, c.quant_bits)
     kept.keys = tuple(f(x[..., :n, :]) if f else x[..., :n, :] for x in c.keys)
     kept.values = tuple(f(x[..., :n, :]) if f else x[..., :n, :] for x in c.values)
     kept.offset = n
