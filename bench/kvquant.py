@@ -48,7 +48,8 @@ WORDS = (
 def prompt(i: int, tokens: int) -> str:
     """A distinct text of about ``tokens`` tokens (words drawn with seed ``i``)."""
     rng = random.Random(i)
-    return f"Document {i}. " + " ".join(rng.choice(WORDS) for _ in range(int(tokens * 0.8)))
+    words = " ".join(rng.choice(WORDS) for _ in range(int(tokens * 0.8)))
+    return f"Document {i}. {words}\n\nWrite a long story that uses these words."
 
 
 def bundled(which: str) -> str:
@@ -77,12 +78,23 @@ def arm(conn: Redis, target: str, bits: int | None, budget: int, bodies: list[di
     }
 
 
-def kv_bytes(target: str) -> dict:
-    """KV bytes per token of each cache type at 16/8/4 bits."""
+def kv_bytes(target: str, dtype: str | None = None) -> dict:
+    """KV bytes per token of each cache type unquantized and at 8/4 bits (the model cast
+    to ``dtype`` first, e.g. float16 as models run on a Mac; else as it loads)."""
+    from mlx.utils import tree_map
+
     out = {}
     for bits in (None, 8, 4):
         m, _ = ModelCache(prefix_bytes=0, kv_quant=KVQuant(bits) if bits else None).get(target)
-        out[bits or 16] = {
+        if dtype is not None:
+            cast = getattr(mx, dtype)
+            m.model.update(
+                tree_map(
+                    lambda a, c=cast: a.astype(c) if mx.issubdtype(a.dtype, mx.floating) else a,
+                    m.model.parameters(),
+                )
+            )
+        out[bits or "unquantized"] = {
             "full_attention": m.kv.per_token,
             "sliding_window": [per for _, per in m.kv.windows],
             "recurrent_fixed": m.kv.fixed,
@@ -188,8 +200,10 @@ def main() -> None:
         ("gemma 3 270M (5 sliding : 1 global)", bundled("gemma")),
         ("qwen3.5-shaped (recurrent + full)", model("wide-qwen35")),
     ):
-        report["kv_bytes_per_token"][name] = kv_bytes(path)
-        print(name, json.dumps(report["kv_bytes_per_token"][name]), flush=True)
+        for dtype in (None, "float16"):
+            label = f"{name}, {dtype or 'as loaded'}"
+            report["kv_bytes_per_token"][label] = kv_bytes(path, dtype)
+            print(label, json.dumps(report["kv_bytes_per_token"][label]), flush=True)
     report["perplexity"] = {}
     for name, path in (("smollm2", target), ("gemma3-270m", bundled("gemma"))):
         from mlx_lm import load

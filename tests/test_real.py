@@ -206,4 +206,4 @@ def test_quantized_kv_caches_keep_its_perplexity(loaded):
     got = perplexity(*loaded)
     assert abs(got[8]["vs_16"] - 1) < 0.01, got
     assert abs(got[4]["vs_16"] - 1) < 0.05, got
-    assert got[8]["greedy_agreement"] >= 0.9 and got[4]["greedy_agreement"] >= 0.7, got
+    assert got[8]["greedy_agreement"] >= 0.95 and got[4]["greedy_agreement"] >= 0.8, got

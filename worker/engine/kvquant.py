@@ -48,14 +48,21 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
+#: The group size when none is given: 4 bits need finer groups (perplexity of held-out
+#: prose, SmolLM2-135M: 1.20x unquantized at 64, 1.10x at 32; Gemma 3 270M: 1.08x, 1.05x).
+DEFAULT_GROUP = {8: 64, 4: 32}
+
+
 @dataclass(frozen=True)
 class KVQuant:
     """How a worker quantizes KV caches."""
 
     bits: int
-    group_size: int = 64
+    group_size: int = 0  # 0: :data:`DEFAULT_GROUP` for the bits
 
     def __post_init__(self) -> None:
+        if self.group_size == 0 and self.bits in DEFAULT_GROUP:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP[self.bits])
         if self.bits not in BITS:
             raise ValueError(f"--kv-bits must be one of {BITS}, not {self.bits}")
         if self.group_size not in GROUP_SIZES:
