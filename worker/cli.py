@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from redis import Redis
@@ -19,6 +21,10 @@ from schemas.settings import (
     redact_url,
     wait_replicas_option,
 )
+
+if TYPE_CHECKING:
+    from worker.engine.group import Group
+    from worker.engine.kvquant import KVQuant
 
 log = logging.getLogger("worker")
 
@@ -156,10 +162,18 @@ class _Commands(click.Group):
     "--kv-group-size",
     envvar="MLXQ_KV_GROUP_SIZE",
     type=click.Choice(["32", "64", "128"]),
-    default="64",
-    show_default=True,
+    default=None,
     help="Values per quantization group of --kv-bits (a model whose head size it does not "
-    "divide runs unquantized, said in the log).",
+    "divide runs unquantized, said in the log) [default: 64 at 8 bits, 32 at 4].",
+)
+@click.option(
+    "--shard",
+    envvar="MLXQ_SHARD",
+    type=click.Choice(["auto", "tensor", "pipeline"]),
+    default=None,
+    help="Serve each model split across a worker group started by mlx.launch (rank 0 talks "
+    "to Redis; the others follow): tensor or pipeline parallel, auto: tensor where the "
+    "model has it [default: one machine].",
 )
 @click.option(
     "--allow-model",
@@ -284,7 +298,8 @@ def main(
     prefix_cache_dir: Path | None,
     prefix_cache_disk_gb: float,
     kv_bits: str | None,
-    kv_group_size: str,
+    kv_group_size: str | None,
+    shard: str | None,
     allow_models: tuple[str, ...],
     model_dirs: tuple[str, ...],
     num_draft_tokens: int,
@@ -309,6 +324,7 @@ def main(
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Import the job code (mlx-lm, transformers: ~1-2 s) before registering, so
     # the first job does not pay for it and "registered" means "ready".
+    from worker.engine.group import GroupLost
     from worker.engine.kvquant import KVQuant
     from worker.engine.models import ModelCache
     from worker.runner import runtime
@@ -316,6 +332,13 @@ def main(
     from worker.runner.loop import ColdShutdown, StopWaiting, Worker
     from worker.schedule.policy import SpeculationPolicy
 
+    kv_quant = KVQuant(int(kv_bits), int(kv_group_size or 0)) if kv_bits else None
+    group = None
+    if shard is not None:
+        group = _join_group(shard, model_dirs, allow_models, models, kv_quant)
+        if group is None:
+            return  # a follower's work is done (rank 0 said exit)
+        prefix_cache_gb = 0.0  # (each rank would need the same kept prefixes: not yet)
     try:  # fail fast on a wrong URL or password; retry only once we are running
         redis_from_url(redis_url).ping()
     except ValueError as e:
@@ -344,7 +367,8 @@ def main(
             prefix_bytes=int(prefix_cache_gb * 1e9),
             locate=access.locate,
             prefix_disk=disk,
-            kv_quant=KVQuant(int(kv_bits), int(kv_group_size)) if kv_bits else None,
+            kv_quant=kv_quant,
+            group=group,
         ),
         access=access,
         default_num_draft_tokens=num_draft_tokens,
@@ -357,6 +381,9 @@ def main(
     )
     if name:
         rt.worker_id = name
+    if group is not None:
+        rt.policy.plain_because = "a worker group decodes plainly"
+        atexit.register(group.exit)
     for model in models:
         try:
             rt.check_allowed(model)
@@ -390,9 +417,43 @@ def main(
         worker.work()
     except RuntimeError as e:  # e.g. the name is taken by a live worker
         raise click.ClickException(str(e)) from None
+    except GroupLost as e:  # (its held jobs come back when their lease expires)
+        raise click.ClickException(f"the worker group lost a rank: {e}") from None
     except (ColdShutdown, StopWaiting):  # a stop signal during the exit itself
         pass
     sys.exit(0)
+
+
+def _join_group(
+    mode: str,
+    model_dirs: tuple[str, ...],
+    allow_models: tuple[str, ...],
+    models: tuple[str, ...],
+    kv_quant: KVQuant | None,
+) -> Group | None:
+    """This process's place in a worker group (``--shard``): rank 0 gets the group and
+    goes on to serve; a follower loads and runs what rank 0 tells it, then returns None."""
+    from worker.engine.group import GroupLost, init
+    from worker.engine.mirror import follow
+    from worker.engine.models import ModelCache
+    from worker.runner.access import DEFAULT_MODEL_DIR, ModelAccess
+
+    try:
+        group = init(mode)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--shard") from None
+    if group.leads:
+        return group
+    access = ModelAccess.build(model_dirs or (DEFAULT_MODEL_DIR,), allow_models)
+    for model in models:
+        access = access.with_named(model)
+    # No budget of its own: rank 0 decides what is loaded and evicted, and says so.
+    cache = ModelCache(None, prefix_bytes=0, locate=access.locate, kv_quant=kv_quant, group=group)
+    try:
+        follow(group, cache)
+    except GroupLost as e:
+        raise click.ClickException(f"the worker group lost a rank: {e}") from None
+    return None
 
 
 def entry() -> None:

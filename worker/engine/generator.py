@@ -13,15 +13,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from schemas import ChatRequest, ModelKindError
+from schemas import ChatRequest, InvalidRequestError, ModelKindError
 from worker.engine.batch import BatchEngine
 from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
+from worker.engine.mirror import GroupEngine
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
 from worker.engine.prefill import prefill
 from worker.engine.prefix import MIN_TOKENS, common_prefix, starting_cache
-from worker.engine.protocol import NO_START, Start, run_to_end
+from worker.engine.protocol import NO_START, Engine, Start, run_to_end
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
 from worker.engine.sequence import Deadline, OnText
 from worker.engine.single import SingleEngine
@@ -112,8 +113,16 @@ class ChatGenerator:
         # stream_generate's penalties see only what is prefilled: leave them their window.
         limit = len(job.prompt) - max(1, job.params.penalty_window)
         start = self.starting_cache(job, limit, draft, company)
-        engine = SingleEngine(self.target, draft, lookup, give_up_below)
-        engine.add(0, job, start, on_text)
+        engine: Engine = SingleEngine(self.target, draft, lookup, give_up_below)
+        if (group := self.models.group) is not None:
+            if draft is not None or lookup is not None:
+                raise InvalidRequestError("a worker group does not speculate (not built yet)")
+            engine = GroupEngine(group, engine, "single", self.target)
+        try:
+            engine.add(0, job, start, on_text)
+        except BaseException:
+            engine.close()  # (a group's followers made the engine too)
+            raise
         return run_to_end(engine, deadline)[0]
 
     def generate_choices(
@@ -125,6 +134,8 @@ class ChatGenerator:
         in ``others``; ``completion_tokens`` counts every choice's tokens."""
         job = self._job(request)
         n = job.request.n if job.request is not None else 1
+        if self.models.group is not None:
+            raise InvalidRequestError("n > 1: a worker group runs one choice per job (not yet n)")
         engine = BatchEngine(self.target, n)
         start_at = time.perf_counter()
         try:

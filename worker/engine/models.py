@@ -31,14 +31,16 @@ from mlx_lm.models.cache import KVCache
 from schemas import (
     ContextTooLargeError,
     IncompatibleDraftError,
+    MlxqError,
     ModelLoadError,
     ModelNotFoundError,
     ModelTooLargeError,
 )
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
+from worker.engine.group import Group, load_sharded
 from worker.engine.identity import weights_identity
-from worker.engine.kvquant import KVQuant, QuantizedKV, make_cache, probe
+from worker.engine.kvquant import KVQuant, QuantizedKV, describe, make_cache, probe
 from worker.engine.memory import (
     DEVICE_SHARE,
     KVProfile,
@@ -230,8 +232,11 @@ class ModelCache:
         locate: Callable[[str], Path] = resolve_path,
         prefix_disk: PrefixDisk | None = None,
         kv_quant: KVQuant | None = None,
+        group: Group | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: ``--shard``: each model split across a worker group's ranks (``worker.engine.group``).
+        self.group = group
         #: ``--kv-bits``: chat models whose attention takes quantized caches use them.
         self.kv_quant = kv_quant
         #: Name -> directory to load from (``worker.runner.access`` restricts it).
@@ -347,6 +352,8 @@ class ModelCache:
             return entry, True
         if adapter is None:
             entry = self._load_base(name, keep)
+        elif self.group is not None:
+            raise ModelLoadError(f"adapter {adapter!r}: a worker group serves no adapters yet")
         else:
             base, _ = self.get(name, None, keep=keep)
             entry = self._load_adapter(base, adapter, keep=(*keep, base.key))
@@ -354,6 +361,8 @@ class ModelCache:
         entry.uses = 1
         if self.kv_quant is not None and entry.kind == "chat":
             self._quantize(entry)
+        if self.group is not None:  # measured now, on every rank (a forward pass)
+            _ = entry.kv
         self._entries[key] = entry
         self.loads += 1
         if self.prefixes.disk is not None and entry.kind == "chat":
@@ -367,7 +376,7 @@ class ModelCache:
         why = probe(entry.model, self.kv_quant)
         if why is None:
             entry.kv_quant = self.kv_quant
-            log.info("%s: KV caches at %d bits", _label(entry.key), self.kv_quant.bits)
+            log.info("%s: KV caches: %s", _label(entry.key), describe(entry.new_cache()))
         else:
             log.warning("%s: KV caches stay unquantized: %s", _label(entry.key), why)
 
@@ -414,9 +423,17 @@ class ModelCache:
         if evicted:
             free_memory()
 
+    def evict(self, key: CacheKey) -> None:
+        """Unload ``key`` (and its adapters) if it is loaded."""
+        if key in self._entries:
+            self._evict(key)
+            free_memory()
+
     def _evict(self, key: CacheKey) -> None:
         # Adapter entries share their base's arrays: evicting a base evicts its adapters.
         dependents = [k for k in self._entries if key[1] is None and k[0] == key[0] and k[1]]
+        if self.group is not None:
+            self.group.tell({"op": "evict", "name": key[0], "adapter": key[1]})
         for k in [*dependents, key]:
             entry = self._entries.pop(k)
             self.prefixes.drop_model(k)
@@ -436,8 +453,17 @@ class ModelCache:
             raise ModelNotFoundError(f"model {name!r}: {path} has no config.json")
         self._make_room(weight_bytes(path), keep, f"model {name!r}")
         start = time.perf_counter()
+        if self.group is not None:
+            _chat_only(path, name)
+            self.group.tell({"op": "load", "name": name, "adapter": None})
         try:
-            model, tokenizer, config, embedder = _load(path)
+            if self.group is not None:
+                model, tokenizer, config = load_sharded(path, self.group, name)
+                embedder = None
+            else:
+                model, tokenizer, config, embedder = _load(path)
+        except MlxqError:
+            raise
         except Exception as e:
             raise ModelLoadError(f"model {name!r} could not be loaded: {e}") from e
         elapsed = time.perf_counter() - start
@@ -512,6 +538,14 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     if pooling is None:
         return model, tokenizer, config, None
     return model, tokenizer, config, Embedder(model, tokenizer, pooling, config, not encoder)
+
+
+def _chat_only(path: Path, name: str) -> None:
+    """A worker group splits chat models only: an embedding model fails by name."""
+    config = json.loads((path / "config.json").read_text())
+    encoder = config.get("model_type") in ENCODER_TYPES
+    if encoder or pooling_of(path, config, encoder) is not None:
+        raise ModelLoadError(f"model {name!r} embeds: a worker group serves chat models only")
 
 
 def _label(key: CacheKey) -> str:

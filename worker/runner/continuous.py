@@ -68,6 +68,7 @@ from schemas import ChatRequest, GenerationError, MlxqError, ResultRecord, keys
 from schemas.fleet import BatchInfo
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
+from worker.engine.mirror import GroupEngine
 from worker.engine.protocol import CannotTake, Engine, Finished
 from worker.engine.request import Prepared
 from worker.engine.specbatch import SpecBatchEngine
@@ -484,6 +485,11 @@ class ContinuousBatch:
                 self.engine = SpecBatchEngine(target, draft_model, k, planner)
             else:
                 self.engine = BatchEngine(self.generator.target, self.cap)
+                if (group := self.rt.cache.group) is not None:  # mirrored on every rank
+                    target = self.generator.target
+                    self.engine = GroupEngine(
+                        group, self.engine, "batch", target, max_batch=self.cap
+                    )
         return self.engine
 
     def _publish(self, kv_bytes: int) -> None:

@@ -1,0 +1,167 @@
+"""One model across ranks: a worker group on mlx.distributed (``worker --shard``).
+
+Two ranks on this machine, started by mlx's own launcher over its ring backend (TCP),
+exactly as across Macs (``mlx.launch --hosts mac1,mac2``): rank 0 serves Redis, rank 1
+follows. Each job's text must be the text of the same job on one unsplit model (greedy),
+alone and in a continuous batch, streamed, with a schema and with logprobs; what a group
+does not do yet (n > 1, speculation, adapters, a model mlx-lm cannot split) ends by name.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas import ChatRequest
+from schemas.store import read_result
+from tests.conftest import chat
+from tests.test_structured import schema_format
+from worker.dev.tinymodels import TinySpec, ensure_model
+from worker.engine.generator import ChatGenerator
+from worker.engine.models import ModelCache
+
+LONG = "the queue worker model token draft target redis job batch result metric apple silicon"
+BIN = Path(sys.executable).parent
+
+
+def _free_port_run(n: int) -> int:
+    """A base port with ``n`` free ports after it (the ring backend takes one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65000 and all(_free(base + i) for i in range(1, n)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def run_group(redis_url: str, tmp: Path, *args: str, timeout: float = 240) -> str:
+    """A worker group of 2 ranks with ``--burst``: its combined log once it has exited."""
+    log = tmp / f"group-{time.monotonic_ns()}.log"
+    cmd = [
+        str(BIN / "mlx.launch"),
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--starting-port",
+        str(_free_port_run(2)),
+        "--",
+        str(BIN / "worker"),
+        "--burst",
+        "-v",
+        *args,
+    ]
+    env = os.environ | {"MLXQ_REDIS_URL": redis_url}
+    with open(log, "w") as out:
+        p = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+    text = log.read_text()
+    assert p.returncode == 0, text[-3000:]
+    return text
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("group")
+    made = {
+        arch: str(ensure_model(root / arch, TinySpec(arch=arch, layers=4, seed=2)))
+        for arch in ("llama", "qwen3_next", "gemma3_text")
+    }
+    return made | {"dir": str(root)}
+
+
+def _plain_text(model: str, body: dict) -> str:
+    gen = ChatGenerator.get_or_create(model, cache=ModelCache(prefix_bytes=0))
+    return gen.generate(ChatRequest.model_validate(body)).text
+
+
+@pytest.mark.parametrize("max_batch", ["1", "4"])
+def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
+    conn, redis_url, tmp_path, models, max_batch
+):
+    """Tensor parallel (llama): plain, streamed, a schema, logprobs, a draft named (the
+    group decodes plainly), alone (--max-batch 1) and in a continuous batch (4)."""
+    from producer import Client
+
+    target = models["llama"]
+
+    def body(i: int, **fields) -> dict:
+        return (
+            chat(target, f"{LONG} {i} " + "job " * i, max_tokens=24) | {"temperature": 0} | fields
+        )
+
+    jobs = {
+        "plain": body(0),
+        "stream": body(1, stream=True),
+        "schema": body(2, response_format=schema_format(), max_tokens=40),
+        "logprobs": body(3, logprobs=True, top_logprobs=2),
+        "draft": body(4, draft_model=target),
+        "more": body(5),
+        "sampled": body(6, temperature=0.9, seed=7),  # the same draws on both ranks
+    }
+    s = Client(connection=conn).submit(jobs)
+    args = ("--shard", "auto", "--max-batch", max_batch, "--model-dir", models["dir"])
+    log = run_group(redis_url, tmp_path, *args)
+    assert "split by tensor parallelism across 2 ranks" in log
+    for rid in s.job_ids:
+        r = read_result(conn, rid)
+        assert r is not None and r.status == "succeeded", (r.custom_id if r else rid, r and r.error)
+        body_ = jobs[r.custom_id] | {"stream": False, "draft_model": None}
+        assert r.response.choices[0].message.content == _plain_text(target, body_), r.custom_id
+        assert not r.metrics.speculative
+    if max_batch == "4":
+        sizes = [read_result(conn, rid).metrics.batch_size for rid in s.job_ids]
+        assert max(sizes) > 1, sizes  # they ran as a batch, mirrored on both ranks
+
+
+def test_pipeline_where_the_model_has_no_tensor_split_and_refusals_by_name(
+    conn, redis_url, tmp_path, models
+):
+    """qwen3_next has only mlx-lm's pipeline: auto takes it, and its text is the whole
+    model's. n > 1 fails by name; a model mlx-lm cannot split (gemma3_text) fails by name;
+    the group goes on serving after each."""
+    from producer import Client
+
+    nxt, gemma = models["qwen3_next"], models["gemma3_text"]
+    good = chat(nxt, LONG, max_tokens=20) | {"temperature": 0}
+    jobs = {
+        "good": good,
+        "n": good | {"n": 2},
+        "gemma": chat(gemma, LONG, max_tokens=8),
+        "after": chat(nxt, LONG + " again", max_tokens=12) | {"temperature": 0},
+    }
+    s = Client(connection=conn).submit(jobs)
+    log = run_group(redis_url, tmp_path, "--shard", "auto", "--model-dir", models["dir"])
+    assert "split by pipeline parallelism across 2 ranks" in log
+    got = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    for name in ("good", "after"):
+        assert got[name].status == "succeeded", got[name].error
+        assert got[name].response.choices[0].message.content == _plain_text(nxt, jobs[name])
+    assert got["n"].status == "failed" and "n > 1" in got["n"].error.message
+    assert got["gemma"].status == "failed" and "cannot be split" in got["gemma"].error.message
+
+
+def test_shard_without_a_group_is_refused_by_name(redis_url):
+    p = subprocess.run(
+        [str(BIN / "worker"), "--shard", "auto", "--burst"],
+        env=os.environ | {"MLXQ_REDIS_URL": redis_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2 and "mlx.launch" in p.stderr, p.stderr

@@ -1,0 +1,194 @@
+"""One model across several machines: a worker group on ``mlx.distributed`` (``worker --shard``).
+
+The worker is started on N ranks by mlx's own launcher (``mlx.launch --hosts mac1,mac2 --
+worker --shard auto ...``). Each rank loads its part of each model (mlx-lm's ``shard``:
+tensor parallel, each rank holds 1/N of every layer; or ``pipeline``: each rank holds a
+run of layers), and every forward pass is one collective computation of all ranks: they
+must run exactly the same model calls in the same order, or they wait on each other for
+ever.
+
+So rank 0 alone runs the worker (Redis, the lifecycle, scheduling, records) and tells
+the other ranks, the followers, every step of what it does with a model, and they
+repeat it on their own parts:
+
+- ``load`` / ``evict``: a model enters or leaves the model cache (the followers load
+  their part at the same time: loading ends in a collective);
+- ``engine``: an engine is made (a job alone, or a continuous batch), then ``add`` (a
+  sequence joins: its prompt and parameters; rank 0 gives every sequence a seed, so
+  sampling draws the same tokens everywhere), ``remove``, ``step`` and ``close``,
+  exactly as rank 0 calls them. Engines nest (a job run between a batch's steps).
+
+Messages go by ``all_sum`` of arrays that only rank 0 fills (mlx's own transport: no
+home-made sockets): one collective for a step or a close, two for a message, each
+after the forward passes mlx-lm dispatched ahead (so every rank pairs the same sums). Decoding
+is deterministic given the same calls, so the followers reach the same tokens without
+being sent them (``worker.engine.mirror``: the engines that tell and the followers'
+loop). Pure MLX and mlx-lm; knows nothing of Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from schemas import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+#: ``--shard`` modes: ``auto`` takes tensor parallelism where the model has it.
+MODES = ("auto", "tensor", "pipeline")
+#: What a follower hears instead of a message: rank 0 steps, or closes, its engine, or
+#: the group ends.
+STEP, CLOSE, EXIT = -1, -2, -3
+
+
+class GroupLost(BaseException):
+    """A rank of the group is gone (a collective failed): no rank can go on. A
+    BaseException: it ends the worker (rank 0's held jobs come back when their lease
+    expires), never just the job at hand."""
+
+
+@dataclass
+class Group:
+    """The ranks of a worker group and how they split each model."""
+
+    comm: Any  # mx.distributed.Group
+    mode: str = "auto"
+
+    @property
+    def rank(self) -> int:
+        return int(self.comm.rank())
+
+    @property
+    def size(self) -> int:
+        return int(self.comm.size())
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0: the one that talks to Redis and decides."""
+        return self.rank == 0
+
+    def _sum(self, a: mx.array) -> mx.array:
+        # mlx-lm dispatches the next step's forward pass asynchronously (``async_eval`` on
+        # its generation stream): its collectives must be done before this one, or the
+        # ranks would pair this sum with another rank's layer sums.
+        from mlx_lm.generate import generation_stream
+
+        try:
+            mx.synchronize(generation_stream)
+            out = mx.distributed.all_sum(a, group=self.comm, stream=mx.cpu)
+            mx.eval(out)
+        except Exception as e:  # the transport failed: a peer died
+            raise GroupLost(f"group rank {self.rank}: {type(e).__name__}: {e}") from e
+        return out
+
+    def _send(self, header: int, payload: bytes = b"") -> None:
+        self._sum(mx.array([header], dtype=mx.int32))
+        if header > 0:
+            self._sum(mx.array(np.frombuffer(payload, dtype=np.uint8).astype(np.int32)))
+
+    def _receive(self) -> tuple[int, bytes]:
+        header = int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
+        if header <= 0:
+            return header, b""
+        data = np.array(self._sum(mx.zeros((header,), dtype=mx.int32)))
+        return header, data.astype(np.uint8).tobytes()
+
+    def tell(self, message: dict[str, Any]) -> None:
+        """Rank 0: send ``message`` (JSON) to every follower."""
+        if self.leads and self.size > 1:
+            self._send(*_packed(message))
+
+    def step(self) -> None:
+        if self.leads:
+            self._send(STEP)
+
+    def close(self) -> None:
+        if self.leads:
+            self._send(CLOSE)
+
+    def exit(self) -> None:
+        """Rank 0: end the group. Each follower confirms it heard (so no rank closes its
+        connections while another still reads from them)."""
+        if self.leads and self.size > 1:
+            self._send(EXIT)
+            self._sum(mx.zeros((1,), dtype=mx.int32))
+
+    def confirm_exit(self) -> None:
+        """A follower: heard :data:`EXIT` (rank 0 may close its connections now)."""
+        with contextlib.suppress(GroupLost):
+            self._sum(mx.ones((1,), dtype=mx.int32))
+
+    def listen(self) -> dict[str, Any] | int:
+        """A follower: the next message, or :data:`STEP` / :data:`CLOSE`."""
+        header, payload = self._receive()
+        return header if header <= 0 else json.loads(payload)
+
+    def sync(self) -> None:
+        """Every rank waits for every other (the end of a load)."""
+        self._sum(mx.array([1.0]))
+
+
+def _packed(message: dict[str, Any]) -> tuple[int, bytes]:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return len(payload), payload
+
+
+def init(mode: str) -> Group:
+    """This process's group (``mlx.launch`` sets it up); a ValueError unless it has 2 or
+    more ranks."""
+    if mode not in MODES:
+        raise ValueError(f"--shard must be one of {', '.join(MODES)}, not {mode!r}")
+    comm = mx.distributed.init()
+    if comm.size() < 2:
+        raise ValueError(
+            "--shard needs a group of 2 or more ranks: start the worker with mlx's launcher, "
+            "e.g. mlx.launch --hosts mac1,mac2 -- worker --shard auto ..."
+        )
+    return Group(comm, mode)
+
+
+# -- loading -------------------------------------------------------------------------
+def how_to_split(model: nn.Module, mode: str, name: str) -> str:
+    """ "tensor" or "pipeline" for ``model`` under ``--shard mode``, or ModelLoadError
+    naming what the architecture lacks."""
+    tensor = hasattr(model, "shard")
+    pipeline = hasattr(getattr(model, "model", None), "pipeline")
+    if mode == "auto":
+        mode = "tensor" if tensor else "pipeline" if pipeline else "none"
+    if (mode == "tensor" and tensor) or (mode == "pipeline" and pipeline):
+        return mode
+    can = [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]
+    raise ModelLoadError(
+        f"model {name!r} ({type(model).__module__.rsplit('.', 1)[-1]}) cannot be split by "
+        f"{mode if mode != 'none' else 'tensor or pipeline'} parallelism in mlx-lm"
+        + (f" (it can by {can[0]}: --shard {can[0]})" if can else "")
+    )
+
+
+def load_sharded(path: Path, group: Group, name: str) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """This rank's part of the model at ``path`` (mlx-lm's lazy load, then its ``shard``
+    or ``pipeline``: only this rank's weights are read), its tokenizer and config. Every
+    rank calls it at once: it ends in a collective."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(path, lazy=True, strict=False)
+    how = how_to_split(model, group.mode, name)
+    if how == "tensor":
+        model.shard(group.comm)
+    else:
+        model.model.pipeline(group.comm)
+    mx.eval(model.parameters())
+    model.eval()
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    group.sync()
+    log.info("%s: split by %s parallelism across %d ranks", name, how, group.size)
+    return model, tokenizer, config

@@ -1,0 +1,164 @@
+"""A worker group's engines: rank 0's tell every call, the followers repeat them.
+
+See ``worker.engine.group`` for the group and why every rank must make the same model
+calls in the same order. Pure MLX and mlx-lm; knows nothing of Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Hashable
+from typing import Any
+
+from schemas import ChatRequest
+from worker.engine.group import CLOSE, EXIT, STEP, Group
+from worker.engine.models import LoadedModel, ModelCache
+from worker.engine.protocol import NO_START, CannotTake, Engine, Start, Step
+from worker.engine.request import Prepared
+from worker.engine.sequence import OnText
+
+log = logging.getLogger(__name__)
+
+#: Parameters sent with a sequence (its grammar is rebuilt from its request).
+_SENT = (
+    "max_tokens temperature top_p top_k min_p stop seed presence_penalty frequency_penalty "
+    "logit_bias num_draft_tokens logprobs in_reasoning"
+).split()
+
+
+# -- rank 0: engines that tell --------------------------------------------------------
+class GroupEngine:
+    """An engine on rank 0 of a group: every call is told to the followers first (or,
+    for ``add``, once it is known to be taken), who make the same call on their parts."""
+
+    def __init__(
+        self, group: Group, inner: Engine, kind: str, target: LoadedModel, **spec: Any
+    ) -> None:
+        self.group, self.inner = group, inner
+        self.models = inner.models
+        group.tell(
+            {"op": "engine", "kind": kind, "model": target.name, "adapter": target.adapter} | spec
+        )
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:  # lengths(), first_token_at(), ...
+        return getattr(self.inner, name)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.inner.kv_bytes
+
+    def add(
+        self,
+        tag: Hashable,
+        job: Prepared,
+        start: Start = NO_START,
+        on_text: OnText | None = None,
+        first: bool = False,
+    ) -> None:
+        if start.cache is not None:
+            raise CannotTake("a worker group starts every sequence from its prompt")
+        if job.params.seed is None:  # the same draws on every rank
+            job = job.with_params(seed=secrets.randbelow(2**31))
+        if job.request is None:
+            raise CannotTake("a worker group sequence needs its request")
+        message = {  # made first: what cannot be sent is never added
+            "op": "add",
+            "tag": tag,
+            "first": first,
+            "prompt": job.prompt,
+            "params": {k: getattr(job.params, k) for k in _SENT},
+            "request": job.request.model_dump(mode="json"),
+        }
+        self.inner.add(tag, job, start, on_text, first)
+        self.group.tell(message)
+
+    def remove(self, tag: Hashable) -> None:
+        self.group.tell({"op": "remove", "tag": tag})
+        self.inner.remove(tag)
+
+    def step(self) -> Step:
+        self.group.step()
+        return self.inner.step()
+
+    def close(self) -> None:
+        self.group.close()
+        self.inner.close()
+
+
+# -- the followers ---------------------------------------------------------------------
+class _Exit(BaseException):
+    """Rank 0 ended the group."""
+
+
+def follow(group: Group, cache: ModelCache) -> None:
+    """A follower's life: repeat what rank 0 tells, until it says ``exit`` (raises
+    :class:`~worker.engine.group.GroupLost` if a rank is gone)."""
+    try:
+        while True:
+            msg = group.listen()
+            if msg == EXIT:
+                raise _Exit
+            if not isinstance(msg, dict):
+                raise RuntimeError(f"a worker group follower was told {msg} outside an engine")
+            _obey(group, cache, msg)
+    except _Exit:
+        group.confirm_exit()
+
+
+def _obey(group: Group, cache: ModelCache, msg: dict[str, Any]) -> None:
+    op = msg["op"]
+    try:
+        if op == "load":
+            cache.get(msg["name"], msg["adapter"])
+        elif op == "evict":
+            cache.evict((msg["name"], msg["adapter"]))
+        elif op == "engine":
+            _run_engine(group, cache, msg)
+        else:
+            raise RuntimeError(f"a worker group follower was told {op!r} outside an engine")
+    except Exception as e:  # rank 0 met the same (the same code on the same input)
+        log.warning("group rank %d: %s failed: %s: %s", group.rank, op, type(e).__name__, e)
+
+
+def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
+    from worker.engine.batch import BatchEngine
+    from worker.engine.generator import ChatGenerator
+    from worker.engine.single import SingleEngine
+
+    gen = ChatGenerator.get_or_create(spec["model"], None, spec["adapter"], cache=cache)
+    engine: Engine
+    if spec["kind"] == "batch":
+        engine = BatchEngine(gen.target, int(spec["max_batch"]))
+    else:
+        engine = SingleEngine(gen.target, None, None, None)
+    while True:
+        msg = group.listen()
+        if msg == EXIT:
+            raise _Exit
+        if msg == STEP:
+            engine.step()
+        elif msg == CLOSE:
+            engine.close()
+            return
+        elif isinstance(msg, dict) and msg["op"] == "add":
+            req = ChatRequest.model_validate(msg["request"])
+            params = msg["params"] | {
+                "stop": tuple(msg["params"]["stop"]),
+                "logit_bias": tuple(tuple(p) for p in msg["params"]["logit_bias"]),
+            }
+            job = Prepared(msg["prompt"], gen.prepare(req).params, req).with_params(**params)
+            engine.add(_tag(msg["tag"]), job, NO_START, None, msg["first"])
+        elif isinstance(msg, dict) and msg["op"] == "remove":
+            engine.remove(_tag(msg["tag"]))
+        elif isinstance(msg, dict):
+            _obey(group, cache, msg)  # a job run between this batch's steps
+        else:
+            raise RuntimeError(f"a worker group follower was told {msg}")
+
+
+def _tag(value: Any) -> Hashable:
+    return tuple(_tag(v) for v in value) if isinstance(value, list) else value
