@@ -59,6 +59,12 @@ def fleet_table(workers: list[WorkerInfo]) -> str:
                 f"{'':<20}  preempted {w.preemptions} batch job(s) for interactive ones "
                 "(back to their queue, run again)"
             )
+        if w.group_size > 1 or w.kv_bits:
+            group = (
+                f"a group of {w.group_size} ranks (--shard {w.shard})" if w.group_size > 1 else ""
+            )
+            bits = f"KV caches at {w.kv_bits} bits" if w.kv_bits else ""
+            lines.append(f"{'':<20}  " + "; ".join(x for x in (group, bits) if x))
         if w.machine_kind:
             lines.append(
                 f"{'':<20}  figures: shared as {w.machine_kind}; {w.figures_adopted} "

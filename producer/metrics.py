@@ -221,6 +221,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
     limit = gauge("mlxq_worker_batch_limit", "The running batch's size limit.")
     kv = gauge("mlxq_worker_kv_cache_bytes", "KV cache bytes the running batch holds.")
     memory = gauge("mlxq_worker_model_cache_bytes", "Bytes of loaded models and prefixes.")
+    group_size = gauge("mlxq_worker_group_size", "Ranks one model is split across (--shard).")
     hits = CounterMetricFamily(
         "mlxq_worker_prefix_cache_hits", "Jobs served a kept prefix.", labels=["worker"]
     )
@@ -279,6 +280,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             limit.add_metric([w.name], b.limit)
         kv.add_metric([w.name], (b.kv_mb if b else 0.0) * 1e6)
         memory.add_metric([w.name], w.cache_used_gb * 1e9)
+        group_size.add_metric([w.name], w.group_size)
         if (pc := w.prefix_cache) is not None:
             hits.add_metric([w.name], pc.hits)
             lookups.add_metric([w.name], pc.lookups)
@@ -298,7 +300,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
             h = w.latency.get(k)
             if h is not None:
                 family.add_metric([w.name], h.cumulative(), h.sum)
-    yield from (rq_workers, up, jobs, tokens, tps, accept, batch, limit, kv, memory)
+    yield from (rq_workers, up, jobs, tokens, tps, accept, batch, limit, kv, memory, group_size)
     yield from (hits, lookups, reused, entries, kept, shortfalls, adopted, preempted, renew)
     yield from (*hists.values(), *per_queue.values())
 

@@ -134,4 +134,8 @@ class WorkerInfo(BaseModel):
     # Per queue: ``QUEUE_LATENCIES`` histograms; batch jobs preempted by interactive ones.
     queue_latency: dict[str, dict[str, Histogram]] = {}
     preemptions: int = 0
+    # Ranks of its worker group (``worker --shard``; 1: one machine), and its KV bits.
+    group_size: int = 1
+    shard: str | None = None
+    kv_bits: int | None = None
     updated_at: float

@@ -10,6 +10,7 @@ does not do yet (n > 1, speculation, adapters, a model mlx-lm cannot split) ends
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -118,6 +119,10 @@ def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
     args = ("--shard", "auto", "--max-batch", max_batch, "--model-dir", models["dir"])
     log = run_group(redis_url, tmp_path, *args)
     assert "split by tensor parallelism across 2 ranks" in log
+    # each rank holds about half the weights (the tied embedding is whole on each)
+    whole, _ = ModelCache(prefix_bytes=0).get(target)
+    held = [float(m) for m in re.findall(r"loaded \S+/llama in \S+ \(([\d.]+) MB\)", log)]
+    assert len(held) == 2 and all(mb * 1e6 < 0.75 * whole.nbytes for mb in held), held
     for rid in s.job_ids:
         r = read_result(conn, rid)
         assert r is not None and r.status == "succeeded", (r.custom_id if r else rid, r and r.error)
@@ -165,3 +170,56 @@ def test_shard_without_a_group_is_refused_by_name(redis_url):
         timeout=60,
     )
     assert p.returncode == 2 and "mlx.launch" in p.stderr, p.stderr
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of ``rank`` among the processes ``mlx.launch`` (pid ``launcher``) started."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == launcher and f"MLX_RANK={rank}".encode() in env:
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_mid_batch_loses_no_job(conn, redis_url, models, workers, victim):
+    """SIGKILL of a rank while the group decodes a batch: every rank exits (the group
+    is lost), the leases expire, a worker on one machine recovers the jobs, and each
+    ends once with the whole model's text."""
+    import json
+    import signal
+
+    from producer import Client
+    from tests.test_faults import one_result, running_execution, wait_for
+
+    target = models["llama"]
+    eos = json.loads((Path(target) / "config.json").read_text())["eos_token_id"]
+
+    def body(i: int) -> dict:
+        base = chat(target, f"{LONG} {i}", max_tokens=300) | {"temperature": 0}
+        return base | {"logit_bias": {str(eos): -100}}  # all 300 tokens: time to kill
+
+    jobs = {f"j{i}": body(i) for i in range(4)}
+    s = Client(connection=conn).submit(jobs)
+    launch = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2"]
+    launch += ["--starting-port", str(_free_port_run(2)), "--", str(BIN / "worker")]
+    group = workers("--shard", "auto", "--max-batch", "4", "--lease-seconds", "2", command=launch)
+    wait_for(lambda: any(running_execution(conn, j) for j in s.job_ids), timeout=120)
+    os.kill(_rank_pid(group.proc.pid, victim), signal.SIGKILL)
+    group.proc.wait(timeout=60)
+    assert "lost a rank" in group.log.read_text() or victim == 0
+    alone = workers("--lease-seconds", "2", name="alone")
+    for rid in s.job_ids:
+        r = one_result(conn, rid, timeout=180)
+        assert r.status == "succeeded", r.error
+        assert r.response.usage.completion_tokens == 300
+        want = _plain_text(target, jobs[r.custom_id])
+        assert r.response.choices[0].message.content == want, r.custom_id
+    alone.signal(signal.SIGTERM)
+    assert alone.wait() == 0

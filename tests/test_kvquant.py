@@ -308,3 +308,19 @@ def test_bad_kv_flags_are_refused_by_name(tmp_path):
     for flag, value in (("--kv-bits", "3"), ("--kv-bits", "x"), ("--kv-group-size", "16")):
         p = subprocess.run([exe, flag, value, "--burst"], capture_output=True, text=True)
         assert p.returncode == 2 and flag in p.stderr, (flag, p.stderr)
+
+
+def test_the_fleet_shows_the_bits_and_the_group(tmp_path):
+    """``producer fleet`` and the registry entry say a worker's KV bits (and a group's
+    size: ``tests/test_group.py`` runs the groups)."""
+    from producer.fleet import fleet_table
+    from schemas.fleet import WorkerInfo
+    from worker.runner.fleet import worker_info
+    from worker.runner.runtime import WorkerRuntime
+
+    rt = WorkerRuntime(cache=ModelCache(kv_quant=KVQuant(8)))
+    info = worker_info(rt, "w", ["mlxq"], "idle", None)
+    assert (info.kv_bits, info.group_size) == (8, 1)
+    shown = WorkerInfo.model_validate(info.model_dump() | {"group_size": 2, "shard": "tensor"})
+    text = fleet_table([shown])
+    assert "a group of 2 ranks (--shard tensor); KV caches at 8 bits" in text

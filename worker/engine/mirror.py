@@ -12,11 +12,13 @@ from collections.abc import Hashable
 from typing import Any
 
 from schemas import ChatRequest
+from worker.engine.batch import BatchEngine
 from worker.engine.group import CLOSE, EXIT, STEP, Group
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.protocol import NO_START, CannotTake, Engine, Start, Step
-from worker.engine.request import Prepared
+from worker.engine.request import Prepared, prepare
 from worker.engine.sequence import OnText
+from worker.engine.single import SingleEngine
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +127,12 @@ def _obey(group: Group, cache: ModelCache, msg: dict[str, Any]) -> None:
 
 
 def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
-    from worker.engine.batch import BatchEngine
-    from worker.engine.generator import ChatGenerator
-    from worker.engine.single import SingleEngine
-
-    gen = ChatGenerator.get_or_create(spec["model"], None, spec["adapter"], cache=cache)
+    target, _ = cache.get(spec["model"], spec["adapter"])
     engine: Engine
     if spec["kind"] == "batch":
-        engine = BatchEngine(gen.target, int(spec["max_batch"]))
+        engine = BatchEngine(target, int(spec["max_batch"]))
     else:
-        engine = SingleEngine(gen.target, None, None, None)
+        engine = SingleEngine(target, None, None, None)
     while True:
         msg = group.listen()
         if msg == EXIT:
@@ -150,7 +148,7 @@ def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
                 "stop": tuple(msg["params"]["stop"]),
                 "logit_bias": tuple(tuple(p) for p in msg["params"]["logit_bias"]),
             }
-            job = Prepared(msg["prompt"], gen.prepare(req).params, req).with_params(**params)
+            job = Prepared(msg["prompt"], prepare(req, target).params, req).with_params(**params)
             engine.add(_tag(msg["tag"]), job, NO_START, None, msg["first"])
         elif isinstance(msg, dict) and msg["op"] == "remove":
             engine.remove(_tag(msg["tag"]))

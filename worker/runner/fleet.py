@@ -60,6 +60,9 @@ def worker_info(
         replica_shortfalls=replica_shortfalls,
         machine_kind=figures.kind if figures else None,
         figures_adopted=figures.adopted if figures else 0,
+        group_size=cache.group.size if cache.group is not None else 1,
+        shard=cache.group.mode if cache.group is not None else None,
+        kv_bits=cache.kv_quant.bits if cache.kv_quant is not None else None,
         updated_at=time.time(),
     )
 
