@@ -202,8 +202,8 @@ def test_a_rank_killed_mid_batch_loses_no_job(conn, redis_url, models, workers, 
     eos = json.loads((Path(target) / "config.json").read_text())["eos_token_id"]
 
     def body(i: int) -> dict:
-        base = chat(target, f"{LONG} {i}", max_tokens=300) | {"temperature": 0}
-        return base | {"logit_bias": {str(eos): -100}}  # all 300 tokens: time to kill
+        base = chat(target, f"{LONG} {i}", max_tokens=160) | {"temperature": 0}
+        return base | {"logit_bias": {str(eos): -100}}  # all 160 tokens: time to kill
 
     jobs = {f"j{i}": body(i) for i in range(4)}
     s = Client(connection=conn).submit(jobs)
@@ -218,7 +218,7 @@ def test_a_rank_killed_mid_batch_loses_no_job(conn, redis_url, models, workers, 
     for rid in s.job_ids:
         r = one_result(conn, rid, timeout=180)
         assert r.status == "succeeded", r.error
-        assert r.response.usage.completion_tokens == 300
+        assert r.response.usage.completion_tokens == 160
         want = _plain_text(target, jobs[r.custom_id])
         assert r.response.choices[0].message.content == want, r.custom_id
     alone.signal(signal.SIGTERM)
