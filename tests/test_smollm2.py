@@ -150,7 +150,7 @@ def test_quantized_kv_caches_keep_its_perplexity(loaded):
     most greedy tokens unchanged (``bench.kvquant``)."""
     from bench.kvquant import perplexity
 
-    got = perplexity(*loaded)
+    got = perplexity(*loaded, tokens=256)  # (512 in the benchmark; CI's time)
     assert abs(got[8]["vs_16"] - 1) < 0.01, got
     assert abs(got[4]["vs_16"] - 1) < 0.15, got
     assert got[8]["greedy_agreement"] >= 0.95 and got[4]["greedy_agreement"] >= 0.75, got
