@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Hashable
+from dataclasses import fields
 from typing import Any
 
 from schemas import ChatRequest
@@ -16,17 +17,15 @@ from worker.engine.batch import BatchEngine
 from worker.engine.group import CLOSE, EXIT, STEP, Group
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.protocol import NO_START, CannotTake, Engine, Start, Step
-from worker.engine.request import Prepared, prepare
+from worker.engine.request import GenerationParams, Prepared, prepare
 from worker.engine.sequence import OnText
 from worker.engine.single import SingleEngine
 
 log = logging.getLogger(__name__)
 
-#: Parameters sent with a sequence (its grammar is rebuilt from its request).
-_SENT = (
-    "max_tokens temperature top_p top_k min_p stop seed presence_penalty frequency_penalty "
-    "logit_bias num_draft_tokens logprobs in_reasoning"
-).split()
+#: Parameters sent with a sequence: all but its grammar and lookup settings, which the
+#: follower rebuilds from its request.
+_SENT = [f.name for f in fields(GenerationParams) if f.name not in ("constraint", "lookup")]
 
 
 # -- rank 0: engines that tell --------------------------------------------------------

@@ -526,9 +526,7 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     module; any other model is a chat model, loaded by mlx-lm."""
     from mlx_lm.utils import load
 
-    config = json.loads((path / "config.json").read_text())
-    encoder = config.get("model_type") in ENCODER_TYPES
-    pooling = pooling_of(path, config, encoder)
+    config, encoder, pooling = _kind(path)
     if encoder:
         assert pooling is not None
         model = load_encoder(path, config)
@@ -540,11 +538,17 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     return model, tokenizer, config, Embedder(model, tokenizer, pooling, config, not encoder)
 
 
-def _chat_only(path: Path, name: str) -> None:
-    """A worker group splits chat models only: an embedding model fails by name."""
+def _kind(path: Path) -> tuple[dict[str, Any], bool, Any]:
+    """A model directory's config, whether it is an encoder, and its pooling (None: a
+    chat model)."""
     config = json.loads((path / "config.json").read_text())
     encoder = config.get("model_type") in ENCODER_TYPES
-    if encoder or pooling_of(path, config, encoder) is not None:
+    return config, encoder, pooling_of(path, config, encoder)
+
+
+def _chat_only(path: Path, name: str) -> None:
+    """A worker group splits chat models only: an embedding model fails by name."""
+    if _kind(path)[2] is not None:
         raise ModelLoadError(f"model {name!r} embeds: a worker group serves chat models only")
 
 

@@ -30,7 +30,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
-    BatchKVCache,
     BatchRotatingKVCache,
     CacheList,
     ChunkedKVCache,
@@ -157,15 +156,6 @@ def cut(cache: Cache, n: int) -> None:
 
 
 # -- batches -------------------------------------------------------------------
-def plain_kv(cache: Cache) -> bool:
-    """True if every layer of a batch's ``cache`` is a ``BatchKVCache`` (or its quantized
-    kind, ``worker.engine.kvquant``): rows are rewound by
-    turning their rejected tails into padding (``worker.engine.specbatch``), no replay."""
-    return all(
-        type(c) is BatchKVCache or type(c).__name__ == "BatchQuantizedKV" for c in leaves(cache)
-    )
-
-
 def batch_checkpoint(cache: Cache, *, copy: bool = False) -> list[Any]:
     """What :func:`batch_restore` needs to bring a batch's ``cache`` back to now. Buffers
     are kept by reference (a pass of several tokens writes a KV buffer only past the
