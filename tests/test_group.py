@@ -81,7 +81,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("group")
     made = {
         arch: str(ensure_model(root / arch, TinySpec(arch=arch, layers=4, seed=2)))
-        for arch in ("llama", "qwen3_next", "gemma3_text")
+        for arch in ("llama", "qwen3_moe", "qwen3_next", "gemma3_text")
     }
     return made | {"dir": str(root)}
 
@@ -91,15 +91,16 @@ def _plain_text(model: str, body: dict) -> str:
     return gen.generate(ChatRequest.model_validate(body)).text
 
 
-@pytest.mark.parametrize("max_batch", ["1", "4"])
+@pytest.mark.parametrize(("arch", "max_batch"), [("qwen3_moe", "1"), ("llama", "4")])
 def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
-    conn, redis_url, tmp_path, models, max_batch
+    conn, redis_url, tmp_path, models, arch, max_batch
 ):
-    """Tensor parallel (llama): plain, streamed, a schema, logprobs, a draft named (the
-    group decodes plainly), alone (--max-batch 1) and in a continuous batch (4)."""
+    """Tensor parallel (a dense llama, an MoE qwen3_moe): plain, streamed, a schema,
+    logprobs, a draft named (the group decodes plainly), alone (--max-batch 1) and in a
+    continuous batch (4)."""
     from producer import Client
 
-    target = models["llama"]
+    target = models[arch]
 
     def body(i: int, **fields) -> dict:
         return (
@@ -121,7 +122,7 @@ def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
     assert "split by tensor parallelism across 2 ranks" in log
     # each rank holds about half the weights (the tied embedding is whole on each)
     whole, _ = ModelCache(prefix_bytes=0).get(target)
-    held = [float(m) for m in re.findall(r"loaded \S+/llama in \S+ \(([\d.]+) MB\)", log)]
+    held = [float(m) for m in re.findall(rf"loaded \S+/{arch} in \S+ \(([\d.]+) MB\)", log)]
     assert len(held) == 2 and all(mb * 1e6 < 0.75 * whole.nbytes for mb in held), held
     for rid in s.job_ids:
         r = read_result(conn, rid)
@@ -187,17 +188,21 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {launcher}")
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_rank_killed_mid_batch_loses_no_job(conn, redis_url, models, workers, victim):
-    """SIGKILL of a rank while the group decodes a batch: every rank exits (the group
-    is lost), the leases expire, a worker on one machine recovers the jobs, and each
-    ends once with the whole model's text."""
+@pytest.mark.parametrize("fault", ["kill-1", "kill-0", "stop-1"])
+def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, workers, fault):
+    """A rank lost while the group decodes a batch: SIGKILL of rank 1 (its collectives
+    fail) or SIGSTOP (they never return: rank 0's --group-timeout ends it) makes rank 0
+    hand its jobs back with no crash counted; SIGKILL of rank 0 leaves them to their
+    leases. Either way each job then runs once, with the whole model's text: on a worker
+    on one machine, or (after the hang) on the group restarted."""
     import json
     import signal
 
     from producer import Client
+    from schemas import keys
     from tests.test_faults import one_result, running_execution, wait_for
 
+    how, victim = fault.split("-")
     target = models["llama"]
     eos = json.loads((Path(target) / "config.json").read_text())["eos_token_id"]
 
@@ -209,17 +214,45 @@ def test_a_rank_killed_mid_batch_loses_no_job(conn, redis_url, models, workers, 
     s = Client(connection=conn).submit(jobs)
     launch = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2"]
     launch += ["--starting-port", str(_free_port_run(2)), "--", str(BIN / "worker")]
-    group = workers("--shard", "auto", "--max-batch", "4", "--lease-seconds", "2", command=launch)
+    args = ("--shard", "auto", "--max-batch", "4", "--lease-seconds", "2", "--group-timeout", "4")
+    group = workers(*args, command=launch)
     wait_for(lambda: any(running_execution(conn, j) for j in s.job_ids), timeout=120)
-    os.kill(_rank_pid(group.proc.pid, victim), signal.SIGKILL)
+    wait_for(lambda: group.output.count(" loaded ") >= 2, timeout=120)  # both ranks: decoding
+    time.sleep(0.5)
+    pid, leader = _rank_pid(group.proc.pid, int(victim)), _rank_pid(group.proc.pid, 0)
+    os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    try:
+        wait_for(lambda: not _alive(leader), timeout=60)
+        if victim == "1":  # rank 0 handed every job back: none is held, none crashed
+            assert not conn.hlen(keys.RUNNING)
+            assert not any(conn.exists(keys.crashes_key(j)) for j in s.job_ids)
+    finally:
+        if how == "stop":
+            os.kill(pid, signal.SIGKILL)  # (a stopped rank never exits by itself)
     group.proc.wait(timeout=60)
-    assert "lost a rank" in group.log.read_text() or victim == 0
-    alone = workers("--lease-seconds", "2", name="alone")
+    said = {"kill-1": "lost a rank", "stop-1": "the worker group hung: a step"}
+    assert said.get(fault, "") in group.log.read_text(), group.log.read_text()[-2000:]
+    if how == "stop":  # the group again, restarted: it takes the jobs handed back
+        run_group(
+            redis_url, tmp_path, "--shard", "auto", "--max-batch", "4", "--model-dir", models["dir"]
+        )
+    else:
+        alone = workers("--lease-seconds", "2", name="alone")
     for rid in s.job_ids:
         r = one_result(conn, rid, timeout=180)
         assert r.status == "succeeded", r.error
         assert r.response.usage.completion_tokens == 160
         want = _plain_text(target, jobs[r.custom_id])
         assert r.response.choices[0].message.content == want, r.custom_id
-    alone.signal(signal.SIGTERM)
-    assert alone.wait() == 0
+    if how != "stop":
+        alone.signal(signal.SIGTERM)
+        assert alone.wait() == 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

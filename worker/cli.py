@@ -176,6 +176,15 @@ class _Commands(click.Group):
     "model has it [default: one machine].",
 )
 @click.option(
+    "--group-timeout",
+    envvar="MLXQ_GROUP_TIMEOUT",
+    type=click.FloatRange(1, 3600),
+    default=60.0,
+    show_default=True,
+    help="With --shard: seconds rank 0 waits on a step of the group (a model's load: 10 "
+    "times it) before it counts a rank as hung, hands its jobs back and exits.",
+)
+@click.option(
     "--allow-model",
     "allow_models",
     envvar="MLXQ_ALLOW_MODELS",
@@ -300,6 +309,7 @@ def main(
     kv_bits: str | None,
     kv_group_size: str | None,
     shard: str | None,
+    group_timeout: float,
     allow_models: tuple[str, ...],
     model_dirs: tuple[str, ...],
     num_draft_tokens: int,
@@ -335,7 +345,7 @@ def main(
     kv_quant = KVQuant(int(kv_bits), int(kv_group_size or 0)) if kv_bits else None
     group = None
     if shard is not None:
-        group = _join_group(shard, model_dirs, allow_models, models, kv_quant)
+        group = _join_group(shard, group_timeout, model_dirs, allow_models, models, kv_quant)
         if group is None:
             return  # a follower's work is done (rank 0 said exit)
         prefix_cache_gb = 0.0  # (each rank would need the same kept prefixes: not yet)
@@ -383,6 +393,7 @@ def main(
         rt.worker_id = name
     if group is not None:
         rt.policy.plain_because = "a worker group decodes plainly"
+        group.guard(lambda what: None)  # (a hang while preloading: no job is held yet)
         atexit.register(group.exit)
     for model in models:
         try:
@@ -408,6 +419,8 @@ def main(
         max_jobs=max_jobs,
         wait_replicas=wait_replicas,
     )
+    if group is not None:  # a rank that hangs: the jobs go back, uncounted, and we exit
+        group.guard(lambda what: worker.lifecycle.hand_back_all())
     click.echo(
         f"worker {rt.worker_id}: serving {', '.join(served)} from {redact_url(redis_url)} "
         f"(max batch {max_batch or 'auto'}, speculative {speculative}, lookup {lookup})",
@@ -426,6 +439,7 @@ def main(
 
 def _join_group(
     mode: str,
+    timeout_s: float,
     model_dirs: tuple[str, ...],
     allow_models: tuple[str, ...],
     models: tuple[str, ...],
@@ -439,7 +453,7 @@ def _join_group(
     from worker.runner.access import DEFAULT_MODEL_DIR, ModelAccess
 
     try:
-        group = init(mode)
+        group = init(mode, timeout_s)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--shard") from None
     if group.leads:

@@ -31,7 +31,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,11 @@ MODES = ("auto", "tensor", "pipeline")
 #: What a follower hears instead of a message: rank 0 steps, or closes, its engine, or
 #: the group ends.
 STEP, CLOSE, EXIT = -1, -2, -3
+#: ``--group-timeout`` by default: seconds a call of rank 0 into the group (a step, a
+#: message) may take before the group counts as hung; a model's load gets 10 times it.
+DEFAULT_TIMEOUT_S = 60.0
+#: The exit status of rank 0 when the group hung (after its jobs were handed back).
+HUNG_EXIT = 70
 
 
 class GroupLost(BaseException):
@@ -56,12 +65,77 @@ class GroupLost(BaseException):
     expires), never just the job at hand."""
 
 
+class Watchdog:
+    """Rank 0's guard against a rank that stops answering: mlx's collectives have no
+    timeout, so a call into the group that has not returned within its seconds ends the
+    process from a thread of its own, after ``on_hang`` (the worker: hand its jobs back,
+    no crash counted). Calls nest (a job run between a batch's steps); each has its own
+    deadline."""
+
+    def __init__(self, on_hang: Callable[[str], object], tick_s: float = 0.25) -> None:
+        self.on_hang, self.tick_s = on_hang, tick_s
+        self._armed: dict[int, tuple[float, str]] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+        threading.Thread(target=self._watch, name="group-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def watch(self, what: str, seconds: float) -> Iterator[None]:
+        with self._lock:
+            self._next += 1
+            me = self._next
+            self._armed[me] = (time.monotonic() + seconds, what)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._armed.pop(me, None)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.tick_s)
+            now = time.monotonic()
+            with self._lock:
+                late = [what for deadline, what in self._armed.values() if now > deadline]
+            if late:
+                self._hung(late[0])
+
+    def _hung(self, what: str) -> None:
+        log.error("the worker group hung: %s did not return in time; handing jobs back", what)
+        try:
+            self.on_hang(what)
+        except BaseException:
+            log.exception("handing jobs back after the group hung failed")
+        finally:
+            logging.shutdown()
+            os._exit(HUNG_EXIT)
+
+
 @dataclass
 class Group:
     """The ranks of a worker group and how they split each model."""
 
     comm: Any  # mx.distributed.Group
     mode: str = "auto"
+    #: ``--group-timeout``: seconds rank 0 waits on one call into the group.
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    watchdog: Watchdog | None = field(default=None, repr=False)
+    lost: bool = False  # a collective failed: no rank can be reached any more
+
+    def guard(self, on_hang: Callable[[str], object]) -> None:
+        """Rank 0: from now on, a call into the group that hangs ends this process after
+        ``on_hang`` (called again: the new ``on_hang`` replaces the old)."""
+        if not self.leads:
+            return
+        if self.watchdog is None:
+            self.watchdog = Watchdog(on_hang)
+        self.watchdog.on_hang = on_hang
+
+    def watch(self, what: str, factor: float = 1.0) -> contextlib.AbstractContextManager[None]:
+        """Rank 0: a call into the group (``what``) that may take ``factor`` timeouts."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.watch(what, self.timeout_s * factor)
 
     @property
     def rank(self) -> int:
@@ -87,6 +161,7 @@ class Group:
             out = mx.distributed.all_sum(a, group=self.comm, stream=mx.cpu)
             mx.eval(out)
         except Exception as e:  # the transport failed: a peer died
+            self.lost = True
             raise GroupLost(f"group rank {self.rank}: {type(e).__name__}: {e}") from e
         return out
 
@@ -118,9 +193,10 @@ class Group:
     def exit(self) -> None:
         """Rank 0: end the group. Each follower confirms it heard (so no rank closes its
         connections while another still reads from them)."""
-        if self.leads and self.size > 1:
-            self._send(EXIT)
-            self._sum(mx.zeros((1,), dtype=mx.int32))
+        if self.leads and self.size > 1 and not self.lost:
+            with self.watch("the group's exit"):
+                self._send(EXIT)
+                self._sum(mx.zeros((1,), dtype=mx.int32))
 
     def confirm_exit(self) -> None:
         """A follower: heard :data:`EXIT` (rank 0 may close its connections now)."""
@@ -142,7 +218,7 @@ def _packed(message: dict[str, Any]) -> tuple[int, bytes]:
     return len(payload), payload
 
 
-def init(mode: str) -> Group:
+def init(mode: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
     """This process's group (``mlx.launch`` sets it up); a ValueError unless it has 2 or
     more ranks."""
     if mode not in MODES:
@@ -153,7 +229,7 @@ def init(mode: str) -> Group:
             "--shard needs a group of 2 or more ranks: start the worker with mlx's launcher, "
             "e.g. mlx.launch --hosts mac1,mac2 -- worker --shard auto ..."
         )
-    return Group(comm, mode)
+    return Group(comm, mode, timeout_s)
 
 
 # -- loading -------------------------------------------------------------------------

@@ -38,9 +38,11 @@ class GroupEngine:
     ) -> None:
         self.group, self.inner = group, inner
         self.models = inner.models
-        group.tell(
-            {"op": "engine", "kind": kind, "model": target.name, "adapter": target.adapter} | spec
-        )
+        with group.watch("a new engine"):
+            group.tell(
+                {"op": "engine", "kind": kind, "model": target.name, "adapter": target.adapter}
+                | spec
+            )
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -74,20 +76,24 @@ class GroupEngine:
             "params": {k: getattr(job.params, k) for k in _SENT},
             "request": job.request.model_dump(mode="json"),
         }
-        self.inner.add(tag, job, start, on_text, first)
-        self.group.tell(message)
+        with self.group.watch("an added sequence"):
+            self.inner.add(tag, job, start, on_text, first)
+            self.group.tell(message)
 
     def remove(self, tag: Hashable) -> None:
-        self.group.tell({"op": "remove", "tag": tag})
-        self.inner.remove(tag)
+        with self.group.watch("a removed sequence"):
+            self.group.tell({"op": "remove", "tag": tag})
+            self.inner.remove(tag)
 
     def step(self) -> Step:
-        self.group.step()
-        return self.inner.step()
+        with self.group.watch("a step"):  # (its forward passes are collectives too)
+            self.group.step()
+            return self.inner.step()
 
     def close(self) -> None:
-        self.group.close()
-        self.inner.close()
+        with self.group.watch("an engine's close"):
+            self.group.close()
+            self.inner.close()
 
 
 # -- the followers ---------------------------------------------------------------------

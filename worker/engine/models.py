@@ -12,6 +12,7 @@ model, and a model's prefixes go with it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -351,7 +352,8 @@ class ModelCache:
             entry.pinned = entry.pinned or pin
             return entry, True
         if adapter is None:
-            entry = self._load_base(name, keep)
+            with self._watch(f"loading {name!r}", 10):  # (every rank loads its part)
+                entry = self._load_base(name, keep)
         elif self.group is not None:
             raise ModelLoadError(f"adapter {adapter!r}: a worker group serves no adapters yet")
         else:
@@ -362,7 +364,8 @@ class ModelCache:
         if self.kv_quant is not None and entry.kind == "chat":
             self._quantize(entry)
         if self.group is not None:  # measured now, on every rank (a forward pass)
-            _ = entry.kv
+            with self._watch(f"measuring {name!r}"):
+                _ = entry.kv
         self._entries[key] = entry
         self.loads += 1
         if self.prefixes.disk is not None and entry.kind == "chat":
@@ -423,6 +426,10 @@ class ModelCache:
         if evicted:
             free_memory()
 
+    def _watch(self, what: str, factor: float = 1.0) -> contextlib.AbstractContextManager[None]:
+        """A call into the worker group that must return in time (``Group.watch``)."""
+        return self.group.watch(what, factor) if self.group else contextlib.nullcontext()
+
     def evict(self, key: CacheKey) -> None:
         """Unload ``key`` (and its adapters) if it is loaded."""
         if key in self._entries:
@@ -433,7 +440,8 @@ class ModelCache:
         # Adapter entries share their base's arrays: evicting a base evicts its adapters.
         dependents = [k for k in self._entries if key[1] is None and k[0] == key[0] and k[1]]
         if self.group is not None:
-            self.group.tell({"op": "evict", "name": key[0], "adapter": key[1]})
+            with self._watch(f"evicting {key[0]!r}"):
+                self.group.tell({"op": "evict", "name": key[0], "adapter": key[1]})
         for k in [*dependents, key]:
             entry = self._entries.pop(k)
             self.prefixes.drop_model(k)

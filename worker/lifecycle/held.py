@@ -464,6 +464,23 @@ class Lifecycle(Upkeep):
         self._released(job.id)
         return done
 
+    def hand_back_all(self) -> list[str]:
+        """Give every job this process holds back to the front of its queue, unstarted,
+        with no crash counted: the process cannot go on (its worker group hung) and is
+        about to end. Safe from another thread while the main one is stuck. Returns the
+        ids handed back."""
+        with self._holding_lock:
+            held = sorted(self.holding)
+        back: list[str] = []
+        if not held:
+            return back
+        for job_id, value in zip(held, self.conn.hmget(keys.RUNNING, held), strict=True):
+            token, _, queue = (value or b"").decode().partition(" ")
+            if token == self.token and self._requeue(job_id, queue):
+                back.append(job_id)
+        self._released(*held)
+        return back
+
     def _requeue(self, job_id: str, queue: str) -> bool:
         return bool(
             self.conn.eval(
