@@ -103,6 +103,47 @@ def test_the_matrix_covers_every_cache_kind(arch):
     assert kinds == expected
 
 
+def test_a_kept_prefix_never_changes_whatever_a_job_restored_from_it_does(arch):
+    """A kept entry's arrays are shared (not copied) by every job restored from it. Jobs
+    step their caches in place: mlx-lm writes a wrapped window's one-token update into
+    its buffer (``keys[..., i, :] = k``), and ``mx.array.__setitem__`` changes that very
+    array object. So a job whose prompt is one token past an entry (its last token is
+    its first step) must leave the entry as it was, and a later job restored from it
+    must see the prompt's state, on every cache type."""
+    import mlx.core as mx
+
+    from worker.engine.layers import restore, snapshot
+    from worker.engine.prefill import prefill
+    from worker.engine.rewind import leaves
+
+    gen = ChatGenerator.get_or_create(arch.target, cache=ModelCache(prefix_bytes=0))
+    model = gen.target.model
+    tokens = [5 + (i * 7) % 200 for i in range(3 * WINDOW + 5)]  # past the window
+    kept = snapshot(prefill(model, tokens, gen.target.new_cache()), len(tokens))
+    assert kept is not None
+
+    def state() -> list:
+        return [[a.tolist() for a in _arrays(c.state)] for c in leaves(kept)]
+
+    before = state()
+    job = restore(kept, len(tokens))
+    for t in (11, 12, 13):  # one-token steps, as a job's last prompt token and decode
+        mx.eval(model(mx.array([[t]]), cache=job))
+    assert state() == before
+
+
+def _arrays(state) -> list:
+    import mlx.core as mx
+
+    out = []
+    for part in state if isinstance(state, (list, tuple)) else [state]:
+        if isinstance(part, mx.array):
+            out.append(part)
+        elif isinstance(part, (list, tuple)):
+            out.extend(_arrays(part))
+    return out
+
+
 def test_speculation_alone_is_exact_past_the_window(arch, k=3):
     req = _req(arch)
     plain = _alone(arch, req)

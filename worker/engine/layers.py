@@ -13,8 +13,12 @@ every layer after a prompt's first n tokens.
 - ``CacheList``: each part.
 
 A snapshot is taken right after its model ran over exactly n tokens; restoring
-gives a fresh cache per job that starts from the kept (immutable) arrays without
-copying them. Only mlx-lm's public cache attributes (``state``, ``offset``) are used.
+gives a fresh cache per job that starts from the kept arrays without copying their
+data, but never shares an array object with the snapshot: mlx-lm steps some caches in
+place (a wrapped window's one-token update is ``keys[..., i, :] = k``), and
+``mx.array.__setitem__`` changes the object it is called on, so a shared object would
+change the kept entry under every later job. Only mlx-lm's public cache attributes
+(``state``, ``offset``) are used.
 """
 
 from __future__ import annotations
@@ -127,12 +131,14 @@ def _fresh(c: Any, n: int) -> Any:
         keys, values, offset, keep, max_size, _ = c.state
         if n != offset:  # (only an unwrapped window: it holds every position)
             keys, values = keys[..., :n, :], values[..., :n, :]
+        else:  # arrays of its own: a one-token step writes into the buffer in place
+            keys, values = keys[...], values[...]
         fresh = RotatingKVCache(max_size, keep)
         fresh.state = (keys, values, n, keep, max_size, keys.shape[2])
         return fresh
     if isinstance(c, ArraysCache):
         fresh = ArraysCache(len(c.cache))
-        fresh.cache = list(c.cache)
+        fresh.cache = [a[...] if a is not None else None for a in c.cache]
         return fresh
     fresh = KVCache()
     fresh.keys, fresh.values = c.keys[..., :n, :], c.values[..., :n, :]
@@ -141,8 +147,8 @@ def _fresh(c: Any, n: int) -> Any:
 
 
 def restore(layers: Cache, n: int) -> Cache:
-    """A cache holding the first ``n`` positions of a snapshot, for one job (no copy: it
-    starts from the snapshot's arrays; its first update moves it to buffers of its own).
+    """A cache holding the first ``n`` positions of a snapshot, for one job (no copy of
+    the data: new array objects over the snapshot's; updates never reach the snapshot).
     ``n`` must be at least :func:`shortest`."""
     return [_fresh(c, n) for c in layers]
 

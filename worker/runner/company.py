@@ -50,9 +50,7 @@ def company(
     shares is known) and the ``scout`` says a look is due."""
     if upcoming is None or job.request is None or len(job.prompt) <= MIN_TOKENS:
         return []
-    # Only where a kept prefix serves any shorter one: on a sliding-window model a look
-    # changed a tool job's greedy text in tests (not yet understood).
-    if not generator.target.plain_kv or generator.shares(job):
+    if generator.shares(job):
         return []
     if not scout.due():
         scout.found(False)
