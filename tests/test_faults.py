@@ -439,6 +439,30 @@ def test_sigkill_mid_batch_recovers_every_job(
     assert b.wait() == 0
 
 
+def test_a_job_taken_again_while_it_runs_in_the_batch_runs_once(conn, redis_url, tiny, workers):
+    """A job whose lease here was counted lost (a Sentinel failover can lose its renewals)
+    is requeued and may be taken by this very worker while its batch still decodes it.
+    It must not join as a second sequence (found in the failover test: the second end
+    failed the whole batch and left a job held for ever): it runs on, one record each."""
+    tokens = {"s0": SLOW_TOKENS, "s1": SLOW_TOKENS, "long": 2 * SLOW_TOKENS}  # outlives s0 twice
+    jobs = {k: slow_job(tiny, content=k) | {"max_tokens": n} for k, n in tokens.items()}
+    s = Client(connection=conn).submit(jobs)
+    w = workers("--max-batch", "4", name="again")
+    wait_for(lambda: all(running_execution(conn, j) for j in s.job_ids))
+    again = s.job_ids[0]
+    with conn.pipeline() as pipe:  # what recovery does to a job whose lease looks lost
+        pipe.hdel(keys.RUNNING, again)
+        pipe.lpush(keys.rq_queue_key("mlxq"), again)
+        pipe.execute()
+    records = [one_result(conn, j, timeout=180) for j in s.job_ids]
+    assert all(r.status == "succeeded" for r in records), [r.error for r in records]
+    assert all(r.response.usage.completion_tokens == tokens[r.custom_id] for r in records)
+    wait_for(lambda: conn.hlen(keys.RUNNING) == 0)
+    assert "taken again" in w.output
+    w.signal(signal.SIGTERM)
+    assert w.wait() == 0
+
+
 def test_second_sigterm_mid_batch_requeues_every_job(conn, redis_url, tiny, workers):
     s = Client(connection=conn).submit({f"s{i}": slow_job(tiny, content=str(i)) for i in range(2)})
     w = workers("--max-batch", "4", name="batch-cold")

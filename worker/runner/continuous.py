@@ -254,6 +254,8 @@ class ContinuousBatch:
             if job is None:
                 self._reason = QUEUE_EMPTY
                 return
+            if self._again(job):
+                continue
             if is_embedding(job):  # embedded after the batch, with its like
                 self.host.lifecycle.requeue(job)
                 self._pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
@@ -308,6 +310,8 @@ class ContinuousBatch:
     def _urgent_one(self, job: Job) -> bool:
         """Run ``job`` from a queue ahead of the batch's: True when it joined (or ended at
         once), False when it ran alone or went back to wait (looks pause a while)."""
+        if self._again(job):
+            return True
         if is_embedding(job):
             return self._urgent_embeddings(job)
         req = job.envelope.request
@@ -384,6 +388,18 @@ class ContinuousBatch:
             and (req.model, req.adapter) == (self.key.model, self.key.adapter)
             and batchable(req)
         )
+
+    def _again(self, job: Job) -> bool:
+        """True if ``job`` decodes in this batch already: it was taken again (its lease
+        here was counted lost, say across a Sentinel failover, and it was requeued, then
+        taken by this worker). The run here goes on under the new take; a second
+        sequence with the same id would end it twice and fail the batch."""
+        slot = self.slots.get(job.id)
+        if slot is None:
+            return False
+        log.warning("job %s was taken again while it runs in this batch; it runs on", job.id)
+        slot.job = job
+        return True
 
     def _admit(self, job: Job, r: Route, first: bool = False) -> bool:
         """Put ``job`` into the batch (True; ``first``: its prompt prefills before those
@@ -518,7 +534,10 @@ class ContinuousBatch:
         ended = []
         assert self.generator is not None
         for job_id, out in done:
-            slot = self.slots.pop(str(job_id))
+            slot = self.slots.pop(str(job_id), None)
+            if slot is None:  # (never expected: one sequence per job, see _again)
+                log.error("batch output for job %s, which it does not hold; dropped", job_id)
+                continue
             if isinstance(out, MlxqError):
                 ended.append((slot.job, records.failure(slot.job, self.rt, out)))
                 continue
