@@ -555,7 +555,9 @@ def test_a_load_slower_than_several_leases_keeps_the_job(conn, tiny, workers, ma
     if extra:
         assert record.metrics.speculative and conn.xlen(keys.stream_key(job_id)) > 2
     assert conn.get(keys.crashes_key(job_id)) is None
-    for w in (slow, other):
+    for w in (slow, other):  # (a worker still starting would die of the signal, not stop)
+        wait_for(lambda w=w: "serving" in w.output, timeout=120)
+        time.sleep(0.3)
         w.signal(signal.SIGTERM)
         assert w.wait() == 0
     assert "requeued" not in slow.output + other.output
