@@ -46,6 +46,7 @@ QUICK_FILES = {
     "test_worker.py",
 }
 QUICK_TESTS = {
+    "tests/test_group.py::test_a_transport_failure_inside_any_group_call_is_a_lost_group",
     "tests/test_kvquant.py::test_a_batch_of_quantized_rows_gives_each_row_back_exactly",
     "tests/test_kvquant.py::test_a_pass_of_several_tokens_attends_dequantized_and_keeps_them_quantized",
     "tests/test_kvquant.py::test_right_padded_prefill_rolls_the_quantized_rows_like_plain_ones",

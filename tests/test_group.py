@@ -256,3 +256,37 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_transport_failure_inside_any_group_call_is_a_lost_group():
+    """A peer that dies mid-forward fails mlx's collective inside the model's own layers
+    (``[ring] connection to a peer was lost`` out of mlx-lm's step), not in the group's
+    message sums: it must end the group (GroupLost: the jobs go back), never fail the
+    batch's jobs as a generation error; and a lost group never calls the transport again
+    (a lost ring can hang instead of failing: the close after it did)."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from worker.engine.group import Group, GroupLost
+    from worker.engine.mirror import GroupEngine
+
+    class Dies:
+        models = ()
+
+        def step(self):
+            raise RuntimeError("[ring] connection to a peer was lost")
+
+        def close(self):
+            pass
+
+    group = Group(mx.distributed.init(), "auto")
+    with pytest.raises(RuntimeError, match="shape"), group.call("a step"):
+        raise RuntimeError("shape mismatch")  # a job's own error stays one
+    assert not group.lost
+    engine = GroupEngine(group, Dies(), "batch", SimpleNamespace(name="m", adapter=None))
+    with pytest.raises(GroupLost, match="a step"):
+        engine.step()
+    assert group.lost
+    with pytest.raises(GroupLost, match="lost earlier"):
+        engine.close()  # (no collective on a lost group)

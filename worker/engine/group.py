@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,8 +62,19 @@ HUNG_EXIT = 70
 
 class GroupLost(BaseException):
     """A rank of the group is gone (a collective failed): no rank can go on. A
-    BaseException: it ends the worker (rank 0's held jobs come back when their lease
-    expires), never just the job at hand."""
+    BaseException: it ends the worker (rank 0's held jobs go back to their queues),
+    never just the job at hand."""
+
+
+#: How mlx's distributed backends begin the message of a transport failure (e.g.
+#: ``[ring] connection to a peer was lost``), raised wherever the collective ran: in our
+#: own message sums or inside a model's forward pass (its layers' all_sum).
+_TRANSPORT = re.compile(r"^\[(ring|mpi|jaccl|nccl)\]")
+
+
+def transport_failed(e: BaseException) -> bool:
+    """``e`` says a collective failed (a peer is gone), not that a job's input was bad."""
+    return isinstance(e, RuntimeError) and bool(_TRANSPORT.match(str(e)))
 
 
 class Watchdog:
@@ -137,6 +149,20 @@ class Group:
             return contextlib.nullcontext()
         return self.watchdog.watch(what, self.timeout_s * factor)
 
+    @contextlib.contextmanager
+    def call(self, what: str, factor: float = 1.0) -> Iterator[None]:
+        """A call into the group (``what``: a model's step, a message): watched on rank 0,
+        and a transport failure anywhere inside it (a model's own collectives too) is
+        :class:`GroupLost`, never a job's error that would fail the jobs at hand."""
+        with self.watch(what, factor):
+            try:
+                yield
+            except Exception as e:
+                if not transport_failed(e):
+                    raise
+                self.lost = True
+                raise GroupLost(f"group rank {self.rank}: {what}: {e}") from e
+
     @property
     def rank(self) -> int:
         return int(self.comm.rank())
@@ -156,6 +182,8 @@ class Group:
         # ranks would pair this sum with another rank's layer sums.
         from mlx_lm.generate import generation_stream
 
+        if self.lost:  # (a lost ring may hang rather than fail: never call it again)
+            raise GroupLost(f"group rank {self.rank}: the group was lost earlier")
         try:
             mx.synchronize(generation_stream)
             out = mx.distributed.all_sum(a, group=self.comm, stream=mx.cpu)

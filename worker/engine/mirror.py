@@ -14,7 +14,7 @@ from typing import Any
 
 from schemas import ChatRequest
 from worker.engine.batch import BatchEngine
-from worker.engine.group import CLOSE, EXIT, STEP, Group
+from worker.engine.group import CLOSE, EXIT, STEP, Group, GroupLost, transport_failed
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.protocol import NO_START, CannotTake, Engine, Start, Step
 from worker.engine.request import GenerationParams, Prepared, prepare
@@ -38,7 +38,7 @@ class GroupEngine:
     ) -> None:
         self.group, self.inner = group, inner
         self.models = inner.models
-        with group.watch("a new engine"):
+        with group.call("a new engine"):
             group.tell(
                 {"op": "engine", "kind": kind, "model": target.name, "adapter": target.adapter}
                 | spec
@@ -76,22 +76,22 @@ class GroupEngine:
             "params": {k: getattr(job.params, k) for k in _SENT},
             "request": job.request.model_dump(mode="json"),
         }
-        with self.group.watch("an added sequence"):
+        with self.group.call("an added sequence"):
             self.inner.add(tag, job, start, on_text, first)
             self.group.tell(message)
 
     def remove(self, tag: Hashable) -> None:
-        with self.group.watch("a removed sequence"):
+        with self.group.call("a removed sequence"):
             self.group.tell({"op": "remove", "tag": tag})
             self.inner.remove(tag)
 
     def step(self) -> Step:
-        with self.group.watch("a step"):  # (its forward passes are collectives too)
+        with self.group.call("a step"):  # (its forward passes are collectives too)
             self.group.step()
             return self.inner.step()
 
     def close(self) -> None:
-        with self.group.watch("an engine's close"):
+        with self.group.call("an engine's close"):
             self.group.close()
             self.inner.close()
 
@@ -128,6 +128,9 @@ def _obey(group: Group, cache: ModelCache, msg: dict[str, Any]) -> None:
         else:
             raise RuntimeError(f"a worker group follower was told {op!r} outside an engine")
     except Exception as e:  # rank 0 met the same (the same code on the same input)
+        if transport_failed(e):  # (not the input: a peer is gone)
+            group.lost = True
+            raise GroupLost(f"group rank {group.rank}: {op}: {e}") from e
         log.warning("group rank %d: %s failed: %s: %s", group.rank, op, type(e).__name__, e)
 
 

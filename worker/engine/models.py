@@ -427,8 +427,8 @@ class ModelCache:
             free_memory()
 
     def _watch(self, what: str, factor: float = 1.0) -> contextlib.AbstractContextManager[None]:
-        """A call into the worker group that must return in time (``Group.watch``)."""
-        return self.group.watch(what, factor) if self.group else contextlib.nullcontext()
+        """A call into the worker group that must return in time (``Group.call``)."""
+        return self.group.call(what, factor) if self.group else contextlib.nullcontext()
 
     def evict(self, key: CacheKey) -> None:
         """Unload ``key`` (and its adapters) if it is loaded."""
