@@ -563,30 +563,30 @@ def test_a_load_slower_than_several_leases_keeps_the_job(conn, tiny, workers, ma
     assert "requeued" not in slow.output + other.output
 
 
-@pytest.mark.slow
-def test_long_lease_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny, workers):
-    # --lease-seconds 90. One job is held by a worker that is then killed; another
-    # is stranded between dequeue and start (in a dead worker's inbox). For more
-    # than 60 s, and again once the leases have ended, RQ's own cleanups run as they
-    # would beside mlxq (RQ's intermediate-queue cleanup used to fail a stranded job
-    # after 60 s, and its started-registry cleanup an expired one, behind mlxq's
-    # back): they touch neither. mlxq's recovery requeues both; each ends with one
-    # succeeded record.
+def test_held_and_stranded_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny, workers):
+    # One job is held by a worker that is then killed; another is stranded between
+    # dequeue and start (in a dead worker's inbox). While the leases hold, and again once
+    # they have ended, RQ's own cleanups run as they would beside mlxq (RQ's
+    # intermediate-queue cleanup used to fail a stranded job seen there for a minute, and
+    # its started-registry cleanup an expired one, behind mlxq's back): they touch
+    # neither. RQ's minute is not waited out: the first-seen times it reads are set a
+    # minute back. mlxq's recovery requeues both; each ends with one succeeded record.
     from rq import Queue, Worker
     from rq.registry import StartedJobRegistry
     from rq.serializers import JSONSerializer
 
     from worker.lifecycle.held import Lifecycle
 
+    lease = 10
     client = Client(connection=conn)
     held = client.submit([slow_job(tiny)]).job_ids[0]
-    a = workers("--lease-seconds", "90", name="long-a")
+    a = workers("--lease-seconds", str(lease), name="long-a")
     wait_for(lambda: running_execution(conn, held))
     a.signal(signal.SIGKILL)
     a.wait()
     killed = time.monotonic()
     stranded = client.submit([chat(tiny.target, max_tokens=2)]).job_ids[0]
-    dead = Lifecycle(conn, "long-dead", ["mlxq"], lease_s=90)
+    dead = Lifecycle(conn, "long-dead", ["mlxq"], lease_s=lease)
     dead.register()
     conn.blmove(keys.rq_queue_key("mlxq"), dead.inbox, 1, "LEFT", "RIGHT")
     assert conn.lrange(dead.inbox, 0, -1) == [stranded.encode()]
@@ -599,15 +599,17 @@ def test_long_lease_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny, worker
         info = [sys.executable, "-m", "rq.cli", "info", "--url", _url(conn)]
         subprocess.run(info, capture_output=True, check=True)
 
-    while time.monotonic() - killed < 62:
-        rq_cleanups()
-        time.sleep(5)
-    wait_for(lambda: time.monotonic() - killed > 91, timeout=60, every=0.5)
+    rq_cleanups()  # (RQ notes when it first saw each id in its intermediate queue)
+    for seen in conn.scan_iter("rq:queue:*:intermediate:first_seen:*"):
+        conn.set(seen, time.time() - 120, keepttl=True)  # ... as if a minute ago
+    rq_cleanups()
+    assert time.monotonic() - killed < lease, "the cleanups ran after the leases ended"
+    wait_for(lambda: time.monotonic() - killed > lease + 1, timeout=30, every=0.5)
     rq_cleanups()  # the leases have ended: still RQ fails nothing
     assert conn.hget(keys.rq_job_key(held), "status") == b"started"
     assert conn.zcard("rq:failed:mlxq") == 0
     assert read_result(conn, held) is None and read_result(conn, stranded) is None
-    b = workers("--lease-seconds", "90", name="long-b")
+    b = workers("--lease-seconds", str(lease), name="long-b")
     for job_id in (held, stranded):
         record = one_result(conn, job_id, timeout=120)
         assert record.status == "succeeded" and record.metrics.worker_id == "long-b"
