@@ -123,7 +123,9 @@ def test_every_path_gives_the_text_of_the_job_alone(conn, redis_url, gemma):
         )
 
     n = len(QUESTIONS)
-    plain = run_jobs(conn, redis_url, {f"q{i}": job(i) for i in range(n)}, "real-alone")
+    cache = ModelCache()  # loaded once for every path (each restores the kept prefix)
+    jobs = {f"q{i}": job(i) for i in range(n)}
+    plain = run_jobs(conn, redis_url, jobs, "real-alone", cache=cache)
     texts = {c: r.response.choices[0].message.content for c, r in plain.items()}
     assert "Paris" in texts["q0"]
     cached = [r.response.usage.prompt_tokens_details.cached_tokens for r in plain.values()]
@@ -145,6 +147,7 @@ def test_every_path_gives_the_text_of_the_job_alone(conn, redis_url, gemma):
             f"real-{name}",
             max_batch=max_batch,
             policy=SpeculationPolicy(mode),
+            cache=cache,
         )
         for c, r in got.items():
             assert r.status == "succeeded", (name, c, r.error)
