@@ -23,7 +23,7 @@ from schemas.errors import (
     UnsafeJobError,
 )
 from schemas.job import ENDED_JOB_DATA, JobEnvelope, JobRefused, StoredJob, job_data, read_job_hash
-from schemas.request import ChatRequest, Message, TextPart
+from schemas.request import ChatRequest, ImagePart, Message, TextPart
 from schemas.result import (
     AssistantMessage,
     BatchInputLine,
@@ -50,6 +50,7 @@ __all__ = [
     "ContextTooLargeError",
     "ErrorInfo",
     "GenerationError",
+    "ImagePart",
     "IncompatibleDraftError",
     "InvalidRequestError",
     "JobEnvelope",

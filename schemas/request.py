@@ -24,10 +24,9 @@ UNSUPPORTED: dict[str, str] = {
     "store": "store is not supported",
 }
 
-#: Content parts other than text, and why each is refused.
+#: Content parts other than text and images, and why each is refused.
 NON_TEXT: dict[str, str] = {
-    "image_url": "images are not supported: this worker serves text only",
-    "input_image": "images are not supported: this worker serves text only",
+    "input_image": "input_image is a Responses API part: give image_url parts here",
     "input_audio": "audio input is not supported: this worker serves text only",
     "file": "file parts are not supported: give the file's text as a text part",
     "refusal": "a refusal part is not read: give the assistant's text as a text part",
@@ -71,6 +70,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 #: Prompt lookup's limits: n-gram sizes 1..MAX_NGRAM, proposals of MAX_PROPOSAL at most.
 MAX_NGRAM = 16
 MAX_PROPOSAL = 64
+#: Images: the most one request carries, and the largest (decoded; OpenAI's limit).
+MAX_IMAGES = 16
+MAX_IMAGE_BYTES = 20 * 2**20
+_MAX_IMAGE_URL = 64 + (MAX_IMAGE_BYTES + 2) // 3 * 4
+_DATA_URL = re.compile(r"data:image/[a-z0-9.+-]{1,32};base64,[A-Za-z0-9+/=\s]+", re.ASCII)
 
 
 class TextPart(BaseModel):
@@ -80,6 +84,41 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
+
+
+class ImageURL(BaseModel):
+    """An ``image_url`` part's image: a ``data:`` URL (base64 PNG, JPEG, WebP or GIF).
+    ``detail`` is accepted; the model's own processor decides the resolution."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(max_length=_MAX_IMAGE_URL)
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+def _check_image_part(i: int, part: dict[str, Any]) -> None:
+    """One clear line for an image part that is not an inline data URL."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else None
+    if not isinstance(url, str):
+        raise ValueError(f'part {i}: image_url needs {{"url": "data:image/...;base64,..."}}')
+    if len(url) > _MAX_IMAGE_URL:
+        raise ValueError(f"part {i}: the image is over {MAX_IMAGE_BYTES >> 20} MB")
+    if not _DATA_URL.fullmatch(url):
+        scheme = url.split(":", 1)[0][:16] if ":" in url[:17] else "bare"
+        raise ValueError(
+            f"part {i}: a {scheme!r} image URL is not read: give the image inline as "
+            "data:image/<png|jpeg|webp|gif>;base64,<bytes> (URLs are not fetched)"
+        )
+
+
+class ImagePart(BaseModel):
+    """An image part of a user message's content list (OpenAI's ``image_url``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["image_url"]
+    image_url: ImageURL
 
 
 class StreamOptions(BaseModel):
@@ -171,7 +210,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # may be left out beside tool_calls
+    content: str | list[TextPart | ImagePart] | None = None  # may be left out beside tool_calls
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
     name: str | None = Field(default=None, max_length=64)
@@ -182,10 +221,12 @@ class Message(BaseModel):
         if isinstance(value, list):
             for i, part in enumerate(value):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind != "text":
+                if isinstance(kind, str) and kind not in ("text", "image_url"):
                     raise ValueError(
                         f"part {i} is {kind!r}: {NON_TEXT.get(kind, 'only text parts are read')}"
                     )
+                if kind == "image_url":
+                    _check_image_part(i, part)
         return value
 
     @model_validator(mode="after")
@@ -198,7 +239,16 @@ class Message(BaseModel):
             raise ValueError(f"tool_call_id: only tool messages answer calls, not {self.role}")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"content: a {self.role} message needs content")
+        if self.images and self.role != "user":
+            raise ValueError(f"content: images go in user messages, not in a {self.role} message")
         return self
+
+    @property
+    def images(self) -> list[str]:
+        """The data URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
     @property
     def text(self) -> str:
@@ -207,13 +257,18 @@ class Message(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
     def as_template_dict(self) -> dict[str, Any]:
         """The form chat templates expect: ``{"role", "content"}``, with Hugging Face's
         ``tool_calls`` (arguments as objects) and ``tool_call_id`` where present."""
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": self.text}
+        if self.images:  # Hugging Face's multimodal form: the template places each image
+            out["content"] = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in self.content or ()
+            ]
         if self.tool_calls:
             out["tool_calls"] = [
                 {
@@ -275,8 +330,15 @@ class ChatRequest(BaseModel):
     #: template): what legacy ``/v1/completions`` runs as.
     raw_prompt: bool = False
 
+    @property
+    def images(self) -> list[str]:
+        """The data URLs of every image part, in message order."""
+        return [url for m in self.messages for url in m.images]
+
     @model_validator(mode="after")
     def _check_raw_prompt(self) -> ChatRequest:
+        if len(self.images) > MAX_IMAGES:
+            raise ValueError(f"messages: {len(self.images)} images; at most {MAX_IMAGES}")
         if not self.raw_prompt:
             return self
         if len(self.messages) != 1 or self.messages[0].role != "user":

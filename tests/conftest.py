@@ -43,6 +43,7 @@ QUICK_FILES = {
     "test_store.py",
     "test_structure.py",
     "test_twice.py",
+    "test_vision.py",
     "test_worker.py",
 }
 QUICK_TESTS = {

@@ -209,16 +209,41 @@ def test_what_mlxq_does_not_serve_is_refused_in_one_line_naming_it(gateway):
         assert r.json()["error"]["message"].startswith(expected), (path, r.json())
     image = [
         {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
     ]
     with pytest.raises(openai.BadRequestError) as e:
         gw.client().chat.completions.create(
             model="m", messages=[{"role": "user", "content": image}], max_tokens=2
         )
     assert e.value.body["message"] == (
-        "messages.0.content: part 1 is 'image_url': images are not supported: "
-        "this worker serves text only"
+        "messages.0.content: part 1: a 'https' image URL is not read: give the image inline "
+        "as data:image/<png|jpeg|webp|gif>;base64,<bytes> (URLs are not fetched)"
     )
+
+
+def test_an_image_request_streams_the_text_of_its_completion(gateway, workers, tmp_path):
+    pytest.importorskip("mlx_vlm")
+    from worker.dev.tinyvlm import ensure_vlm
+
+    from .test_vision import data_url, png
+
+    vlm = str(ensure_vlm(tmp_path / "tiny-gemma3-vlm"))
+    gw = gateway()
+    workers()
+    client = gw.client()
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(png(1)), "detail": "low"}},
+        {"type": "text", "text": "describe the queue"},
+    ]
+    ask = {"model": vlm, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+    plain = client.chat.completions.create(**ask, temperature=0)
+    assert plain.choices[0].message.content and plain.usage.prompt_tokens > 4
+    pieces = [
+        c.delta.content or ""
+        for chunk in client.chat.completions.create(**ask, temperature=0, stream=True)
+        for c in chunk.choices
+    ]
+    assert "".join(pieces) == plain.choices[0].message.content
 
 
 def test_unknown_and_disallowed_models_are_404(gateway, workers, tiny):

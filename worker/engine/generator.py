@@ -21,7 +21,7 @@ from worker.engine.mirror import GroupEngine
 from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
 from worker.engine.prefill import prefill
-from worker.engine.prefix import MIN_TOKENS, common_prefix, starting_cache
+from worker.engine.prefix import MIN_TOKENS, common_prefix, image_key, starting_cache
 from worker.engine.protocol import NO_START, Engine, Start, run_to_end
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
 from worker.engine.sequence import Deadline, OnText
@@ -211,6 +211,8 @@ class ChatGenerator:
         """Where ``job``'s prompt starts (see :func:`worker.engine.prefix.starting_cache`):
         the target's layers, then ``draft``'s; tokens they hold; tokens reused. Its first
         ``limit`` tokens at most. ``company``: prompts of jobs queued after it."""
+        if job.vision is not None:
+            return self._image_start(job, draft)
         if not self.models.prefixes.enabled or job.request is None:
             return NO_START
         prompt = job.prompt
@@ -228,6 +230,32 @@ class ChatGenerator:
             store, self.models.prefix_room, pairs, prompt, boundary, limit
         )
         return Start(cache, cached, reused) if cache is not None else NO_START
+
+    def _image_start(self, job: Prepared, draft: LoadedModel | None) -> Start:
+        """A job with images starts from its prompt through its last image token,
+        prefilled from the input embeddings (``worker.engine.vision``): kept in the prefix
+        cache under the images' identity, so jobs on the same images (and the same text
+        before them) prefill them once. ``draft`` prefills the same tokens (it sees the
+        image placeholders as tokens: a proposer only)."""
+        vision, target, store = job.vision, self.target, self.models.prefixes
+        assert vision is not None and target.vision is not None
+        if self.models.group is not None:
+            raise InvalidRequestError("a worker group does not run images (not built yet)")
+        key, head, end = image_key(target.key, vision.digest), job.prompt[: vision.end], vision.end
+        matched = store.match(key, head) if store.enabled else None
+        if matched is not None and matched[1] == end:
+            layers, reused = restore(matched[0].layers, end), end
+            store.stats.hits += 1
+            store.stats.tokens_reused += end
+        else:
+            layers = target.vision.prefill(target.model, job.prompt, vision, target.new_cache())
+            reused = 0
+            kept = snapshot(layers, end) if store.enabled else None
+            if kept is not None and store.put(key, head, kept, self.models.prefix_room()):
+                layers = restore(kept, end)
+        if draft is not None:
+            layers = [*layers, *prefill(draft.model, job.prompt, draft.new_cache(), 0, end)]
+        return Start(layers, end, reused)
 
 
 def _chat_model(entry: LoadedModel, what: str) -> None:

@@ -52,6 +52,7 @@ from worker.engine.memory import (
 from worker.engine.prefix import PrefixCache
 from worker.engine.prefixdisk import PrefixDisk
 from worker.engine.rewind import leaves
+from worker.engine.vision import Vision, can_see
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class LoadedModel:
     embedder: Embedder | None = field(default=None, repr=False)
     #: How its KV caches are quantized (None: not; ``worker --kv-bits``).
     kv_quant: KVQuant | None = None
+    #: Its vision tower, for a vision-language model that runs images here; else why not.
+    vision: Vision | None = field(default=None, repr=False)
+    no_vision: str | None = None
 
     def new_cache(self) -> list[Any]:
         """An empty cache for one sequence, as every engine makes them (quantized KV
@@ -477,6 +481,8 @@ class ModelCache:
         elapsed = time.perf_counter() - start
         entry = LoadedModel(name, None, model, tokenizer, config, param_bytes(model), elapsed)
         entry.embedder = embedder
+        if embedder is None:
+            self._see(entry, path)
         log.info(
             "loaded %s%s in %.2fs (%.1f MB)",
             name,
@@ -485,6 +491,20 @@ class ModelCache:
             entry.nbytes / 1e6,
         )
         return entry
+
+    def _see(self, entry: LoadedModel, path: Path) -> None:
+        """Load ``entry``'s vision tower if it is a VLM whose images run here."""
+        entry.no_vision = can_see(entry.config)
+        if self.group is not None and entry.no_vision is None:
+            entry.no_vision = "runs on a worker group: images are not run there yet"
+        if entry.no_vision is not None:
+            return
+        try:
+            entry.vision = Vision.load(path, entry.model)
+        except Exception as e:
+            raise ModelLoadError(f"model {entry.name!r}: its vision tower: {e}") from e
+        entry.nbytes += entry.vision.nbytes
+        log.info("%s reads images (vision tower %.1f MB)", entry.name, entry.vision.nbytes / 1e6)
 
     def _load_adapter(
         self, base: LoadedModel, adapter: str, keep: tuple[CacheKey, ...]
@@ -512,7 +532,9 @@ class ModelCache:
             ) from e
         elapsed = time.perf_counter() - start
         nbytes = sum(v.nbytes for v in own)
-        return LoadedModel(base.name, adapter, model, base.tokenizer, base.config, nbytes, elapsed)
+        entry = LoadedModel(base.name, adapter, model, base.tokenizer, base.config, nbytes, elapsed)
+        entry.vision, entry.no_vision = base.vision, base.no_vision  # its images, on the base
+        return entry
 
     def check_draft(self, target: LoadedModel, draft: LoadedModel) -> None:
         """Raise :class:`IncompatibleDraftError` unless both tokenizers have the same vocabulary."""

@@ -251,11 +251,29 @@ class PrefixCache:
         return freed
 
     def drop_model(self, model: Hashable) -> None:
-        """Forget every entry of ``model`` and the prompts it saw (it is being evicted)."""
-        for key in [k for k in self._entries if k[0] == model]:
+        """Forget every entry of ``model`` (its images' too) and the prompts it saw (it is
+        being evicted)."""
+        for key in [k for k in self._entries if k[0] == model or _of_model(k[0], model)]:
             self._remove(key)
         for seen in [k for k in self._seen if k[0] == model]:
             del self._seen[seen]
+
+
+def image_key(model: Hashable, digest: str) -> tuple[Hashable, str]:
+    """The prefix-cache key of ``model``'s prompts over the images of ``digest``: a prefix
+    holding images is shared only by prompts with the same images (their placeholder
+    tokens are the same for any image)."""
+    return (model, f"images:{digest}")
+
+
+def _of_model(key: Hashable, model: Hashable) -> bool:
+    return (
+        isinstance(key, tuple)
+        and len(key) == 2
+        and key[0] == model
+        and isinstance(key[1], str)
+        and key[1].startswith("images:")
+    )
 
 
 def starting_cache(

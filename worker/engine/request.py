@@ -22,6 +22,7 @@ from worker.engine.toolcalls import grammar as call_grammar
 
 if TYPE_CHECKING:
     from worker.engine.models import LoadedModel
+    from worker.engine.vision import VisionInput
 
 #: Completion limit when a request sets neither max_tokens nor max_completion_tokens.
 DEFAULT_MAX_TOKENS = 512
@@ -63,6 +64,7 @@ class Prepared:
     prompt: list[int]
     params: GenerationParams
     request: ChatRequest | None = None
+    vision: VisionInput | None = None  # its images: prefilled first (``worker.engine.vision``)
 
     @property
     def label(self) -> str:
@@ -83,7 +85,11 @@ def prepare(
     """``request`` on ``target``: prompt tokens, parameters (raises on a misfit), grammar."""
     tokenizer = target.tokenizer
     family = check_tools(request, tokenizer, target.name)
-    prompt = prompt_tokens(tokenizer, request)
+    vision = None
+    if request.images:
+        prompt, vision = image_prompt(request, target)
+    else:
+        prompt = prompt_tokens(tokenizer, request)
     calls, trigger = call_grammar(request, tokenizer, family)
     in_reasoning = not request.raw_prompt and opens_in_reasoning(tokenizer, prompt)
     if in_reasoning and not trigger and (thinking := thinking_of(tokenizer)) is not None:
@@ -101,7 +107,27 @@ def prepare(
         params = replace(params, stop=(*params.stop, TRANSCRIPT_STOP))
     if in_reasoning:
         params = replace(params, in_reasoning=True)
-    return Prepared(prompt, params, request)
+    return Prepared(prompt, params, request, vision)
+
+
+def image_prompt(request: ChatRequest, target: LoadedModel) -> tuple[list[int], VisionInput]:
+    """A request with images on ``target``: the prompt as its processor expands it, and the
+    images' inputs; raises naming the model if it does not read images here."""
+    if target.vision is None:
+        why = target.no_vision or "reads no images"
+        raise InvalidRequestError(f"model {target.name!r} {why}")
+    if not getattr(target.tokenizer, "has_chat_template", False):
+        raise InvalidRequestError(f"model {target.name!r} has no chat template to place images")
+    images = target.vision.images.images(request.images)
+    text = _render(
+        target.tokenizer,
+        [m.as_template_dict() for m in request.messages],
+        prompt=True,
+        tools=request.template_tools,
+        template_kwargs=request.template_kwargs,
+        tokenize=False,
+    )
+    return target.vision.prepare(text, images)
 
 
 def _render(
@@ -110,23 +136,29 @@ def _render(
     prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
+    tokenize: bool = True,
+) -> Any:
     """``messages`` through the model's chat template (a plain "role: content" transcript
-    without one) as token ids; ``prompt`` adds the assistant's turn to generate;
-    ``tools`` are rendered by the template (Hugging Face's ``tools`` argument)."""
+    without one) as token ids (as text: ``tokenize=False``); ``prompt`` adds the
+    assistant's turn to generate; ``tools`` are rendered by the template (Hugging Face's
+    ``tools`` argument)."""
     if not getattr(tokenizer, "has_chat_template", False):
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         return list(tokenizer.encode(text + "\nassistant:" if prompt else text))  # type: ignore[attr-defined]
     extra = ({"tools": tools} if tools else {}) | (template_kwargs or {})
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, **extra)  # type: ignore[attr-defined]
+        ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            messages, add_generation_prompt=prompt, tokenize=tokenize, **extra
+        )
     except Exception as e:  # a template that raises on these messages or variables
-        if not template_kwargs:
+        if not template_kwargs and tokenize:
             raise
+        what = f"with chat_template_kwargs {sorted(template_kwargs)}" if template_kwargs else ""
         raise InvalidRequestError(
-            f"the chat template failed with chat_template_kwargs "
-            f"{sorted(template_kwargs)}: {type(e).__name__}: {e}"
+            f"the chat template failed {what or 'on these messages'}: {type(e).__name__}: {e}"
         ) from None
+    if not tokenize:
+        return ids
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]

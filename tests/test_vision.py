@@ -1,0 +1,230 @@
+"""Images in chat jobs: a tiny Gemma 3 VLM through the real queue, against mlx-vlm itself.
+
+The model is built with mlx-vlm's own classes (worker.dev.tinyvlm) and loaded by
+``mlx_vlm.load`` for the reference and by the worker (mlx-lm's language model plus
+mlx-vlm's vision tower). Greedy text must equal mlx-vlm's ``generate`` on every path a
+job takes; hostile images fail their own job with a clear 400 and nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import pytest
+
+pytest.importorskip("mlx_vlm")
+pytest.importorskip("PIL")
+
+import numpy as np
+from PIL import Image
+
+from schemas import ChatRequest, InvalidRequestError
+from worker.dev.tinyvlm import ensure_vlm
+from worker.engine.generator import ChatGenerator
+from worker.engine.images import ImageCache
+from worker.engine.models import ModelCache
+from worker.schedule.policy import SpeculationPolicy
+
+from .conftest import run_jobs
+
+TOKENS = 10
+QUESTIONS = ["describe the queue", "what is the batch", "name the worker model"]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return str(ensure_vlm(tmp_path_factory.mktemp("vlm") / "tiny-gemma3-vlm"))
+
+
+@pytest.fixture(scope="module")
+def vlm_draft(tmp_path_factory):
+    """Other weights, the same tokenizer: a compatible draft (it reads the image tokens as
+    tokens; the target's text is exact all the same)."""
+    return str(ensure_vlm(tmp_path_factory.mktemp("vlm") / "tiny-gemma3-draft", seed=1))
+
+
+def png(seed: int, size: tuple[int, int] = (64, 80)) -> bytes:
+    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def job(model: str, question: str, image: bytes | str, **fields) -> dict:
+    url = image if isinstance(image, str) else data_url(image)
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": TOKENS,
+        "temperature": 0,
+    } | fields
+
+
+def reference(model_path: str, question: str, image: bytes) -> str:
+    """mlx-vlm's own greedy generation of the same request."""
+    from mlx_vlm import generate, load
+
+    model, processor = load(model_path)
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+    ]
+    prompt = processor.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    pil = Image.open(io.BytesIO(image)).convert("RGB")
+    out = generate(model, processor, prompt, image=[pil], max_tokens=TOKENS, temperature=0.0)
+    return out.text
+
+
+def texts(records: dict) -> dict:
+    for c, r in records.items():
+        assert r.status == "succeeded", (c, r.error)
+    return {c: r.response.choices[0].message.content for c, r in records.items()}
+
+
+def test_image_jobs_equal_mlx_vlm_alone_batched_and_from_a_kept_image(conn, redis_url, vlm):
+    images = [png(1), png(2)]
+    jobs = {f"i{i}-q{q}": job(vlm, QUESTIONS[q], images[i]) for i in range(2) for q in range(3)}
+    want = {c: reference(vlm, QUESTIONS[int(c[-1])], images[int(c[1])]) for c in jobs}
+    assert want["i0-q0"] != want["i1-q0"], "the images must change the text"
+    cache = ModelCache()
+    alone = texts(run_jobs(conn, redis_url, jobs, "vision-alone", cache=cache))
+    assert alone == want
+    # Batched (joins and leaves mid-batch: max_tokens differ), the images kept from above.
+    mixed = {c: j | {"max_tokens": TOKENS - 3 * (i % 2)} for i, (c, j) in enumerate(jobs.items())}
+    batched = run_jobs(conn, redis_url, mixed, "vision-batch", max_batch=4, cache=cache)
+    got = texts(batched)
+    for i, c in enumerate(jobs):
+        short = TOKENS - 3 * (i % 2)
+        assert want[c].startswith(got[c]) and len(got[c]) > 0, (c, got[c], want[c], short)
+    reused = [r.response.usage.prompt_tokens_details.cached_tokens for r in batched.values()]
+    assert all(n > 0 for n in reused), reused  # every image's prefill was kept
+    # With the prefix cache off, on a fresh cache, batched: the same text again.
+    plain = run_jobs(
+        conn, redis_url, jobs, "vision-nocache", max_batch=3, cache=ModelCache(prefix_bytes=0)
+    )
+    assert texts(plain) == want
+
+
+def test_image_jobs_speculate_and_give_n_choices(conn, redis_url, vlm, vlm_draft):
+    image = png(3)
+    want = reference(vlm, QUESTIONS[0], image)
+    cache = ModelCache()
+    lookup = {"speculation": {"method": "prompt_lookup"}}
+    draft = {"draft_model": vlm_draft}
+    for name, fields, batch in [
+        ("lookup", lookup, 1),
+        ("lookup-batch", lookup, 2),
+        ("draft", draft, 1),
+        ("draft-batch", draft, 2),
+    ]:
+        jobs = {f"{name}{k}": job(vlm, QUESTIONS[0], image, **fields) for k in range(2)}
+        records = run_jobs(
+            conn,
+            redis_url,
+            jobs,
+            f"vision-{name}",
+            max_batch=batch,
+            cache=cache,
+            policy=SpeculationPolicy("always"),
+        )
+        assert set(texts(records).values()) == {want}, (name, texts(records))
+        assert all(r.metrics.draft_tokens_proposed > 0 for r in records.values()), name
+    n = run_jobs(
+        conn, redis_url, {"n": job(vlm, QUESTIONS[0], image, n=2)}, "vision-n", cache=cache
+    )
+    choices = n["n"].response.choices
+    assert [c.message.content for c in choices] == [want, want]
+    shaped = {
+        "json": job(vlm, QUESTIONS[0], image, response_format={"type": "json_object"}),
+        "logprobs": job(vlm, QUESTIONS[0], image, logprobs=True, top_logprobs=2),
+    }
+    got = run_jobs(conn, redis_url, shaped, "vision-shaped", max_batch=2, cache=cache)
+    texts(got)
+    assert got["json"].response.choices[0].message.content.lstrip().startswith("{")
+    entries = got["logprobs"].response.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == want and all(
+        len(e.top_logprobs) == 2 for e in entries
+    )
+
+
+def test_an_image_on_a_text_model_and_hostile_images_fail_alone(conn, redis_url, vlm, tiny):
+    good = png(4)
+    bomb = _png_header_only(30_000, 30_000)
+    truncated = good[: len(good) // 2]
+    svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"></svg>'
+    jobs = {
+        "good": job(vlm, QUESTIONS[0], good),
+        "bomb": job(vlm, QUESTIONS[0], bomb),
+        "truncated": job(vlm, QUESTIONS[0], truncated),
+        "svg": job(vlm, QUESTIONS[0], data_url(svg, "svg+xml")),
+        "base64": job(vlm, QUESTIONS[0], "data:image/png;base64,AAAAA"),
+        "text-model": job(tiny.target, QUESTIONS[0], good),
+        "good2": job(vlm, QUESTIONS[1], good),
+    }
+    records = run_jobs(conn, redis_url, jobs, "vision-hostile", max_batch=4)
+    ok = {c for c, r in records.items() if r.status == "succeeded"}
+    assert ok == {"good", "good2"}, {c: r.error for c, r in records.items()}
+    expect = {
+        "bomb": "declares more pixels than the 40,000,000",
+        "truncated": "could not be decoded",
+        "svg": "not a PNG, JPEG, WebP or GIF",
+        "base64": "not valid base64",
+        "text-model": "is a text model: it reads no images",
+    }
+    for c, words in expect.items():
+        error = records[c].error
+        assert error.type == "invalid_request_error" and words in error.message, (c, error)
+        assert "image 1" in error.message or c == "text-model", error.message
+
+
+def test_image_size_cap_and_cache(vlm):
+    cache = ImageCache(size=2, max_bytes=1000)
+    with pytest.raises(InvalidRequestError, match=r"MB image limit|the limit is"):
+        cache.get(data_url(png(5, (200, 200))), "image 1")
+    small = data_url(png(6, (8, 8)))
+    first = cache.get(small, "image 1")
+    assert cache.get(small, "image 2") is first and cache.decoded == 1
+    gif = io.BytesIO()
+    Image.new("RGB", (9, 7), (255, 0, 0)).save(gif, format="GIF")
+    assert cache.get(data_url(gif.getvalue(), "gif"), "image 3").size == (9, 7)
+
+
+def test_images_refused_where_they_are_not_read(vlm):
+    with pytest.raises(ValueError, match="'https' image URL is not read"):
+        ChatRequest.model_validate(job(vlm, "q", "https://example.com/a.png"))
+    system = job(vlm, "q", png(1))
+    system["messages"][0]["role"] = "system"
+    with pytest.raises(ValueError, match="images go in user messages"):
+        ChatRequest.model_validate(system)
+    gen = ChatGenerator.get_or_create(vlm, cache=ModelCache())
+    assert gen.target.vision is not None and gen.target.vision.nbytes > 0
+    tail = job(vlm, "q", png(1))
+    tail["messages"][0]["content"].reverse()  # the image last: the template still ends after
+    prepared = gen.prepare(ChatRequest.model_validate(tail))
+    assert prepared.vision is not None and prepared.vision.end < len(prepared.prompt)
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header declares ``width`` x ``height`` pixels, with one tiny data chunk:
+    a decompression bomb's shape."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )

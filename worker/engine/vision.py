@@ -1,0 +1,166 @@
+"""Images in a job's prompt: the vision side of a vision-language model.
+
+A VLM checkpoint is two things here. Its language model is loaded by mlx-lm, like any
+chat model (mlx-lm reads Gemma 3 and other VLM checkpoints as text models): so every
+engine, cache type and path is the one text jobs take. Its vision tower and projector
+are loaded by mlx-vlm (``pip install 'mlxq[vision]'``) beside it, sharing the language
+model's token embeddings (mlx-vlm's own copy of the language model is dropped before
+its weights load).
+
+A job with images is prepared by the model's own processor (mlx-vlm's: its image
+placeholders expanded, pixels resized and normalized); its prompt is the processor's
+token ids. Before any engine runs it, the start of its prompt through its last image
+token is prefilled from the input embeddings (text embeddings with the projected image
+features in place, ``get_input_embeddings`` of mlx-vlm) into a fresh cache
+(:meth:`Vision.prefill`): the job then starts from that cache as from a kept prefix,
+alone, batched, speculative or as n choices, and the rest of its prompt and every
+generated token are plain token ids. Greedy text equals mlx-vlm's own ``generate``
+(tests/test_vision.py).
+
+Architectures whose language model takes positions other than the cache offset
+(Qwen2-VL and Qwen3-VL's multimodal RoPE) are refused by name: their text would differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from schemas import InvalidRequestError
+from worker.engine.images import Image, ImageCache
+from worker.engine.prefill import PREFILL_STEP
+
+log = logging.getLogger(__name__)
+
+#: VLM architectures (config ``model_type``) whose images mlxq runs: checked equal to
+#: mlx-vlm's own generation.
+ARCHS = frozenset({"gemma3"})
+#: Architectures that position image tokens in 2-D (multimodal RoPE): not on mlx-lm's
+#: language model.
+MROPE = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"})
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """A prepared job's images: the processor's pixel arrays, where its last image token
+    ends in the prompt, and the identity of its images (in order)."""
+
+    arrays: dict[str, Any]  # pixel_values and any other per-image inputs of the processor
+    end: int  # prompt tokens through the last image token
+    digest: str  # SHA-256 over the images' own digests, in order
+
+
+def can_see(config: dict[str, Any]) -> str | None:
+    """Why a model's images cannot be run here (None: they can). A text-only model
+    (no ``vision_config``) says so."""
+    kind = config.get("model_type")
+    if "vision_config" not in config:
+        return "is a text model: it reads no images"
+    if kind in MROPE:
+        return f"is a {kind} model, whose images take 2-D positions (mRoPE): not run yet"
+    if kind not in ARCHS:
+        return f"is a {kind} model: mlxq runs images on {', '.join(sorted(ARCHS))} so far"
+    try:
+        import mlx_vlm  # noqa: F401
+        import PIL  # noqa: F401
+    except ImportError:
+        return "needs mlx-vlm on the worker: pip install 'mlxq[vision]'"
+    return None
+
+
+class Vision:
+    """A VLM's vision tower, projector and processor, beside its mlx-lm language model."""
+
+    def __init__(self, model: nn.Module, processor: Any, image_token: int) -> None:
+        self.model = model
+        self.processor = processor
+        self.image_token = image_token
+        self.images = ImageCache()  # decoded images by content hash, for this model
+        embed = {id(v) for _, v in tree_flatten(_embeddings_of(model).parameters())}
+        own = [v for _, v in tree_flatten(model.parameters()) if id(v) not in embed]
+        self.nbytes = sum(v.nbytes for v in own)  # beyond the language model's
+
+    @classmethod
+    def load(cls, path: Path, language: nn.Module) -> Vision:
+        """mlx-vlm's model at ``path`` without its language model's layers, sharing
+        ``language``'s (mlx-lm's) token embeddings; and its processor."""
+        from mlx_vlm.utils import load_model, load_processor
+
+        model = load_model(path, lazy=True)
+        inner = model.language_model.model
+        inner.embed_tokens = _embeddings(language)
+        inner.layers = []  # before anything is evaluated: never read from disk
+        model.language_model.lm_head = nn.Identity()
+        mx.eval(model.parameters())
+        processor = load_processor(path, add_detokenizer=False)
+        token = int(model.config.image_token_index)
+        return cls(model, processor, token)
+
+    def prepare(self, text: str, images: Sequence[Image]) -> tuple[list[int], VisionInput]:
+        """The prompt's token ids (image placeholders expanded) and its image inputs."""
+        from mlx_vlm.utils import prepare_inputs
+
+        try:
+            inputs = prepare_inputs(
+                self.processor,
+                images=[im.pixels for im in images],
+                prompts=text,
+                image_token_index=self.image_token,
+            )
+        except Exception as e:  # the processor refuses this prompt or these images
+            raise InvalidRequestError(f"the model's processor refused the images: {e}") from e
+        ids = [int(t) for t in inputs["input_ids"][0].tolist()]
+        places = [i for i, t in enumerate(ids) if t == self.image_token]
+        if len(places) == 0:
+            raise InvalidRequestError(
+                "the chat template placed no image in the prompt (it renders no image parts)"
+            )
+        end = places[-1] + 1
+        if end >= len(ids):
+            raise InvalidRequestError("the prompt ends with an image: nothing follows it")
+        arrays = {k: v for k, v in inputs.items() if k not in ("input_ids",)}
+        digest = hashlib.sha256("".join(im.digest for im in images).encode()).hexdigest()
+        return ids, VisionInput(arrays, end, digest)
+
+    def embeddings(self, prompt: Sequence[int], vision: VisionInput) -> mx.array:
+        """The input embeddings of ``prompt[:vision.end]``: (tokens, hidden)."""
+        ids = mx.array(list(prompt[: vision.end]))[None]
+        arrays = dict(vision.arrays)
+        pixels = arrays.pop("pixel_values", None)
+        mask = arrays.pop("attention_mask", None)
+        if mask is not None:
+            mask = mask[:, : vision.end]
+        out = self.model.get_input_embeddings(ids, pixels, mask=mask, **arrays)
+        return out.inputs_embeds[0]
+
+    def prefill(
+        self, language: nn.Module, prompt: Sequence[int], vision: VisionInput, cache: list[Any]
+    ) -> list[Any]:
+        """``cache`` (fresh) holding ``prompt[:vision.end]``, images included: the language
+        model run over the input embeddings in chunks of :data:`PREFILL_STEP`."""
+        embeds = self.embeddings(prompt, vision)
+        tokens = mx.array(list(prompt[: vision.end]))
+        for i in range(0, vision.end, PREFILL_STEP):
+            j = min(i + PREFILL_STEP, vision.end)
+            # A slice each time: mlx-lm's models scale their input embeddings in place.
+            language(tokens[i:j][None], cache=cache, input_embeddings=embeds[i:j][None])
+            mx.eval([c.state for c in cache])
+        return cache
+
+
+def _embeddings_of(vlm: nn.Module) -> nn.Module:
+    return vlm.language_model.model.embed_tokens  # type: ignore[no-any-return]
+
+
+def _embeddings(language: nn.Module) -> nn.Module:
+    """The token embedding layer of an mlx-lm model (a VLM's language model inside)."""
+    inner = getattr(language, "language_model", language)
+    return inner.model.embed_tokens  # type: ignore[no-any-return]
