@@ -61,7 +61,17 @@ def job_data(
         envelope["result_ttl"] = result_ttl
     envelope["request"] = request
     call = [JOB_FUNCTION, None, [envelope], {}]
-    return zlib.compress(json.dumps(call, separators=(",", ":")).encode())
+    raw = json.dumps(call, separators=(",", ":")).encode()
+    if len(raw) < HUFFMAN_BYTES:
+        return zlib.compress(raw)
+    deflate = zlib.compressobj(1, zlib.DEFLATED, 15, 8, zlib.Z_HUFFMAN_ONLY)
+    return deflate.compress(raw) + deflate.flush()
+
+
+#: From this size on (a job carrying an image) its data is compressed by Huffman coding
+#: alone: an image's base64 has little to match, and zlib's default took 34 ms per 1.2 MB
+#: job, Huffman alone 7 ms and 0.6% smaller (bench.vision). The same zlib stream to read.
+HUFFMAN_BYTES = 64 * 1024
 
 
 #: A succeeded job's ``data`` once its record is written: RQ's call with no arguments.

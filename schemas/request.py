@@ -74,7 +74,9 @@ MAX_PROPOSAL = 64
 MAX_IMAGES = 16
 MAX_IMAGE_BYTES = 20 * 2**20
 _MAX_IMAGE_URL = 64 + (MAX_IMAGE_BYTES + 2) // 3 * 4
-_DATA_URL = re.compile(r"data:image/[a-z0-9.+-]{1,32};base64,[A-Za-z0-9+/=\s]+", re.ASCII)
+#: A data URL's head; its base64 is checked where it is decoded (the worker: a 400 naming
+#: the image), not matched here (1.8 ms per MB, three times per job).
+_DATA_URL = re.compile(r"data:image/[a-z0-9.+-]{1,32};base64,", re.ASCII)
 
 
 class TextPart(BaseModel):
@@ -104,7 +106,10 @@ def _check_image_part(i: int, part: dict[str, Any]) -> None:
         raise ValueError(f'part {i}: image_url needs {{"url": "data:image/...;base64,..."}}')
     if len(url) > _MAX_IMAGE_URL:
         raise ValueError(f"part {i}: the image is over {MAX_IMAGE_BYTES >> 20} MB")
-    if not _DATA_URL.fullmatch(url):
+    head = _DATA_URL.match(url)
+    if head is not None and head.end() == len(url):
+        raise ValueError(f"part {i}: the data URL holds no image")
+    if head is None:
         scheme = url.split(":", 1)[0][:16] if ":" in url[:17] else "bare"
         raise ValueError(
             f"part {i}: a {scheme!r} image URL is not read: give the image inline as "

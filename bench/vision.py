@@ -1,0 +1,139 @@
+"""Image jobs: 32 greedy jobs (4 images x 8 questions) on the tiny Gemma 3 VLM.
+
+Arms, side by side in one run: mlxq batched (``--max-batch 8``) with the prefix cache (each
+image's prefill kept and shared by its 8 questions), mlxq batched without it, mlxq one job
+at a time, and mlx-vlm's own ``generate`` one request at a time in this process (the model
+loaded once): its text must equal mlxq's. mlxq's arms count from submit (Redis, the queue,
+validation) to the last record; mlx-vlm's from its first request. Also Redis bytes per
+queued job (the image travels inside each job today: not yet stored once).
+
+    .venv/bin/python -m bench.vision [--rounds 3] [--tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from redis import Redis
+
+from bench.serve import burst
+from producer import Client
+from producer.localredis import LocalRedis
+from worker.dev.tinyvlm import ensure_vlm
+from worker.engine.models import ModelCache
+from worker.runner import runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).parent / "out"
+QUESTIONS = [
+    f"question {i}: what is the {w} in this image"
+    for i, w in enumerate("queue worker batch model token cache draft fleet".split())
+]
+
+
+def png(seed: int) -> bytes:
+    pixels = (np.random.RandomState(seed).rand(480, 640, 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def bodies(model: str, images: list[bytes], tokens: int) -> list[dict]:
+    out = []
+    for image in images:
+        url = f"data:image/png;base64,{base64.b64encode(image).decode()}"
+        for q in QUESTIONS:
+            content = [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": q},
+            ]
+            out.append(
+                {
+                    "model": model,
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                }
+            )
+    return out
+
+
+def mlx_vlm_arm(model_path: str, images: list[bytes], tokens: int) -> tuple[list[str], float]:
+    from mlx_vlm import generate, load
+
+    model, processor = load(model_path)
+    texts = []
+    start = time.perf_counter()
+    for image in images:
+        pil = Image.open(io.BytesIO(image)).convert("RGB")
+        for q in QUESTIONS:
+            messages = [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}
+            ]
+            prompt = processor.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            out = generate(
+                model, processor, prompt, image=[pil], max_tokens=tokens, temperature=0.0
+            )
+            texts.append(out.text)
+    return texts, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=24)
+    args = ap.parse_args()
+    model = str(ensure_vlm(ROOT / ".mlxq" / "bench" / "tiny-gemma3-vlm"))
+    images = [png(i) for i in range(4)]
+    jobs = bodies(model, images, args.tokens)
+    arms = {"batched+prefix": (8, None), "batched": (8, 0), "alone": (1, None)}
+    times: dict[str, list[float]] = {a: [] for a in [*arms, "mlx-vlm generate"]}
+    texts: dict[str, list[str]] = {}
+    with LocalRedis() as server:
+        conn = Redis.from_url(server.url)
+        for _ in range(args.rounds):
+            for arm, (batch, prefix) in arms.items():
+                cache = ModelCache() if prefix is None else ModelCache(prefix_bytes=prefix)
+                rt = runtime.WorkerRuntime(cache=cache)
+                burst(conn, jobs[:1], rt, max_batch=1)  # load the model outside the timing
+                records, elapsed = burst(conn, jobs, rt, max_batch=batch)
+                times[arm].append(elapsed)
+                texts[arm] = [r.response.choices[0].message.content for r in records]
+            ref, elapsed = mlx_vlm_arm(model, images, args.tokens)
+            times["mlx-vlm generate"].append(elapsed)
+            texts["mlx-vlm generate"] = ref
+        conn.flushall()
+        before = conn.info("memory")["used_memory"]
+        Client(connection=conn).submit(jobs)
+        job_bytes = (conn.info("memory")["used_memory"] - before) // len(jobs)
+    median = {a: statistics.median(t) for a, t in times.items()}
+    equal = {a: t == texts["mlx-vlm generate"] for a, t in texts.items()}
+    print(
+        f"{len(jobs)} image jobs (4 images x 8 questions, 640x480 PNG), {args.tokens} tokens each"
+    )
+    for arm, t in median.items():
+        print(f"  {arm:18s} {len(jobs) / t:6.2f} jobs/s  text equal to mlx-vlm: {equal[arm]}")
+    print(f"batched+prefix / alone:            {median['alone'] / median['batched+prefix']:.2f}x")
+    print(f"batched+prefix / batched:          {median['batched'] / median['batched+prefix']:.2f}x")
+    best = median["batched+prefix"]
+    print(f"batched+prefix / mlx-vlm generate: {median['mlx-vlm generate'] / best:.2f}x")
+    inline = len(images[0])
+    print(f"Redis bytes per queued job: {job_bytes:,} (its image: {inline:,} bytes, inline)")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "vision.json").write_text(
+        json.dumps({"times": times, "equal": equal, "job_bytes": job_bytes}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()
