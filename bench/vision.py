@@ -5,9 +5,9 @@ image's prefill kept and shared by its 8 questions), mlxq batched without it, ml
 at a time, and mlx-vlm's own ``generate`` one request at a time in this process (the model
 loaded once): its text must equal mlxq's. mlxq's arms count from submit (Redis, the queue,
 validation) to the last record; mlx-vlm's from its first request. Also Redis bytes per
-queued job (the image travels inside each job today: not yet stored once).
+queued job, and for ``--store-jobs`` jobs over 10 images (each image stored once per batch).
 
-    .venv/bin/python -m bench.vision [--rounds 3] [--tokens 24]
+    .venv/bin/python -m bench.vision [--rounds 3] [--tokens 24] [--store-jobs 10000]
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--store-jobs", type=int, default=10_000, help="jobs over 10 images")
     args = ap.parse_args()
     model = str(ensure_vlm(ROOT / ".mlxq" / "bench" / "tiny-gemma3-vlm"))
     images = [png(i) for i in range(4)]
@@ -116,6 +117,16 @@ def main() -> None:
         before = conn.info("memory")["used_memory"]
         Client(connection=conn).submit(jobs)
         job_bytes = (conn.info("memory")["used_memory"] - before) // len(jobs)
+        # Redis for --store-jobs jobs over 10 images (submitted, not run).
+        ten = [png(100 + i) for i in range(10)]
+        many = bodies(model, ten, args.tokens)
+        many = [many[i % len(many)] for i in range(args.store_jobs)]
+        conn.flushall()
+        before = conn.info("memory")["used_memory"]
+        start = time.perf_counter()
+        Client(connection=conn).submit(many)
+        submit_s = time.perf_counter() - start
+        many_bytes = conn.info("memory")["used_memory"] - before
     median = {a: statistics.median(t) for a, t in times.items()}
     equal = {a: t == texts["mlx-vlm generate"] for a, t in texts.items()}
     print(
@@ -127,11 +138,18 @@ def main() -> None:
     print(f"batched+prefix / batched:          {median['batched'] / median['batched+prefix']:.2f}x")
     best = median["batched+prefix"]
     print(f"batched+prefix / mlx-vlm generate: {median['mlx-vlm generate'] / best:.2f}x")
-    inline = len(images[0])
-    print(f"Redis bytes per queued job: {job_bytes:,} (its image: {inline:,} bytes, inline)")
+    print(f"Redis bytes per queued job: {job_bytes:,} (4 images of {len(images[0]):,} bytes)")
+    print(
+        f"{args.store_jobs:,} jobs over 10 images: {many_bytes / 1e6:.1f} MB in Redis "
+        f"({many_bytes / args.store_jobs:,.0f} bytes per job; the images: "
+        f"{sum(map(len, ten)) / 1e6:.1f} MB), submitted in {submit_s:.1f} s"
+    )
     OUT.mkdir(exist_ok=True)
     (OUT / "vision.json").write_text(
-        json.dumps({"times": times, "equal": equal, "job_bytes": job_bytes}, indent=1)
+        json.dumps(
+            {"times": times, "equal": equal, "job_bytes": job_bytes, "many_bytes": many_bytes},
+            indent=1,
+        )
     )
 
 

@@ -78,6 +78,7 @@ class Prepared:
     data: bytes
     custom_id: str
     shape: str | None = None
+    images: dict[str, bytes] | None = None  # its images by SHA-256, stored once per batch
 
 
 def enqueue_call(
@@ -133,6 +134,7 @@ class Enqueuer:
         self._script = conn.register_script(ENQUEUE_LUA)
         self._pending: list[Prepared] = []
         self._limit = min(FIRST_CHUNK, chunk_size)
+        self._images: set[str] = set()  # digests stored by this submit
 
     def add(self, job: Prepared) -> None:
         self._pending.append(job)
@@ -160,6 +162,21 @@ class Enqueuer:
                 self.batch_id,
             )
 
+    def _store_images(self, fresh: list[Prepared]) -> None:
+        """Before the jobs that show them: each image of the batch once (``schemas.images``)."""
+        new = {
+            d: b for j in fresh if j.images for d, b in j.images.items() if d not in self._images
+        }
+        if not new:
+            return
+        key = keys.batch_images_key(self.batch_id)
+        with self.conn.pipeline(transaction=False) as pipe:
+            for digest, data in new.items():  # one image per command: replies stay small
+                pipe.hsetnx(key, digest, data)
+            pipe.expire(key, self.result_ttl)
+            pipe.execute()
+        self._images.update(new)
+
     def flush(self) -> None:
         chunk, self._pending = self._pending, []
         if not chunk:
@@ -170,6 +187,7 @@ class Enqueuer:
         have = self.known.contains([digest_of(j.job_id) for j in chunk])
         fresh = [j for j, h in zip(chunk, have, strict=True) if not h]
         self.present += len(chunk) - len(fresh)
+        self._store_images(fresh)
         shapes = {j.job_id: j.shape for j in fresh if j.shape is not None}
         if shapes:  # before the jobs: a job never ends without its shape in place
             key = keys.batch_shapes_key(self.batch_id)

@@ -15,6 +15,7 @@ from producer.enqueue import DEFAULT_CHUNK, Enqueuer, KnownJobs, Prepared
 from schemas import ChatRequest, InvalidRequestError, job_data, keys
 from schemas.cancel import CANCELLED_AT
 from schemas.embeddings import EmbeddingRequest
+from schemas.images import stored_images
 
 DEFAULT_JOB_TIMEOUT = 3600
 
@@ -208,10 +209,12 @@ def _prepare(
             if item.body is not None
             else item.request.model_dump(mode="json", exclude_unset=True, by_alias=True)
         )
+        body, images = stored_images(body)
         yield Prepared(
             job_id,
             queue_of(route, queue, item.request.model),
             job_data(item.custom_id, now, body, result_ttl),
             item.custom_id,
             json.dumps(item.shape) if item.shape is not None else None,
+            images or None,
         )

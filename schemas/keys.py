@@ -155,6 +155,12 @@ def batch_shapes_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}:shapes"
 
 
+def batch_images_key(batch_id: str) -> str:
+    """Hash (batch TTL): SHA-256 (hex) -> the bytes of an image the batch's jobs show,
+    stored once however many jobs show it; a job's part names it ``mlxq-image:<sha256>``."""
+    return f"{PREFIX}:batch:{batch_id}:images"
+
+
 #: Sorted set of batch ids, scored by creation time (unix seconds).
 BATCHES = f"{PREFIX}:batches"
 

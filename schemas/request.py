@@ -74,6 +74,9 @@ MAX_PROPOSAL = 64
 MAX_IMAGES = 16
 MAX_IMAGE_BYTES = 20 * 2**20
 _MAX_IMAGE_URL = 64 + (MAX_IMAGE_BYTES + 2) // 3 * 4
+#: An image the producer stored once with its batch (``schemas.keys.batch_images_key``),
+#: by the SHA-256 of its bytes: what a submitted job's data URL becomes.
+IMAGE_REF = re.compile(r"mlxq-image:([0-9a-f]{64})", re.ASCII)
 #: A data URL's head; its base64 is checked where it is decoded (the worker: a 400 naming
 #: the image), not matched here (1.8 ms per MB, three times per job).
 _DATA_URL = re.compile(r"data:image/[a-z0-9.+-]{1,32};base64,", re.ASCII)
@@ -106,6 +109,8 @@ def _check_image_part(i: int, part: dict[str, Any]) -> None:
         raise ValueError(f'part {i}: image_url needs {{"url": "data:image/...;base64,..."}}')
     if len(url) > _MAX_IMAGE_URL:
         raise ValueError(f"part {i}: the image is over {MAX_IMAGE_BYTES >> 20} MB")
+    if IMAGE_REF.fullmatch(url):  # stored with its batch by the producer
+        return
     head = _DATA_URL.match(url)
     if head is not None and head.end() == len(url):
         raise ValueError(f"part {i}: the data URL holds no image")

@@ -9,6 +9,7 @@ job takes; hostile images fail their own job with a clear 400 and nothing else.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import struct
 import zlib
@@ -21,7 +22,7 @@ pytest.importorskip("PIL")
 import numpy as np
 from PIL import Image
 
-from schemas import ChatRequest, InvalidRequestError
+from schemas import ChatRequest, InvalidRequestError, keys
 from worker.dev.tinyvlm import ensure_vlm
 from worker.engine.generator import ChatGenerator
 from worker.engine.images import ImageCache
@@ -98,6 +99,13 @@ def test_image_jobs_equal_mlx_vlm_alone_batched_and_from_a_kept_image(conn, redi
     cache = ModelCache()
     alone = texts(run_jobs(conn, redis_url, jobs, "vision-alone", cache=cache))
     assert alone == want
+    # Each image was stored once with its batch, and read and decoded once by the worker.
+    stored = conn.hgetall(keys.batch_images_key("vision-alone"))
+    assert sorted(stored.values()) == sorted(images)
+    data = conn.hget(keys.rq_job_key(keys.job_id_for("vision-alone", "i0-q0")), "data")
+    assert len(data) < 2000, len(data)  # the reference, not the image
+    vision = cache.entries()[0].vision
+    assert vision.images.decoded == 2
     # Batched (joins and leaves mid-batch: max_tokens differ), the images kept from above.
     mixed = {c: j | {"max_tokens": TOKENS - 3 * (i % 2)} for i, (c, j) in enumerate(jobs.items())}
     batched = run_jobs(conn, redis_url, mixed, "vision-batch", max_batch=4, cache=cache)
@@ -184,6 +192,27 @@ def test_an_image_on_a_text_model_and_hostile_images_fail_alone(conn, redis_url,
         error = records[c].error
         assert error.type == "invalid_request_error" and words in error.message, (c, error)
         assert "image 1" in error.message or c == "text-model", error.message
+
+
+def test_a_stored_image_is_read_from_its_own_batch_only(conn, redis_url, vlm):
+    image = png(7)
+    first = run_jobs(conn, redis_url, {"a": job(vlm, QUESTIONS[0], image)}, "vision-own")
+    assert texts(first)["a"] == reference(vlm, QUESTIONS[0], image)
+    # A job of another batch naming that image's reference: not its batch's, refused.
+    ref = f"mlxq-image:{hashlib.sha256(image).hexdigest()}"
+    other = run_jobs(conn, redis_url, {"b": job(vlm, QUESTIONS[0], ref)}, "vision-other")
+    assert "is not stored with this job's batch" in other["b"].error.message
+    # A stored image changed in Redis no longer matches its name.
+    key = keys.batch_images_key("vision-own")
+    conn.hset(key, ref.split(":")[1], png(8))
+    again = run_jobs(conn, redis_url, {"c": job(vlm, QUESTIONS[0], ref)}, "vision-own")
+    assert "do not match their SHA-256" in again["c"].error.message
+    # A worker's --max-image-mb, below this image's size: a 400 for it.
+    small = ModelCache(max_image_bytes=1000)
+    capped = run_jobs(
+        conn, redis_url, {"d": job(vlm, QUESTIONS[0], image)}, "vision-cap", cache=small
+    )
+    assert "the limit is" in capped["d"].error.message, capped["d"].error
 
 
 def test_image_size_cap_and_cache(vlm):

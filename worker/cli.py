@@ -135,6 +135,15 @@ class _Commands(click.Group):
     "kept across jobs and counted inside --cache-gb; 0 turns it off.",
 )
 @click.option(
+    "--max-image-mb",
+    envvar="MLXQ_MAX_IMAGE_MB",
+    type=click.FloatRange(min=0, min_open=True, max=20),
+    default=20.0,
+    show_default=True,
+    help="Largest image a job may show (bytes of the PNG, JPEG, WebP or GIF); larger "
+    "ones fail their job with a 400.",
+)
+@click.option(
     "--prefix-cache-dir",
     envvar="MLXQ_PREFIX_CACHE_DIR",
     type=click.Path(file_okay=False, path_type=Path),
@@ -304,6 +313,7 @@ def main(
     max_jobs: int | None,
     cache_gb: float | None,
     prefix_cache_gb: float,
+    max_image_mb: float,
     prefix_cache_dir: Path | None,
     prefix_cache_disk_gb: float,
     kv_bits: str | None,
@@ -379,6 +389,7 @@ def main(
             prefix_disk=disk,
             kv_quant=kv_quant,
             group=group,
+            max_image_bytes=int(max_image_mb * 2**20),
         ),
         access=access,
         default_num_draft_tokens=num_draft_tokens,

@@ -15,6 +15,7 @@ from typing import Any
 
 from schemas import ChatRequest, InvalidRequestError, ModelKindError
 from worker.engine.batch import BatchEngine
+from worker.engine.images import Fetch
 from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
 from worker.engine.mirror import GroupEngine
@@ -77,9 +78,12 @@ class ChatGenerator:
     def cache_hit(self) -> bool:
         return self.target_was_warm and (self.draft is None or self.draft_was_warm)
 
-    def prepare(self, request: ChatRequest, default_num_draft_tokens: int = 3) -> Prepared:
-        """``request`` on the target (see :func:`worker.engine.request.prepare`)."""
-        return prepare(request, self.target, default_num_draft_tokens)
+    def prepare(
+        self, request: ChatRequest, default_num_draft_tokens: int = 3, images: Fetch | None = None
+    ) -> Prepared:
+        """``request`` on the target (see :func:`worker.engine.request.prepare`); ``images``:
+        where its stored images are."""
+        return prepare(request, self.target, default_num_draft_tokens, images)
 
     def _job(self, request: ChatRequest | Prepared, default_k: int = 3) -> Prepared:
         return request if isinstance(request, Prepared) else self.prepare(request, default_k)

@@ -9,7 +9,8 @@ Every failure is an :class:`schemas.InvalidRequestError` naming the image (its p
 the request): that job fails with 400, its batch runs on.
 
 Decoded images are kept by content hash in a small LRU (:class:`ImageCache`): 50
-questions over one image decode it once. Needs Pillow (``mlxq[vision]``).
+questions over one image decode it once, and fetch it once when the producer stored it
+with its batch (``schemas.images``). Needs Pillow (``mlxq[vision]``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ import io
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from schemas import InvalidRequestError
+from schemas.images import digest_of
 from schemas.request import MAX_IMAGE_BYTES
+
+#: A stored image's bytes by SHA-256 (hex), from its job's batch (None: not there).
+Fetch = Callable[[str], bytes | None]
 
 #: The most pixels an image may declare (a 36-megapixel photo passes).
 MAX_PIXELS = 40_000_000
@@ -115,14 +121,20 @@ class ImageCache:
         self._items: OrderedDict[str, Image] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, url: str, where: str) -> Image:
-        """The image of data URL ``url``, decoded once while it stays in the cache."""
-        data = payload(url, where, self.max_bytes)
-        digest = hashlib.sha256(data).hexdigest()
+    def get(self, url: str, where: str, fetch: Fetch | None = None) -> Image:
+        """The image of data URL ``url``, or of a stored image's reference (its bytes from
+        ``fetch``, by SHA-256), decoded once while it stays in the cache."""
+        digest = digest_of(url)
+        data = None
+        if digest is None:
+            data = payload(url, where, self.max_bytes)
+            digest = hashlib.sha256(data).hexdigest()
         with self._lock:
             if (hit := self._items.get(digest)) is not None:
                 self._items.move_to_end(digest)
                 return hit
+        if data is None:
+            data = _stored(digest, where, fetch, self.max_bytes)
         image = decode(data, where)
         with self._lock:
             self.decoded += 1
@@ -131,6 +143,23 @@ class ImageCache:
                 self._items.popitem(last=False)
         return image
 
-    def images(self, urls: list[str]) -> list[Image]:
+    def images(self, urls: list[str], fetch: Fetch | None = None) -> list[Image]:
         """Every image of a request, named "image 1", "image 2"... in errors."""
-        return [self.get(url, f"image {i + 1}") for i, url in enumerate(urls)]
+        return [self.get(url, f"image {i + 1}", fetch) for i, url in enumerate(urls)]
+
+
+def _stored(digest: str, where: str, fetch: Fetch | None, max_bytes: int) -> bytes:
+    """A stored image's bytes, checked against the SHA-256 that names them."""
+    data = fetch(digest) if fetch is not None else None
+    if data is None:
+        raise InvalidRequestError(
+            f"{where}: image {digest[:12]}... is not stored with this job's batch (its "
+            "batch expired, or the reference was not made by the producer)"
+        )
+    if len(data) > max_bytes:
+        raise InvalidRequestError(
+            f"{where} is {len(data) / 2**20:.1f} MB; the limit is {max_bytes / 2**20:g} MB"
+        )
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise InvalidRequestError(f"{where}: the stored bytes do not match their SHA-256")
+    return data

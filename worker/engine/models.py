@@ -37,6 +37,7 @@ from schemas import (
     ModelNotFoundError,
     ModelTooLargeError,
 )
+from schemas.request import MAX_IMAGE_BYTES
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
 from worker.engine.group import Group, load_sharded
@@ -238,8 +239,11 @@ class ModelCache:
         prefix_disk: PrefixDisk | None = None,
         kv_quant: KVQuant | None = None,
         group: Group | None = None,
+        max_image_bytes: int = MAX_IMAGE_BYTES,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: ``--max-image-mb``: the largest image a job may show.
+        self.max_image_bytes = max_image_bytes
         #: ``--shard``: each model split across a worker group's ranks (``worker.engine.group``).
         self.group = group
         #: ``--kv-bits``: chat models whose attention takes quantized caches use them.
@@ -503,6 +507,7 @@ class ModelCache:
             entry.vision = Vision.load(path, entry.model)
         except Exception as e:
             raise ModelLoadError(f"model {entry.name!r}: its vision tower: {e}") from e
+        entry.vision.images.max_bytes = self.max_image_bytes
         entry.nbytes += entry.vision.nbytes
         log.info("%s reads images (vision tower %.1f MB)", entry.name, entry.vision.nbytes / 1e6)
 

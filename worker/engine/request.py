@@ -21,6 +21,7 @@ from worker.engine.toolcalls import check as check_tools
 from worker.engine.toolcalls import grammar as call_grammar
 
 if TYPE_CHECKING:
+    from worker.engine.images import Fetch
     from worker.engine.models import LoadedModel
     from worker.engine.vision import VisionInput
 
@@ -80,14 +81,18 @@ class Prepared:
 
 
 def prepare(
-    request: ChatRequest, target: LoadedModel, default_num_draft_tokens: int = 3
+    request: ChatRequest,
+    target: LoadedModel,
+    default_num_draft_tokens: int = 3,
+    images: Fetch | None = None,
 ) -> Prepared:
-    """``request`` on ``target``: prompt tokens, parameters (raises on a misfit), grammar."""
+    """``request`` on ``target``: prompt tokens, parameters (raises on a misfit), grammar.
+    ``images``: where its stored images are (its batch's, ``worker.engine.images``)."""
     tokenizer = target.tokenizer
     family = check_tools(request, tokenizer, target.name)
     vision = None
     if request.images:
-        prompt, vision = image_prompt(request, target)
+        prompt, vision = image_prompt(request, target, images)
     else:
         prompt = prompt_tokens(tokenizer, request)
     calls, trigger = call_grammar(request, tokenizer, family)
@@ -110,7 +115,9 @@ def prepare(
     return Prepared(prompt, params, request, vision)
 
 
-def image_prompt(request: ChatRequest, target: LoadedModel) -> tuple[list[int], VisionInput]:
+def image_prompt(
+    request: ChatRequest, target: LoadedModel, fetch: Fetch | None = None
+) -> tuple[list[int], VisionInput]:
     """A request with images on ``target``: the prompt as its processor expands it, and the
     images' inputs; raises naming the model if it does not read images here."""
     if target.vision is None:
@@ -118,7 +125,7 @@ def image_prompt(request: ChatRequest, target: LoadedModel) -> tuple[list[int], 
         raise InvalidRequestError(f"model {target.name!r} {why}")
     if not getattr(target.tokenizer, "has_chat_template", False):
         raise InvalidRequestError(f"model {target.name!r} has no chat template to place images")
-    images = target.vision.images.images(request.images)
+    images = target.vision.images.images(request.images, fetch)
     text = _render(
         target.tokenizer,
         [m.as_template_dict() for m in request.messages],

@@ -24,6 +24,7 @@ from worker.lifecycle.held import Job
 from worker.lifecycle.streaming import ChunkWriter
 from worker.runner import records
 from worker.runner.company import Upcoming, company
+from worker.runner.images import images_of
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.streamer import Streamer
@@ -78,7 +79,7 @@ def generate_reserved(
         )
 
 
-def kv_need(job: Job, route: Route, rt: WorkerRuntime) -> int | None:
+def kv_need(job: Job, route: Route, rt: WorkerRuntime, conn: Redis) -> int | None:
     """The KV bytes ``job`` reserves running alone as ``route`` says, or None when a model
     it names is not loaded (loading could evict what a running batch uses). A job that
     cannot even be prepared needs 0: running it fails it, naming why."""
@@ -90,7 +91,7 @@ def kv_need(job: Job, route: Route, rt: WorkerRuntime) -> int | None:
         generator = ChatGenerator.get_or_create(
             req.model, req.draft_model, req.adapter, cache=rt.cache
         )
-        prepared = generator.prepare(req, rt.default_num_draft_tokens)
+        prepared = generator.prepare(req, rt.default_num_draft_tokens, images_of(conn, job))
     except MlxqError:
         return 0
     if req.n > 1:  # the choices decode as one plain batch
@@ -146,7 +147,7 @@ def run_alone(
         if req.stream:
             writer = ChunkWriter(conn, job.id, completion_id, req.model, ttl)
             writer.start()
-        prepared = generator.prepare(req, rt.default_num_draft_tokens)
+        prepared = generator.prepare(req, rt.default_num_draft_tokens, images_of(conn, job))
         if req.n > 1:
             need = projected([target], [prepared.length()] * req.n)
             with rt.cache.reserving(need, f"{req.n} x {prepared.label}"):

@@ -77,6 +77,7 @@ from worker.runner import records
 from worker.runner.alone import deadline_of, kv_need
 from worker.runner.company import PEEK, company
 from worker.runner.embedjobs import is_embedding
+from worker.runner.images import images_of
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.admission import Length, Verdict, admit
@@ -325,7 +326,7 @@ class ContinuousBatch:
             self._admit(job, r, first=True)
             return True
         alone = route(req, self.rt.policy, batching=False)
-        need = kv_need(job, alone, self.rt)
+        need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)
         if need is None or not self.rt.cache.fits_beside(need):
             if joinable and self._place_for_one():  # slower than alone, sooner than waiting
                 self._admit(job, r, first=True)
@@ -411,7 +412,7 @@ class ContinuousBatch:
             with self.host.computing():
                 engine = self._engine()
             assert self.generator is not None
-            prepared = self.generator.prepare(req)
+            prepared = self.generator.prepare(req, images=images_of(self.host.lifecycle.conn, job))
             if not self._room_for(job, prepared):
                 return False
             upcoming = functools.partial(self.host.lifecycle.peek, self.queue, PEEK)
