@@ -28,6 +28,7 @@ from producer.enqueue import DEFAULT_CHUNK, Prepared
 from producer.lines import Defaults, LineInvalid, parse_line
 from producer.submit import SubmitSummary, enqueue_batch, queue_of
 from schemas import job_data, keys
+from schemas.images import stored_images
 
 #: Called with (line number, message, the line's text) for each bad line.
 OnError = Callable[[int, str, str], None]
@@ -187,9 +188,11 @@ def _prepared(
             except LineInvalid:
                 continue
             job_id = keys.job_id_for(batch_id, custom_id)
+            body, images = stored_images(body)  # each image once, with the batch
             data = job_data(custom_id, now, body, result_ttl)
             to = queue_of(route, queue, request.model)
-            yield Prepared(job_id, to, data, custom_id, json.dumps(shape) if shape else None)
+            shown = json.dumps(shape) if shape else None
+            yield Prepared(job_id, to, data, custom_id, shown, images or None)
 
 
 def spool(stream: BinaryIO, directory: str | None = None) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import struct
 import zlib
 
@@ -23,13 +24,14 @@ import numpy as np
 from PIL import Image
 
 from schemas import ChatRequest, InvalidRequestError, keys
+from schemas.store import read_result
 from worker.dev.tinyvlm import ensure_vlm
 from worker.engine.generator import ChatGenerator
 from worker.engine.images import ImageCache
 from worker.engine.models import ModelCache
 from worker.schedule.policy import SpeculationPolicy
 
-from .conftest import run_jobs
+from .conftest import run_jobs, run_worker
 
 TOKENS = 10
 QUESTIONS = ["describe the queue", "what is the batch", "name the worker model"]
@@ -213,6 +215,36 @@ def test_a_stored_image_is_read_from_its_own_batch_only(conn, redis_url, vlm):
         conn, redis_url, {"d": job(vlm, QUESTIONS[0], image)}, "vision-cap", cache=small
     )
     assert "the limit is" in capped["d"].error.message, capped["d"].error
+
+
+def test_a_jobs_file_stores_each_image_once_and_runs_like_the_client(
+    tmp_path, conn, redis_url, vlm
+):
+    from click.testing import CliRunner
+
+    from producer.cli import main
+
+    image = png(9)
+    plain = {"custom_id": "plain", **job(vlm, QUESTIONS[0], image)}
+    batch_api = {
+        "custom_id": "api",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": job(vlm, QUESTIONS[1], image),
+    }
+    broken = {"custom_id": "broken", **job(vlm, QUESTIONS[0], "data:image/png;base64,AAAAA")}
+    path = tmp_path / "images.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in (plain, batch_api, broken)))
+    args = ["submit", str(path), "--redis-url", redis_url, "--batch-id", "vision-file"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert conn.hlen(keys.batch_images_key("vision-file")) == 1  # two jobs, one image
+    run_worker(redis_url, max_batch=2)
+    got = {c: read_result(conn, keys.job_id_for("vision-file", c)) for c in ("plain", "api")}
+    assert got["plain"].response.choices[0].message.content == reference(vlm, QUESTIONS[0], image)
+    assert got["api"].response.choices[0].message.content == reference(vlm, QUESTIONS[1], image)
+    failed = read_result(conn, keys.job_id_for("vision-file", "broken"))
+    assert "not valid base64" in failed.error.message  # kept inline, named by the worker
 
 
 def test_image_size_cap_and_cache(vlm):
