@@ -1,7 +1,7 @@
 """Images in a job's prompt: the vision side of a vision-language model.
 
 A VLM checkpoint is two things here. Its language model is loaded by mlx-lm, like any
-chat model (mlx-lm reads Gemma 3 and other VLM checkpoints as text models): so every
+chat model (mlx-lm reads Gemma 3 and Mistral 3 VLM checkpoints as text models): so every
 engine, cache type and path is the one text jobs take. Its vision tower and projector
 are loaded by mlx-vlm (``pip install 'mlxq[vision]'``) beside it, sharing the language
 model's token embeddings (mlx-vlm's own copy of the language model is dropped before
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 #: VLM architectures (config ``model_type``) whose images mlxq runs: checked equal to
 #: mlx-vlm's own generation.
-ARCHS = frozenset({"gemma3"})
+ARCHS = frozenset({"gemma3", "mistral3"})
 #: Architectures that position image tokens in 2-D (multimodal RoPE): not on mlx-lm's
 #: language model.
 MROPE = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"})
