@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -74,6 +75,8 @@ MAX_PROPOSAL = 64
 MAX_IMAGES = 16
 MAX_IMAGE_BYTES = 20 * 2**20
 _MAX_IMAGE_URL = 64 + (MAX_IMAGE_BYTES + 2) // 3 * 4
+#: The longest http(s) image URL.
+MAX_IMAGE_URL_CHARS = 2048
 #: An image the producer stored once with its batch (``schemas.keys.batch_images_key``),
 #: by the SHA-256 of its bytes: what a submitted job's data URL becomes.
 IMAGE_REF = re.compile(r"mlxq-image:([0-9a-f]{64})", re.ASCII)
@@ -111,14 +114,20 @@ def _check_image_part(i: int, part: dict[str, Any]) -> None:
         raise ValueError(f"part {i}: the image is over {MAX_IMAGE_BYTES >> 20} MB")
     if IMAGE_REF.fullmatch(url):  # stored with its batch by the producer
         return
+    if url.startswith(("https://", "http://")):  # fetched by a worker that allows the host
+        if len(url) > MAX_IMAGE_URL_CHARS or not urlsplit(url).hostname:
+            raise ValueError(
+                f"part {i}: an image URL of at most {MAX_IMAGE_URL_CHARS} characters, with a host"
+            )
+        return
     head = _DATA_URL.match(url)
     if head is not None and head.end() == len(url):
         raise ValueError(f"part {i}: the data URL holds no image")
     if head is None:
         scheme = url.split(":", 1)[0][:16] if ":" in url[:17] else "bare"
         raise ValueError(
-            f"part {i}: a {scheme!r} image URL is not read: give the image inline as "
-            "data:image/<png|jpeg|webp|gif>;base64,<bytes> (URLs are not fetched)"
+            f"part {i}: a {scheme!r} image URL is not read: give an https URL, or the image "
+            "inline as data:image/<png|jpeg|webp|gif>;base64,<bytes>"
         )
 
 

@@ -209,15 +209,15 @@ def test_what_mlxq_does_not_serve_is_refused_in_one_line_naming_it(gateway):
         assert r.json()["error"]["message"].startswith(expected), (path, r.json())
     image = [
         {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+        {"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}},
     ]
     with pytest.raises(openai.BadRequestError) as e:
         gw.client().chat.completions.create(
             model="m", messages=[{"role": "user", "content": image}], max_tokens=2
         )
     assert e.value.body["message"] == (
-        "messages.0.content: part 1: a 'https' image URL is not read: give the image inline "
-        "as data:image/<png|jpeg|webp|gif>;base64,<bytes> (URLs are not fetched)"
+        "messages.0.content: part 1: a 'ftp' image URL is not read: give an https URL, or "
+        "the image inline as data:image/<png|jpeg|webp|gif>;base64,<bytes>"
     )
 
 

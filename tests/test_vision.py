@@ -123,6 +123,15 @@ def test_image_jobs_equal_mlx_vlm_alone_batched_and_from_a_kept_image(conn, redi
         assert want[c].startswith(got[c]) and len(got[c]) > 0, (c, got[c], want[c], short)
     reused = [r.response.usage.prompt_tokens_details.cached_tokens for r in batched.values()]
     assert all(n > 0 for n in reused), reused  # every image's prefill was kept
+    # Text jobs on the same VLM join the same batch as image jobs, each as it runs alone.
+    text = {f"t{q}": job(vlm, QUESTIONS[q], png(1)) for q in range(2)}
+    for body in text.values():
+        body["messages"][0]["content"] = QUESTIONS[0]
+    both = run_jobs(conn, redis_url, jobs | text, "vision-mixed", max_batch=8, cache=cache)
+    assert {c: t for c, t in texts(both).items() if c in jobs} == want
+    text_alone = texts(run_jobs(conn, redis_url, text, "vision-text", cache=cache))
+    assert {c: t for c, t in texts(both).items() if c in text} == text_alone
+    assert max(r.metrics.batch_size for r in both.values()) > 2
     # With the prefix cache off, on a fresh cache, batched: the same text again.
     plain = run_jobs(
         conn, redis_url, jobs, "vision-nocache", max_batch=3, cache=ModelCache(prefix_bytes=0)
@@ -256,6 +265,76 @@ def test_a_jobs_file_stores_each_image_once_and_runs_like_the_client(
     assert "not valid base64" in failed.error.message  # kept inline, named by the worker
 
 
+@pytest.fixture
+def image_server():
+    """A local HTTP server: /a.png (an image), /same (a redirect to it), /meta (a redirect
+    to the cloud metadata address); it counts the image's requests."""
+    import http.server
+    import threading
+
+    image, hits = png(10), []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/a.png":
+                hits.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(image)))
+                self.end_headers()
+                self.wfile.write(image)
+                return
+            target = {"/same": "/a.png", "/meta": "http://169.254.169.254/latest/meta-data"}
+            self.send_response(302 if self.path in target else 404)
+            self.send_header("Location", target.get(self.path, "/"))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", image, hits
+    server.shutdown()
+
+
+def test_image_urls_only_from_allowed_hosts_never_internal_by_glob(
+    conn, redis_url, vlm, image_server
+):
+    from worker.runner.imagehosts import ImageHosts
+
+    base, image, hits = image_server
+    want = reference(vlm, QUESTIONS[0], image)
+    urls = {
+        "direct": f"{base}/a.png",
+        "redirected": f"{base}/same",
+        "again": f"{base}/a.png",
+        "to-metadata": f"{base}/meta",
+        "metadata": "http://169.254.169.254/latest/meta-data",
+        "missing": f"{base}/nothing",
+    }
+    jobs = {c: job(vlm, QUESTIONS[0], url) for c, url in urls.items()}
+    hosts = ImageHosts(("127.0.0.1",))  # named exactly: a loopback host is allowed
+    got = run_jobs(conn, redis_url, jobs, "vision-urls", image_hosts=hosts)
+    ok = {
+        c: r.response.choices[0].message.content for c, r in got.items() if r.status == "succeeded"
+    }
+    assert ok == {"direct": want, "redirected": want, "again": want}, {
+        c: r.error for c, r in got.items()
+    }
+    assert len(hits) == 2  # "again" came from the worker's cache (the redirect's fetch: 1)
+    assert "host '169.254.169.254' is not allowed" in got["to-metadata"].error.message
+    assert "host '169.254.169.254' is not allowed" in got["metadata"].error.message
+    assert "answered HTTP 404" in got["missing"].error.message
+    # A glob never reaches an internal address; no rule at all fetches nothing.
+    for rules, words in [(("*",), "resolves to an internal address"), ((), "fetches no image")]:
+        one = {"u": job(vlm, QUESTIONS[0], f"{base}/a.png")}
+        refused = run_jobs(
+            conn, redis_url, one, f"vision-{len(rules)}", image_hosts=ImageHosts(rules)
+        )
+        assert words in refused["u"].error.message, refused["u"].error
+
+
 def test_image_size_cap_and_cache(vlm):
     cache = ImageCache(size=2, max_bytes=1000)
     with pytest.raises(InvalidRequestError, match=r"MB image limit|the limit is"):
@@ -269,8 +348,10 @@ def test_image_size_cap_and_cache(vlm):
 
 
 def test_images_refused_where_they_are_not_read(vlm):
-    with pytest.raises(ValueError, match="'https' image URL is not read"):
-        ChatRequest.model_validate(job(vlm, "q", "https://example.com/a.png"))
+    with pytest.raises(ValueError, match="'file' image URL is not read"):
+        ChatRequest.model_validate(job(vlm, "q", "file:///etc/passwd"))
+    with pytest.raises(ValueError, match="with a host"):
+        ChatRequest.model_validate(job(vlm, "q", "https:///a.png"))
     system = job(vlm, "q", png(1))
     system["messages"][0]["role"] = "system"
     with pytest.raises(ValueError, match="images go in user messages"):

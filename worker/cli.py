@@ -144,6 +144,15 @@ class _Commands(click.Group):
     "ones fail their job with a 400.",
 )
 @click.option(
+    "--allow-image-host",
+    "image_hosts",
+    envvar="MLXQ_ALLOW_IMAGE_HOSTS",
+    multiple=True,
+    help="Host (name, glob or IP) that jobs' http(s) image URLs may be fetched from "
+    "(repeatable) [default: none: images come inline or stored with their batch]. An "
+    "internal address (loopback, link-local, private) only if named exactly.",
+)
+@click.option(
     "--prefix-cache-dir",
     envvar="MLXQ_PREFIX_CACHE_DIR",
     type=click.Path(file_okay=False, path_type=Path),
@@ -314,6 +323,7 @@ def main(
     cache_gb: float | None,
     prefix_cache_gb: float,
     max_image_mb: float,
+    image_hosts: tuple[str, ...],
     prefix_cache_dir: Path | None,
     prefix_cache_disk_gb: float,
     kv_bits: str | None,
@@ -349,6 +359,7 @@ def main(
     from worker.engine.models import ModelCache
     from worker.runner import runtime
     from worker.runner.access import DEFAULT_MODEL_DIR, ModelAccess
+    from worker.runner.imagehosts import ImageHosts
     from worker.runner.loop import ColdShutdown, StopWaiting, Worker
     from worker.schedule.policy import SpeculationPolicy
 
@@ -392,6 +403,7 @@ def main(
             max_image_bytes=int(max_image_mb * 2**20),
         ),
         access=access,
+        image_hosts=ImageHosts(tuple(image_hosts)),
         default_num_draft_tokens=num_draft_tokens,
         policy=SpeculationPolicy(
             speculative, default_k=num_draft_tokens, lookup=lookup, lookup_k=lookup_tokens

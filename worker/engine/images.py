@@ -30,8 +30,9 @@ from schemas import InvalidRequestError
 from schemas.images import digest_of
 from schemas.request import MAX_IMAGE_BYTES
 
-#: A stored image's bytes by SHA-256 (hex), from its job's batch (None: not there).
-Fetch = Callable[[str], bytes | None]
+#: An image's bytes by its reference (``mlxq-image:<sha256>``, from its job's batch) or
+#: http(s) URL, at most so many bytes; None: not there. Raises to refuse (naming ``where``).
+Fetch = Callable[[str, int, str], bytes | None]
 
 #: The most pixels an image may declare (a 36-megapixel photo passes).
 MAX_PIXELS = 40_000_000
@@ -119,28 +120,37 @@ class ImageCache:
         self.max_bytes = max_bytes
         self.decoded = 0  # images decoded (not found here)
         self._items: OrderedDict[str, Image] = OrderedDict()
+        self._urls: OrderedDict[str, str] = OrderedDict()  # http(s) URL -> its bytes' digest
         self._lock = threading.Lock()
 
     def get(self, url: str, where: str, fetch: Fetch | None = None) -> Image:
-        """The image of data URL ``url``, or of a stored image's reference (its bytes from
-        ``fetch``, by SHA-256), decoded once while it stays in the cache."""
-        digest = digest_of(url)
-        data = None
-        if digest is None:
+        """The image of data URL ``url``, of a stored image's reference (its bytes from
+        ``fetch``, checked against their SHA-256) or of an http(s) URL (from ``fetch``,
+        once while this cache remembers the URL), decoded once while it stays here."""
+        data, digest = None, digest_of(url)
+        if url.startswith("data:"):
             data = payload(url, where, self.max_bytes)
             digest = hashlib.sha256(data).hexdigest()
+        elif digest is None:
+            with self._lock:
+                digest = self._urls.get(url)
         with self._lock:
-            if (hit := self._items.get(digest)) is not None:
+            if digest is not None and (hit := self._items.get(digest)) is not None:
                 self._items.move_to_end(digest)
                 return hit
         if data is None:
-            data = _stored(digest, where, fetch, self.max_bytes)
+            data = _fetched(url, digest, where, fetch, self.max_bytes)
+            digest = hashlib.sha256(data).hexdigest()
         image = decode(data, where)
         with self._lock:
             self.decoded += 1
             self._items[digest] = image
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
+            if not url.startswith(("data:", "mlxq-image:")):
+                self._urls[url] = digest
+                while len(self._urls) > self.size:
+                    self._urls.popitem(last=False)
         return image
 
     def images(self, urls: list[str], fetch: Fetch | None = None) -> list[Image]:
@@ -148,18 +158,22 @@ class ImageCache:
         return [self.get(url, f"image {i + 1}", fetch) for i, url in enumerate(urls)]
 
 
-def _stored(digest: str, where: str, fetch: Fetch | None, max_bytes: int) -> bytes:
-    """A stored image's bytes, checked against the SHA-256 that names them."""
-    data = fetch(digest) if fetch is not None else None
+def _fetched(url: str, digest: str | None, where: str, fetch: Fetch | None, limit: int) -> bytes:
+    """The bytes of a stored image (checked against the SHA-256 that names them) or of an
+    http(s) URL; raises naming ``where``."""
+    data = fetch(url, limit, where) if fetch is not None else None
+    if data is None and digest is None:
+        raise InvalidRequestError(f"{where}: this worker fetches no image URLs")
     if data is None:
         raise InvalidRequestError(
             f"{where}: image {digest[:12]}... is not stored with this job's batch (its "
             "batch expired, or the reference was not made by the producer)"
         )
-    if len(data) > max_bytes:
+    if len(data) > limit:
         raise InvalidRequestError(
-            f"{where} is {len(data) / 2**20:.1f} MB; the limit is {max_bytes / 2**20:g} MB"
+            f"{where} is {len(data) / 2**20:.1f} MB; the limit is {limit / 2**20:g} MB"
         )
-    if hashlib.sha256(data).hexdigest() != digest:
+    stored = digest is not None and url.startswith("mlxq-image:")
+    if stored and hashlib.sha256(data).hexdigest() != digest:
         raise InvalidRequestError(f"{where}: the stored bytes do not match their SHA-256")
     return data

@@ -91,7 +91,9 @@ def kv_need(job: Job, route: Route, rt: WorkerRuntime, conn: Redis) -> int | Non
         generator = ChatGenerator.get_or_create(
             req.model, req.draft_model, req.adapter, cache=rt.cache
         )
-        prepared = generator.prepare(req, rt.default_num_draft_tokens, images_of(conn, job))
+        prepared = generator.prepare(
+            req, rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
+        )
     except MlxqError:
         return 0
     if req.n > 1:  # the choices decode as one plain batch
@@ -147,7 +149,9 @@ def run_alone(
         if req.stream:
             writer = ChunkWriter(conn, job.id, completion_id, req.model, ttl)
             writer.start()
-        prepared = generator.prepare(req, rt.default_num_draft_tokens, images_of(conn, job))
+        prepared = generator.prepare(
+            req, rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
+        )
         if req.n > 1:
             need = projected([target], [prepared.length()] * req.n)
             with rt.cache.reserving(need, f"{req.n} x {prepared.label}"):

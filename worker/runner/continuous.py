@@ -412,7 +412,9 @@ class ContinuousBatch:
             with self.host.computing():
                 engine = self._engine()
             assert self.generator is not None
-            prepared = self.generator.prepare(req, images=images_of(self.host.lifecycle.conn, job))
+            prepared = self.generator.prepare(
+                req, images=images_of(self.host.lifecycle.conn, job, self.rt.image_hosts)
+            )
             if not self._room_for(job, prepared):
                 return False
             upcoming = functools.partial(self.host.lifecycle.peek, self.queue, PEEK)

@@ -1,21 +1,27 @@
-"""Where a job's stored images are: its own batch's image hash in Redis
-(``schemas.images``). A job reads its batch's images only, each once per worker (the
-engine keeps decoded images by SHA-256)."""
+"""Where a job's images come from, beside those inline: its own batch's image hash in
+Redis (``schemas.images``: a job reads its batch's images only) and the http(s) hosts
+the worker's operator allows (``worker.runner.imagehosts``). The engine keeps decoded
+images by SHA-256, so each comes here once per worker."""
 
 from __future__ import annotations
 
 from redis import Redis
 
 from schemas import keys
+from schemas.images import digest_of
 from worker.engine.images import Fetch
 from worker.lifecycle.held import Job
+from worker.runner.imagehosts import ImageHosts
 
 
-def images_of(conn: Redis, job: Job) -> Fetch:
-    """Fetch one stored image of ``job``'s batch by SHA-256 (None: not there)."""
+def images_of(conn: Redis, job: Job, hosts: ImageHosts) -> Fetch:
+    """Fetch one image of ``job`` by reference (its batch's) or URL (an allowed host's)."""
     key = keys.batch_images_key(job.envelope.batch_id)
 
-    def fetch(digest: str) -> bytes | None:
-        return conn.hget(key, digest)  # type: ignore[return-value]
+    def fetch(url: str, max_bytes: int, where: str) -> bytes | None:
+        digest = digest_of(url)
+        if digest is not None:
+            return conn.hget(key, digest)  # type: ignore[return-value]
+        return hosts.fetch(url, max_bytes, where)
 
     return fetch

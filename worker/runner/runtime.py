@@ -12,6 +12,7 @@ from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
 from worker.engine.models import ModelCache, local_dir
 from worker.runner.access import ModelAccess
 from worker.runner.company import Scout
+from worker.runner.imagehosts import ImageHosts
 from worker.runner.stats import WorkerStats
 from worker.schedule.policy import SpeculationPolicy
 
@@ -34,6 +35,8 @@ class WorkerRuntime:
     # this kind of machine (None: found from the chip, memory and device).
     share_figures: bool = False
     machine_kind: str | None = None
+    # The hosts jobs' image URLs are fetched from (``--allow-image-host``; none: no URLs).
+    image_hosts: ImageHosts = field(default_factory=ImageHosts)
 
     def find_local(self, name: str) -> Path | None:
         """Where ``name`` is on this machine already (None: not fetched yet); raises
