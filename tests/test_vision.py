@@ -13,6 +13,7 @@ import base64
 import hashlib
 import io
 import json
+import signal
 import struct
 import zlib
 from pathlib import Path
@@ -25,6 +26,7 @@ pytest.importorskip("PIL")
 import numpy as np
 from PIL import Image
 
+from producer import Client
 from schemas import ChatRequest, InvalidRequestError, keys
 from schemas.store import read_result
 from worker.dev.tinyvlm import ARCHS, ensure_vlm
@@ -333,6 +335,35 @@ def test_image_urls_only_from_allowed_hosts_never_internal_by_glob(
             conn, redis_url, one, f"vision-{len(rules)}", image_hosts=ImageHosts(rules)
         )
         assert words in refused["u"].error.message, refused["u"].error
+
+
+def test_sigkill_mid_batch_of_image_jobs_gives_one_record_each(
+    conn, redis_url, workers, tmp_path_factory
+):
+    """Image jobs batched with a text job on a VLM, the worker killed while they decode:
+    another worker recovers every job, one record each, with the same text as alone."""
+    from tests.test_faults import one_result, running_execution, wait_for
+
+    vlm = str(ensure_vlm(tmp_path_factory.getbasetemp() / "kill-vlm"))
+    eos = json.loads((Path(vlm) / "config.json").read_text())["eos_token_id"]
+    long = {"max_tokens": 3000, "logit_bias": {str(t): -100 for t in eos}}
+    jobs = {f"i{i}": job(vlm, QUESTIONS[i], png(20 + i), **long) for i in range(2)}
+    jobs["text"] = {**jobs["i0"], "messages": [{"role": "user", "content": QUESTIONS[2]}]}
+    s = Client(connection=conn).submit(jobs, batch_id="vision-kill")
+    args = ("--lease-seconds", "2", "--max-batch", "4")
+    a = workers(*args, name="vision-a")
+    wait_for(lambda: all(running_execution(conn, j) for j in s.job_ids))
+    a.signal(signal.SIGKILL)
+    a.wait()
+    b = workers(*args, name="vision-b")
+    records = {r.custom_id: r for r in (one_result(conn, j, timeout=180) for j in s.job_ids)}
+    assert all(r.status == "succeeded" for r in records.values()), records
+    assert all(r.response.usage.completion_tokens == 3000 for r in records.values())
+    assert all(conn.get(keys.crashes_key(j)) == b"1" for j in s.job_ids)
+    b.signal(signal.SIGTERM)
+    assert b.wait() == 0
+    alone = run_jobs(conn, redis_url, {"again": jobs["i1"]}, "vision-kill-alone")
+    assert alone["again"].response.choices[0].message.content == texts(records)["i1"]
 
 
 def test_image_size_cap_and_cache(vlm):
