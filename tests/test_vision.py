@@ -381,6 +381,9 @@ def test_image_size_cap_and_cache(vlm):
 def test_images_refused_where_they_are_not_read(vlm):
     with pytest.raises(ValueError, match="'file' image URL is not read"):
         ChatRequest.model_validate(job(vlm, "q", "file:///etc/passwd"))
+    huge = "data:image/png;base64," + "A" * (25 * 2**20 * 4 // 3)  # a 25 MB image
+    with pytest.raises(ValueError, match="the image is over 20 MB"):
+        ChatRequest.model_validate(job(vlm, "q", huge))
     with pytest.raises(ValueError, match="with a host"):
         ChatRequest.model_validate(job(vlm, "q", "https:///a.png"))
     system = job(vlm, "q", png(1))
