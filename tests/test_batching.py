@@ -98,10 +98,10 @@ def test_a_surprise_in_the_batch_fails_that_job_and_the_worker_goes_on(
 
     real = ChatGenerator.prepare
 
-    def flaky(self, request, default_num_draft_tokens=3):
+    def flaky(self, request, default_num_draft_tokens=3, images=None):
         if request.messages[0].text == "boom":
             raise RuntimeError("tokenizer exploded")
-        return real(self, request, default_num_draft_tokens)
+        return real(self, request, default_num_draft_tokens, images)
 
     monkeypatch.setattr(ChatGenerator, "prepare", flaky)
     client = Client(connection=conn)
