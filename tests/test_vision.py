@@ -79,7 +79,7 @@ def job(model: str, question: str, image: bytes | str, **fields) -> dict:
     } | fields
 
 
-def reference(model_path: str, question: str, image: bytes) -> str:
+def reference(model_path: str, question: str, image: bytes, system: str | None = None) -> str:
     """mlx-vlm's own greedy generation of the same request."""
     from mlx_vlm import generate, load
 
@@ -87,6 +87,8 @@ def reference(model_path: str, question: str, image: bytes) -> str:
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
     ]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     prompt = processor.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
@@ -139,6 +141,22 @@ def test_image_jobs_equal_mlx_vlm_alone_batched_and_from_a_kept_image(conn, redi
         conn, redis_url, jobs, "vision-nocache", max_batch=3, cache=ModelCache(prefix_bytes=0)
     )
     assert texts(plain) == want
+
+
+def test_a_shared_system_prompt_before_different_images_is_prefilled_once(conn, redis_url, vlm):
+    system = " ".join(["extract every field of the queue worker batch record"] * 8)
+    images = [png(30), png(31), png(32)]
+    jobs = {}
+    for i, image in enumerate(images):
+        body = job(vlm, QUESTIONS[0], image)
+        body["messages"].insert(0, {"role": "system", "content": system})
+        jobs[f"i{i}"] = body
+    got = run_jobs(conn, redis_url, jobs, "vision-system")
+    for i, image in enumerate(images):
+        want = reference(vlm, QUESTIONS[0], image, system)
+        assert texts(got)[f"i{i}"] == want
+    cached = [got[f"i{i}"].response.usage.prompt_tokens_details.cached_tokens for i in range(3)]
+    assert cached[0] == 0 and cached[1] == cached[2] >= 32, cached  # the system prompt's
 
 
 def test_image_jobs_speculate_and_give_n_choices(conn, redis_url, vlm, vlm_draft):

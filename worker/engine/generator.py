@@ -252,14 +252,36 @@ class ChatGenerator:
             store.stats.hits += 1
             store.stats.tokens_reused += end
         else:
-            layers = target.vision.prefill(target.model, job.prompt, vision, target.new_cache())
-            reused = 0
+            text = self._text_start(job, vision.first)  # the text before its first image
+            cache, held, reused = text.cache or target.new_cache(), text.cached, text.reused
+            layers = target.vision.prefill(target.model, job.prompt, vision, cache, held)
             kept = snapshot(layers, end) if store.enabled else None
             if kept is not None and store.put(key, head, kept, self.models.prefix_room()):
                 layers = restore(kept, end)
         if draft is not None:
             layers = [*layers, *prefill(draft.model, job.prompt, draft.new_cache(), 0, end)]
         return Start(layers, end, reused)
+
+    def _text_start(self, job: Prepared, first: int) -> Start:
+        """Where the text before an image job's first image starts: a kept prefix of the
+        target shared with other jobs (a system prompt), as any text job's, kept once
+        shared; at most ``first`` tokens. The image prefill continues from it."""
+        store, prompt = self.models.prefixes, job.prompt
+        if not store.enabled or job.request is None or first < MIN_TOKENS:
+            return NO_START
+        boundary = min(
+            first,
+            max(
+                store.shared(self.target.key, prompt[:first]),
+                message_boundary(self.target.tokenizer, job.request, prompt),
+            ),
+        )
+        store.remember(self.target.key, prompt[:first])
+        pairs = [(self.target.key, self.target)]
+        cache, cached, reused = starting_cache(
+            store, self.models.prefix_room, pairs, prompt, boundary, first
+        )
+        return Start(cache, cached, reused) if cache is not None else NO_START
 
 
 def _chat_model(entry: LoadedModel, what: str) -> None:

@@ -56,6 +56,7 @@ class VisionInput:
     arrays: dict[str, Any]  # pixel_values and any other per-image inputs of the processor
     end: int  # prompt tokens through the last image token
     digest: str  # SHA-256 over the images' own digests, in order
+    first: int = 0  # where its first image token is (the text before it: any text prefix)
 
 
 def can_see(config: dict[str, Any]) -> str | None:
@@ -128,7 +129,7 @@ class Vision:
             raise InvalidRequestError("the prompt ends with an image: nothing follows it")
         arrays = {k: v for k, v in inputs.items() if k not in ("input_ids",)}
         digest = hashlib.sha256("".join(im.digest for im in images).encode()).hexdigest()
-        return ids, VisionInput(arrays, end, digest)
+        return ids, VisionInput(arrays, end, digest, places[0])
 
     def embeddings(self, prompt: Sequence[int], vision: VisionInput) -> mx.array:
         """The input embeddings of ``prompt[:vision.end]``: (tokens, hidden)."""
@@ -142,13 +143,19 @@ class Vision:
         return out.inputs_embeds[0]
 
     def prefill(
-        self, language: nn.Module, prompt: Sequence[int], vision: VisionInput, cache: list[Any]
+        self,
+        language: nn.Module,
+        prompt: Sequence[int],
+        vision: VisionInput,
+        cache: list[Any],
+        start: int = 0,
     ) -> list[Any]:
-        """``cache`` (fresh) holding ``prompt[:vision.end]``, images included: the language
-        model run over the input embeddings in chunks of :data:`PREFILL_STEP`."""
+        """``cache`` (holding ``prompt[:start]``, text before the first image) holding
+        ``prompt[:vision.end]``, images included: the language model run over the input
+        embeddings in chunks of :data:`PREFILL_STEP`."""
         embeds = self.embeddings(prompt, vision)
         tokens = mx.array(list(prompt[: vision.end]))
-        for i in range(0, vision.end, PREFILL_STEP):
+        for i in range(start, vision.end, PREFILL_STEP):
             j = min(i + PREFILL_STEP, vision.end)
             # A slice each time: mlx-lm's models scale their input embeddings in place.
             language(tokens[i:j][None], cache=cache, input_embeddings=embeds[i:j][None])
