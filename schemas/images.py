@@ -17,9 +17,27 @@ import hashlib
 from collections import OrderedDict
 from typing import Any
 
-from schemas.request import IMAGE_REF
+from schemas.request import FILE_REF, IMAGE_REF
+
+__all__ = ["FILE_REF", "IMAGE_REF", "digest_of", "image_format", "image_ref", "stored_images"]
 
 _HEAD = "data:image/"
+
+
+#: Magic bytes of the image formats read, and their names.
+FORMATS: tuple[tuple[bytes, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+)
+
+
+def image_format(data: bytes) -> str | None:
+    """PNG, JPEG, WEBP or GIF from the magic bytes; None for anything else."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((name for magic, name in FORMATS if data.startswith(magic)), None)
 
 
 def image_ref(digest: str) -> str:

@@ -29,7 +29,6 @@ UNSUPPORTED: dict[str, str] = {
 NON_TEXT: dict[str, str] = {
     "input_image": "input_image is a Responses API part: give image_url parts here",
     "input_audio": "audio input is not supported: this worker serves text only",
-    "file": "file parts are not supported: give the file's text as a text part",
     "refusal": "a refusal part is not read: give the assistant's text as a text part",
 }
 
@@ -80,6 +79,8 @@ MAX_IMAGE_URL_CHARS = 2048
 #: An image the producer stored once with its batch (``schemas.keys.batch_images_key``),
 #: by the SHA-256 of its bytes: what a submitted job's data URL becomes.
 IMAGE_REF = re.compile(r"mlxq-image:([0-9a-f]{64})", re.ASCII)
+#: An uploaded image file a job names (a ``file`` part), as its images list says it.
+FILE_REF = re.compile(r"mlxq-file:(file-[A-Za-z0-9_-]{1,64})", re.ASCII)
 #: A data URL's head; its base64 is checked where it is decoded (the worker: a 400 naming
 #: the image), not matched here (1.8 ms per MB, three times per job).
 _DATA_URL = re.compile(r"data:image/[a-z0-9.+-]{1,32};base64,", re.ASCII)
@@ -129,6 +130,23 @@ def _check_image_part(i: int, part: dict[str, Any]) -> None:
             f"part {i}: a {scheme!r} image URL is not read: give an https URL, or the image "
             "inline as data:image/<png|jpeg|webp|gif>;base64,<bytes>"
         )
+
+
+class FileRef(BaseModel):
+    """A ``file`` part's file: an image uploaded through the gateway (purpose ``vision``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file_id: str = Field(pattern=r"^file-[A-Za-z0-9_-]{1,64}$")
+
+
+class FilePart(BaseModel):
+    """A ``file`` part of a user message: an uploaded image, by its ``file_id``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["file"]
+    file: FileRef
 
 
 class ImagePart(BaseModel):
@@ -229,7 +247,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None  # may be left out beside tool_calls
+    content: str | list[TextPart | ImagePart | FilePart] | None = None  # (None beside tool_calls)
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = Field(default=None, min_length=1, max_length=128)
     name: str | None = Field(default=None, max_length=64)
@@ -240,12 +258,17 @@ class Message(BaseModel):
         if isinstance(value, list):
             for i, part in enumerate(value):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if isinstance(kind, str) and kind not in ("text", "image_url"):
+                if isinstance(kind, str) and kind not in ("text", "image_url", "file"):
                     raise ValueError(
                         f"part {i} is {kind!r}: {NON_TEXT.get(kind, 'only text parts are read')}"
                     )
                 if kind == "image_url":
                     _check_image_part(i, part)
+                if kind == "file" and set(part.get("file") or {}) - {"file_id"}:
+                    raise ValueError(
+                        f"part {i}: a file part names an image uploaded with purpose 'vision' "
+                        "by its file_id alone (no file_data or filename)"
+                    )
         return value
 
     @model_validator(mode="after")
@@ -264,10 +287,14 @@ class Message(BaseModel):
 
     @property
     def images(self) -> list[str]:
-        """The data URLs of its image parts, in order."""
+        """Its images in order: image parts' URLs, file parts as ``mlxq-file:<file_id>``."""
         if not isinstance(self.content, list):
             return []
-        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+        return [
+            p.image_url.url if isinstance(p, ImagePart) else f"mlxq-file:{p.file.file_id}"
+            for p in self.content
+            if isinstance(p, ImagePart | FilePart)
+        ]
 
     @property
     def text(self) -> str:

@@ -35,12 +35,12 @@ KEY = "sk-mlxq-test-key"
 
 
 class Gateway:
-    def __init__(self, redis_url: str, tmp: Path, *args: str) -> None:
+    def __init__(self, redis_url: str, tmp: Path, *args: str, api_keys: str = KEY) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"gateway-{self.port}.log"
         exe = str(Path(sys.executable).with_name("producer"))
-        env = os.environ | {"MLXQ_API_KEYS": KEY, "MLXQ_REDIS_URL": redis_url}
+        env = os.environ | {"MLXQ_API_KEYS": api_keys, "MLXQ_REDIS_URL": redis_url}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [exe, "serve", "--port", str(self.port), *args], env=env, stderr=log
@@ -90,8 +90,8 @@ def request(
 def gateway(redis_url, tmp_path) -> Iterator[callable]:
     started: list[Gateway] = []
 
-    def start(*args: str) -> Gateway:
-        g = Gateway(redis_url, tmp_path, *args)
+    def start(*args: str, api_keys: str = KEY) -> Gateway:
+        g = Gateway(redis_url, tmp_path, *args, api_keys=api_keys)
         started.append(g)
         return g
 
@@ -244,6 +244,46 @@ def test_an_image_request_streams_the_text_of_its_completion(gateway, workers, t
         for c in chunk.choices
     ]
     assert "".join(pieces) == plain.choices[0].message.content
+
+
+def test_an_uploaded_image_is_seen_by_its_own_tenant_only(gateway, workers, tmp_path):
+    pytest.importorskip("mlx_vlm")
+    from worker.dev.tinyvlm import ensure_vlm
+
+    from .test_vision import data_url, png
+
+    vlm = str(ensure_vlm(tmp_path / "tiny-gemma3-vlm"))
+    gw = gateway(api_keys=f"{KEY}=team-a,sk-other=team-b")
+    workers()
+    a, b = gw.client(), gw.client("sk-other")
+    image = png(2)
+    uploaded = a.files.create(file=("a.png", image, "image/png"), purpose="vision")
+    assert uploaded.purpose == "vision" and uploaded.bytes == len(image)
+
+    def ask(client, part):
+        content = [part, {"type": "text", "text": "describe the queue"}]
+        return client.chat.completions.create(
+            model=vlm, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
+        )
+
+    by_file = ask(a, {"type": "file", "file": {"file_id": uploaded.id}})
+    inline = ask(a, {"type": "image_url", "image_url": {"url": data_url(image)}})
+    assert by_file.choices[0].message.content == inline.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:  # another tenant's file: not found
+        ask(b, {"type": "file", "file": {"file_id": uploaded.id}})
+    assert f"no file {uploaded.id!r} (of this tenant)" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        b.files.retrieve(uploaded.id)
+    with pytest.raises(openai.NotFoundError):
+        b.files.delete(uploaded.id)
+    assert a.files.retrieve(uploaded.id).id == uploaded.id
+    with pytest.raises(openai.BadRequestError) as e:  # not an image
+        a.files.create(file=("a.png", b"<svg></svg>", "image/png"), purpose="vision")
+    assert "must be a PNG, JPEG, WebP or GIF" in e.value.body["message"]
+    batch_file = a.files.create(file=("b.jsonl", b"{}\n", "application/jsonl"), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as e:  # a vision file is no chat's batch input
+        ask(a, {"type": "file", "file": {"file_id": batch_file.id}})
+    assert "has purpose 'batch'" in e.value.body["message"]
 
 
 def test_unknown_and_disallowed_models_are_404(gateway, workers, tiny):

@@ -43,6 +43,7 @@ from schemas import ChatRequest, InvalidRequestError, describe_validation_error
 from schemas.completions import CompletionRequest
 from schemas.connect import async_redis_from_url, redis_from_url
 from schemas.embeddings import EmbeddingRequest
+from schemas.request import MAX_IMAGE_BYTES
 from schemas.responses import ResponsesRequest, TranslationError, to_chat
 
 log = logging.getLogger(__name__)
@@ -446,21 +447,30 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
     async def upload(
         request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
     ) -> Response:
-        if purpose != "batch":
-            return error(400, f"purpose {purpose!r} is not supported (only 'batch')")
+        if purpose not in ("batch", "vision"):
+            return error(400, f"purpose {purpose!r} is not supported (only 'batch', 'vision')")
+        limit = s.max_file_bytes if purpose == "batch" else min(s.max_file_bytes, MAX_IMAGE_BYTES)
+        tenant = s.tenant_of(request.headers.get("authorization"))
         try:
             obj = await files.store_upload(
-                request.app.state.aredis, file, purpose, s.max_file_bytes, s.file_ttl
+                request.app.state.aredis, file, purpose, limit, s.file_ttl, tenant
             )
         except files.TooLarge as e:
             return error(413, str(e), code="file_too_large")
+        except files.NotAnImage as e:
+            return error(400, str(e))
         return JSONResponse(obj)
 
     async def _meta(request: Request, file_id: str) -> dict[str, Any] | None:
         if (out := files.parse_output_id(file_id)) is not None:
             redis = request.app.state.redis
             return await run_in_threadpool(batchapi.output_file_meta, redis, out[0], out[1])
-        return await files.file_meta(request.app.state.aredis, file_id)
+        return await _upload(request, file_id)
+
+    async def _upload(request: Request, file_id: str) -> dict[str, Any] | None:
+        """An uploaded file's metadata, if the request's key's tenant owns it."""
+        tenant = s.tenant_of(request.headers.get("authorization"))
+        return files.owned(await files.file_meta(request.app.state.aredis, file_id), tenant)
 
     @app.get("/v1/files/{file_id}")
     async def retrieve(request: Request, file_id: str) -> Response:
@@ -481,15 +491,17 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
                 files.iter_output_file(request.app.state.redis, out[0], out[1]),
                 media_type="application/jsonl",
             )
-        if await files.file_meta(request.app.state.aredis, file_id) is None:
+        if (meta := await _upload(request, file_id)) is None:
             return error(404, f"no file {file_id!r}", code="file_not_found")
+        kind = "application/jsonl" if meta["purpose"] == "batch" else "application/octet-stream"
         return StreamingResponse(
-            files.iter_upload(request.app.state.aredis, file_id), media_type="application/jsonl"
+            files.iter_upload(request.app.state.aredis, file_id), media_type=kind
         )
 
     @app.delete("/v1/files/{file_id}")
     async def delete(request: Request, file_id: str) -> Response:
-        if not await files.delete_upload(request.app.state.aredis, file_id):
+        owner = await _upload(request, file_id)
+        if owner is None or not await files.delete_upload(request.app.state.aredis, file_id):
             return error(404, f"no file {file_id!r}", code="file_not_found")
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
@@ -510,14 +522,16 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
             spec = batchapi.BatchCreate.model_validate(body)
         except ValidationError as e:
             return error(400, describe_validation_error(e))
-        meta = await files.file_meta(request.app.state.aredis, spec.input_file_id)
+        tenant = s.tenant_of(request.headers.get("authorization"))
+        meta = files.owned(
+            await files.file_meta(request.app.state.aredis, spec.input_file_id), tenant
+        )
         if meta is None:
             return error(404, f"no file {spec.input_file_id!r}", code="file_not_found")
         if meta["purpose"] != "batch":
             return error(
                 400, f"file {spec.input_file_id!r} has purpose {meta['purpose']!r}, not 'batch'"
             )
-        tenant = s.tenant_of(request.headers.get("authorization"))
         batch_id = await _run(batchapi.create, sync(request), spec, s, tenant)
         await _validate(request, batch_id, spec.input_file_id, spec.endpoint)
         return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))

@@ -22,6 +22,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from producer.batches import iter_output_lines
 from schemas import keys
+from schemas.images import image_format
 
 PIECE = 1 << 20
 _OUTPUT_RE = re.compile(r"file-(out|err)-([A-Za-z0-9_-]{1,64})")
@@ -29,6 +30,18 @@ _OUTPUT_RE = re.compile(r"file-(out|err)-([A-Za-z0-9_-]{1,64})")
 
 class TooLarge(Exception):
     """The upload is larger than the gateway's limit."""
+
+
+class NotAnImage(Exception):
+    """A ``vision`` upload that is not an image of a format workers read."""
+
+
+def owned(meta: dict[str, Any] | None, tenant: str) -> dict[str, Any] | None:
+    """``meta`` if its file belongs to ``tenant`` (an upload's owner; a batch output's are
+    checked by their batch), else None: another tenant's file is not found."""
+    if meta is None or meta.get("tenant", keys.DEFAULT_TENANT) != tenant:
+        return None
+    return meta
 
 
 def new_file_id() -> str:
@@ -61,9 +74,16 @@ def file_object(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 async def store_upload(
-    conn: AsyncRedis, upload: UploadFile, purpose: str, limit: int, ttl: int
+    conn: AsyncRedis,
+    upload: UploadFile,
+    purpose: str,
+    limit: int,
+    ttl: int,
+    tenant: str = keys.DEFAULT_TENANT,
 ) -> dict[str, Any]:
-    """Copy an upload into Redis piece by piece; :class:`TooLarge` past ``limit`` bytes."""
+    """Copy an upload into Redis piece by piece; :class:`TooLarge` past ``limit`` bytes,
+    :class:`NotAnImage` for a ``vision`` file that is not a PNG, JPEG, WebP or GIF. The
+    file belongs to ``tenant``: other tenants' keys do not see it."""
     file_id = new_file_id()
     data_key, size = keys.file_data_key(file_id), 0
     try:
@@ -74,6 +94,8 @@ async def store_upload(
             async with conn.pipeline(transaction=False) as pipe:
                 pipe.rpush(data_key, piece).expire(data_key, ttl)
                 await pipe.execute()
+        if purpose == "vision" and image_format(await conn.lindex(data_key, 0) or b"") is None:
+            raise NotAnImage("a vision file must be a PNG, JPEG, WebP or GIF image")
     except BaseException:
         await conn.delete(data_key)
         raise
@@ -84,6 +106,7 @@ async def store_upload(
         "bytes": size,
         "created_at": time.time(),
         "ttl": ttl,
+        "tenant": tenant,
     }
     await conn.hset(keys.file_key(file_id), mapping=meta)
     await conn.expire(keys.file_key(file_id), ttl)

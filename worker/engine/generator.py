@@ -15,7 +15,7 @@ from typing import Any
 
 from schemas import ChatRequest, InvalidRequestError, ModelKindError
 from worker.engine.batch import BatchEngine
-from worker.engine.images import Fetch
+from worker.engine.images import ImageSource
 from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
 from worker.engine.mirror import GroupEngine
@@ -79,7 +79,10 @@ class ChatGenerator:
         return self.target_was_warm and (self.draft is None or self.draft_was_warm)
 
     def prepare(
-        self, request: ChatRequest, default_num_draft_tokens: int = 3, images: Fetch | None = None
+        self,
+        request: ChatRequest,
+        default_num_draft_tokens: int = 3,
+        images: ImageSource | None = None,
     ) -> Prepared:
         """``request`` on the target (see :func:`worker.engine.request.prepare`); ``images``:
         where its stored images are."""

@@ -22,27 +22,30 @@ import io
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from schemas import InvalidRequestError
 from schemas.images import digest_of
+from schemas.images import image_format as format_of
 from schemas.request import MAX_IMAGE_BYTES
 
-#: An image's bytes by its reference (``mlxq-image:<sha256>``, from its job's batch) or
-#: http(s) URL, at most so many bytes; None: not there. Raises to refuse (naming ``where``).
-Fetch = Callable[[str, int, str], bytes | None]
+
+class ImageSource(Protocol):
+    """Where a job's images that are not inline come from (``worker.runner.images``): a
+    stored image's reference (``mlxq-image:<sha256>``, its batch's), an uploaded file
+    (``mlxq-file:<id>``, its tenant's) or an http(s) URL (an allowed host's)."""
+
+    def check(self, url: str, where: str) -> None:
+        """Raise (naming ``where``) unless this job may see ``url``: asked every time, the
+        decoded image cached or not."""
+
+    def fetch(self, url: str, max_bytes: int, where: str) -> bytes:
+        """The bytes ``url`` names (at most about ``max_bytes``); raises naming ``where``."""
+
 
 #: The most pixels an image may declare (a 36-megapixel photo passes).
 MAX_PIXELS = 40_000_000
-#: Magic bytes of the formats read, and their names.
-FORMATS: tuple[tuple[bytes, str], ...] = (
-    (b"\x89PNG\r\n\x1a\n", "PNG"),
-    (b"\xff\xd8\xff", "JPEG"),
-    (b"GIF87a", "GIF"),
-    (b"GIF89a", "GIF"),
-)
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,6 @@ class Image:
     @property
     def size(self) -> tuple[int, int]:
         return self.pixels.size  # type: ignore[no-any-return]
-
-
-def format_of(data: bytes) -> str | None:
-    """PNG, JPEG, WEBP or GIF from the magic bytes; None for anything else."""
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    return next((name for magic, name in FORMATS if data.startswith(magic)), None)
 
 
 def payload(url: str, where: str, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
@@ -123,23 +119,29 @@ class ImageCache:
         self._urls: OrderedDict[str, str] = OrderedDict()  # http(s) URL -> its bytes' digest
         self._lock = threading.Lock()
 
-    def get(self, url: str, where: str, fetch: Fetch | None = None) -> Image:
-        """The image of data URL ``url``, of a stored image's reference (its bytes from
-        ``fetch``, checked against their SHA-256) or of an http(s) URL (from ``fetch``,
-        once while this cache remembers the URL), decoded once while it stays here."""
+    def get(self, url: str, where: str, source: ImageSource | None = None) -> Image:
+        """The image ``url`` names: inline (a data URL), or from ``source`` (a stored
+        image's reference, checked against its SHA-256; an uploaded file; an http(s) URL),
+        which is asked first whether this job may see it. Decoded once while it stays
+        here; a URL or file is fetched once while this cache remembers it."""
         data, digest = None, digest_of(url)
         if url.startswith("data:"):
             data = payload(url, where, self.max_bytes)
             digest = hashlib.sha256(data).hexdigest()
-        elif digest is None:
-            with self._lock:
-                digest = self._urls.get(url)
+        else:
+            if source is None:
+                raise InvalidRequestError(f"{where}: this worker reads inline images only")
+            source.check(url, where)  # this job's to see (its batch's, its tenant's, allowed)
+            if digest is None:
+                with self._lock:
+                    digest = self._urls.get(url)
         with self._lock:
             if digest is not None and (hit := self._items.get(digest)) is not None:
                 self._items.move_to_end(digest)
                 return hit
         if data is None:
-            data = _fetched(url, digest, where, fetch, self.max_bytes)
+            assert source is not None
+            data = _fetched(url, digest, where, source, self.max_bytes)
             digest = hashlib.sha256(data).hexdigest()
         image = decode(data, where)
         with self._lock:
@@ -153,22 +155,15 @@ class ImageCache:
                     self._urls.popitem(last=False)
         return image
 
-    def images(self, urls: list[str], fetch: Fetch | None = None) -> list[Image]:
+    def images(self, urls: list[str], source: ImageSource | None = None) -> list[Image]:
         """Every image of a request, named "image 1", "image 2"... in errors."""
-        return [self.get(url, f"image {i + 1}", fetch) for i, url in enumerate(urls)]
+        return [self.get(url, f"image {i + 1}", source) for i, url in enumerate(urls)]
 
 
-def _fetched(url: str, digest: str | None, where: str, fetch: Fetch | None, limit: int) -> bytes:
-    """The bytes of a stored image (checked against the SHA-256 that names them) or of an
-    http(s) URL; raises naming ``where``."""
-    data = fetch(url, limit, where) if fetch is not None else None
-    if data is None and digest is None:
-        raise InvalidRequestError(f"{where}: this worker fetches no image URLs")
-    if data is None:
-        raise InvalidRequestError(
-            f"{where}: image {digest[:12]}... is not stored with this job's batch (its "
-            "batch expired, or the reference was not made by the producer)"
-        )
+def _fetched(url: str, digest: str | None, where: str, source: ImageSource, limit: int) -> bytes:
+    """The bytes ``url`` names, from ``source``; a stored image's checked against the
+    SHA-256 that names them. Raises naming ``where``."""
+    data = source.fetch(url, limit, where)
     if len(data) > limit:
         raise InvalidRequestError(
             f"{where} is {len(data) / 2**20:.1f} MB; the limit is {limit / 2**20:g} MB"

@@ -21,7 +21,7 @@ from worker.engine.toolcalls import check as check_tools
 from worker.engine.toolcalls import grammar as call_grammar
 
 if TYPE_CHECKING:
-    from worker.engine.images import Fetch
+    from worker.engine.images import ImageSource
     from worker.engine.models import LoadedModel
     from worker.engine.vision import VisionInput
 
@@ -84,7 +84,7 @@ def prepare(
     request: ChatRequest,
     target: LoadedModel,
     default_num_draft_tokens: int = 3,
-    images: Fetch | None = None,
+    images: ImageSource | None = None,
 ) -> Prepared:
     """``request`` on ``target``: prompt tokens, parameters (raises on a misfit), grammar.
     ``images``: where its stored images are (its batch's, ``worker.engine.images``)."""
@@ -116,7 +116,7 @@ def prepare(
 
 
 def image_prompt(
-    request: ChatRequest, target: LoadedModel, fetch: Fetch | None = None
+    request: ChatRequest, target: LoadedModel, source: ImageSource | None = None
 ) -> tuple[list[int], VisionInput]:
     """A request with images on ``target``: the prompt as its processor expands it, and the
     images' inputs; raises naming the model if it does not read images here."""
@@ -125,7 +125,7 @@ def image_prompt(
         raise InvalidRequestError(f"model {target.name!r} {why}")
     if not getattr(target.tokenizer, "has_chat_template", False):
         raise InvalidRequestError(f"model {target.name!r} has no chat template to place images")
-    images = target.vision.images.images(request.images, fetch)
+    images = target.vision.images.images(request.images, source)
     text = _render(
         target.tokenizer,
         [m.as_template_dict() for m in request.messages],
