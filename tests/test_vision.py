@@ -235,12 +235,17 @@ def test_an_image_on_a_text_model_and_hostile_images_fail_alone(conn, redis_url,
 
 
 def test_a_stored_image_is_read_from_its_own_batch_only(conn, redis_url, vlm):
-    image = png(7)
-    first = run_jobs(conn, redis_url, {"a": job(vlm, QUESTIONS[0], image)}, "vision-own")
+    image, cache = png(7), ModelCache()
+    first = run_jobs(
+        conn, redis_url, {"a": job(vlm, QUESTIONS[0], image)}, "vision-own", cache=cache
+    )
     assert texts(first)["a"] == reference(vlm, QUESTIONS[0], image)
-    # A job of another batch naming that image's reference: not its batch's, refused.
+    # A job of another batch naming that image's reference: not its batch's, refused, though
+    # this worker holds the image decoded.
     ref = f"mlxq-image:{hashlib.sha256(image).hexdigest()}"
-    other = run_jobs(conn, redis_url, {"b": job(vlm, QUESTIONS[0], ref)}, "vision-other")
+    other = run_jobs(
+        conn, redis_url, {"b": job(vlm, QUESTIONS[0], ref)}, "vision-other", cache=cache
+    )
     assert "is not stored with this job's batch" in other["b"].error.message
     # A stored image changed in Redis no longer matches its name.
     key = keys.batch_images_key("vision-own")
