@@ -90,12 +90,9 @@ def _corpus(seed: int, n_lines: int = 400) -> list[str]:
     return lines
 
 
-def write_tokenizer(path: Path, vocab: int = 512, seed: int = 0) -> None:
-    """Train a BPE tokenizer of exactly ``vocab`` entries and save it in HF form.
-
-    Different seeds give different vocabularies of the same size (a draft built
-    with another seed has a "compatible looking" vocab_size but is not compatible).
-    """
+def train_tiny_bpe(specials: list[str], vocab: int, seed: int = 0) -> Any:
+    """A Metaspace BPE (``tokenizers.Tokenizer``) of at most ``vocab`` entries, ``specials``
+    first, trained on the small word corpus of ``seed``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -103,11 +100,21 @@ def write_tokenizer(path: Path, vocab: int = 512, seed: int = 0) -> None:
     tok.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=list(string.ascii_letters + string.digits + string.punctuation),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return tok
+
+
+def write_tokenizer(path: Path, vocab: int = 512, seed: int = 0) -> None:
+    """Train a BPE tokenizer of exactly ``vocab`` entries and save it in HF form.
+
+    Different seeds give different vocabularies of the same size (a draft built
+    with another seed has a "compatible looking" vocab_size but is not compatible).
+    """
+    tok = train_tiny_bpe(SPECIAL_TOKENS, vocab, seed)
     if tok.get_vocab_size() != vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} entries, wanted {vocab}")
     save_tokenizer(tok, path, CHAT_TEMPLATE, unk_token="<unk>")

@@ -13,13 +13,12 @@ its row breaks and end token). Needs mlx-vlm (``mlxq[vision]``).
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from worker.dev.tinymodels import _corpus
+from worker.dev.tinymodels import train_tiny_bpe
 
 #: Gemma 3's template in miniature: a user turn's image parts become <start_of_image>,
 #: which the processor expands to the image's tokens.
@@ -192,18 +191,7 @@ def write_vlm(path: Path, seed: int = 0, arch: str = "gemma3", vocab: int = 512)
 
 def _write_tokenizer(path: Path, specials: list[str], vocab: int) -> dict[str, int]:
     """A BPE of ``vocab`` entries (``specials`` first), saved as tokenizer.json; its ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=specials,
-        initial_alphabet=list(string.ascii_letters + string.digits + string.punctuation),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(0), trainer=trainer)
+    tok = train_tiny_bpe(specials, vocab)
     tok.save(str(path / "tokenizer.json"))
     return dict(tok.get_vocab())
 
