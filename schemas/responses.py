@@ -103,21 +103,38 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def _text_of(content: Any, where: str) -> str:
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content in chat form: its text, or (with an ``input_image``) a list of
+    chat parts: text, ``image_url`` (a URL or data URL) and ``file`` (an uploaded image)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise TranslationError(f"{where}.content: must be a string or a list of parts")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
-            out.append(str(part.get("text", "")))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise TranslationError(f"{where}.content.{i}: {kind} is not supported (text only)")
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image":
+            out.append(_image_part(part, f"{where}.content.{i}"))
+        elif kind in ("input_file", "input_audio"):
+            raise TranslationError(f"{where}.content.{i}: {kind} is not supported")
         else:
             raise TranslationError(f"{where}.content.{i}: unknown part type {kind!r}")
-    return "".join(out)
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` as a chat part: by ``image_url`` or by ``file_id``."""
+    url, file_id = part.get("image_url"), part.get("file_id")
+    if isinstance(url, str) and file_id is None:
+        detail = part.get("detail", "auto")
+        return {"type": "image_url", "image_url": {"url": url, "detail": detail}}
+    if isinstance(file_id, str) and url is None:
+        return {"type": "file", "file": {"file_id": file_id}}
+    raise TranslationError(f"{where}: input_image needs an image_url or a file_id (one)")
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -135,7 +152,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     f"{where}.role: must be user, system, developer or assistant"
                 )
             role = "system" if role == "developer" else role
-            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            messages.append({"role": role, "content": _content_of(item.get("content"), where)})
         elif kind == "function_call":
             call = {
                 "id": item.get("call_id") or item.get("id") or new_id("call"),

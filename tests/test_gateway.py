@@ -244,6 +244,21 @@ def test_an_image_request_streams_the_text_of_its_completion(gateway, workers, t
         for c in chunk.choices
     ]
     assert "".join(pieces) == plain.choices[0].message.content
+    response = client.responses.create(  # the Responses API's input_image: the same job
+        model=vlm,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(png(1)), "detail": "low"},
+                    {"type": "input_text", "text": "describe the queue"},
+                ],
+            }
+        ],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert response.output_text == plain.choices[0].message.content
 
 
 def test_an_uploaded_image_is_seen_by_its_own_tenant_only(gateway, workers, tmp_path):

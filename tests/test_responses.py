@@ -136,6 +136,7 @@ def test_hostile_and_unsupported_requests_are_refused_by_name(gateway):  # noqa:
     for fields, words in [
         ({"background": True}, "background"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input_image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "input_audio"),
         ({"input": [{"role": "robot", "content": "x"}]}, "role"),
         ({"input": [{"type": "web_search_call"}]}, "web_search_call"),
         ({"colour": "red"}, "colour"),
