@@ -8,7 +8,7 @@ validation) to the last record; mlx-vlm's from its first request. Also Redis byt
 queued job, and for ``--store-jobs`` jobs over 10 images (each image stored once per batch).
 
     .venv/bin/python -m bench.vision [--rounds 3] [--tokens 24] [--store-jobs 10000]
-        [--arch gemma3|mistral3]
+        [--arch gemma3|mistral3] [--small]
 
 mlx-vlm's ``batch_generate`` is tried as well; in mlx-vlm 0.7.10 it fails on both tiny
 models (its processors' batched inputs), and the bench says so.
@@ -129,8 +129,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--store-jobs", type=int, default=10_000, help="jobs over 10 images")
     ap.add_argument("--arch", choices=ARCHS, default="gemma3")
+    ap.add_argument("--small", action="store_true", help="the bench-sized VLM (64 image tokens)")
     args = ap.parse_args()
-    model = str(ensure_vlm(ROOT / ".mlxq" / "bench" / f"tiny-{args.arch}-vlm", arch=args.arch))
+    size = "small" if args.small else "tiny"
+    where = ROOT / ".mlxq" / "bench" / f"{size}-{args.arch}-vlm"
+    model = str(ensure_vlm(where, arch=args.arch, small=args.small))
     images = [png(i) for i in range(4)]
     jobs = bodies(model, images, args.tokens)
     arms = {"batched+prefix": (8, None), "batched": (8, 0), "alone": (1, None)}
@@ -172,7 +175,7 @@ def main() -> None:
     equal = {a: sum(x == y for x, y in zip(t, ref, strict=True)) for a, t in texts.items()}
     print(
         f"{len(jobs)} image jobs (4 images x 8 questions, 640x480 PNG), {args.tokens} tokens "
-        f"each, tiny {args.arch} VLM"
+        f"each, {size} {args.arch} VLM"
     )
     for arm, t in median.items():
         same = f"{equal[arm]}/{len(jobs)}"

@@ -75,9 +75,35 @@ _IMAGE = {
 }
 
 
-def write_vlm(path: Path, seed: int = 0, arch: str = "gemma3", vocab: int = 512) -> Path:
-    """Write a tiny random VLM of ``arch`` (:data:`ARCHS`) to ``path``."""
+#: ``small``: a bench-sized VLM instead (224-pixel images, 64 image tokens, an 8 x 256
+#: language model, a 4 x 256 tower): what image tokens and the tower cost, closer to a
+#: real VLM's proportions, still seconds on a CPU.
+_SMALL_TEXT = _TEXT | {
+    "hidden_size": 256,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1024,
+    "head_dim": 64,
+}
+_SMALL_VISION = _VISION | {
+    "num_hidden_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_attention_heads": 4,
+    "image_size": 224,
+}
+
+
+def write_vlm(
+    path: Path, seed: int = 0, arch: str = "gemma3", vocab: int = 512, small: bool = False
+) -> Path:
+    """Write a tiny random VLM of ``arch`` (:data:`ARCHS`) to ``path`` (``small``: the
+    bench-sized one)."""
     import importlib
+
+    text_shape, vision_shape = (_SMALL_TEXT, _SMALL_VISION) if small else (_TEXT, _VISION)
+    side = vision_shape["image_size"]
+    tokens = (side // 14 // 2) ** 2  # patches of 14, pooled or merged 2 x 2
+    head = vision_shape["hidden_size"] // vision_shape["num_attention_heads"]
 
     if arch not in ARCHS:
         raise ValueError(f"tiny VLM architectures: {', '.join(ARCHS)}; not {arch!r}")
@@ -103,42 +129,42 @@ def write_vlm(path: Path, seed: int = 0, arch: str = "gemma3", vocab: int = 512)
                 "image_token": "<image_soft_token>",
             },
         }
-        text = _TEXT | {
+        text = text_shape | {
             "model_type": "gemma3_text",
             "vocab_size": vocab,
             "sliding_window": 16,
             "sliding_window_pattern": 2,
-            "query_pre_attn_scalar": 16,
-            "mm_tokens_per_image": 4,
+            "query_pre_attn_scalar": text_shape["head_dim"],
+            "mm_tokens_per_image": tokens,
         }
-        vision = _VISION | {"model_type": "siglip_vision_model"}
+        vision = vision_shape | {"model_type": "siglip_vision_model"}
         config = {
             "image_token_index": ids["<image_soft_token>"],
             "boi_token_index": ids["<start_of_image>"],
             "eoi_token_index": ids["<end_of_image>"],
-            "mm_tokens_per_image": 4,
-            "hidden_size": 64,
+            "mm_tokens_per_image": tokens,
+            "hidden_size": text_shape["hidden_size"],
             "pad_token_id": ids["<pad>"],
             "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
         }
         image = _IMAGE | {
             "image_processor_type": "Gemma3ImageProcessor",
             "processor_class": "Gemma3Processor",
-            "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            "size": {"height": side, "width": side},
             "resample": 2,
             "do_pan_and_scan": False,
         }
-        processor = {"processor_class": "Gemma3Processor", "image_seq_length": 4}
+        processor = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
     else:
         tokenizer |= {"bos_token": "<s>", "eos_token": "</s>", "chat_template": MISTRAL3_TEMPLATE}
-        text = _TEXT | {
+        text = text_shape | {
             "model_type": "mistral",
             "vocab_size": vocab,
             "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         }
-        vision = _VISION | {"model_type": "pixtral", "head_dim": 16, "rope_theta": 10000.0}
+        vision = vision_shape | {"model_type": "pixtral", "head_dim": head, "rope_theta": 10000.0}
         config = {
             "image_token_index": ids["[IMG]"],
             "spatial_merge_size": 2,
@@ -150,7 +176,7 @@ def write_vlm(path: Path, seed: int = 0, arch: str = "gemma3", vocab: int = 512)
         image = _IMAGE | {
             "image_processor_type": "PixtralImageProcessor",
             "processor_class": "Mistral3Processor",
-            "size": {"longest_edge": IMAGE_SIZE},
+            "size": {"longest_edge": side},
             "patch_size": {"height": 14, "width": 14},
             "resample": 3,
         }
@@ -196,9 +222,9 @@ def _write_tokenizer(path: Path, specials: list[str], vocab: int) -> dict[str, i
     return dict(tok.get_vocab())
 
 
-def ensure_vlm(path: Path, seed: int = 0, arch: str = "gemma3") -> Path:
-    """``path`` holding the tiny VLM of ``arch`` and ``seed`` (written once)."""
+def ensure_vlm(path: Path, seed: int = 0, arch: str = "gemma3", small: bool = False) -> Path:
+    """``path`` holding the tiny (or ``small``) VLM of ``arch`` and ``seed`` (written once)."""
     path = Path(path)
     if not (path / "model.safetensors").exists():
-        write_vlm(path, seed, arch)
+        write_vlm(path, seed, arch, small=small)
     return path
