@@ -315,6 +315,27 @@ def test_all_minilm_l6_v2_gives_sentence_transformers_vectors_through_the_queue(
     assert abs(float(v[2] @ v[3]) - ref["similarity"]["score"]) < 1e-4
 
 
+@pytest.mark.parametrize("model_type", ["xlm-roberta", "roberta"])
+def test_a_roberta_encoder_embeds_as_its_bert_twin(conn, redis_url, tmp_path, model_type):
+    """XLM-RoBERTa (multilingual-e5, bge-m3) and RoBERTa: positions from pad_token_id + 1,
+    one token type, weights under ``roberta.``. A twin of the tiny BERT in that form gives
+    the BERT's vectors through the queue, and the same usable length (its table less 2)."""
+    from worker.dev.tinyembed import write_bert, write_roberta_twin
+    from worker.engine.models import ModelCache
+
+    bert = write_bert(tmp_path / "bert", seed=5, context=16)
+    twin = str(write_roberta_twin(bert, tmp_path / "twin", model_type))
+    texts = ["hello world", "the cat sat on the mat", "a few more words to embed"]
+    jobs = {"bert": {"model": str(bert), "input": texts}, "twin": {"model": twin, "input": texts}}
+    records = _run(conn, redis_url, jobs)
+    np.testing.assert_allclose(_vectors(records["twin"]), _vectors(records["bert"]), atol=1e-5)
+    embedder = ModelCache().get(twin)[0].embedder
+    assert embedder.context == 16  # 18 positions less the 2 before the first token
+    long = embedder.tokenize(["a much longer text " * 3])
+    records = _run(conn, redis_url, {"long": {"model": twin, "input": long[0]}})
+    assert records["long"].error.code == "context_length_exceeded", records["long"].error
+
+
 def test_rows_past_the_models_positions_and_non_finite_results_fail_by_name(tmp_path, monkeypatch):
     """A row longer than BERT's position table is refused before the pass (read past the
     table's end, it gave an all-NaN row now and then); a non-finite result fails by name:

@@ -104,6 +104,36 @@ def _bert_weights(c: dict, seed: int) -> dict[str, mx.array]:
     return weights
 
 
+def write_roberta_twin(bert: Path, path: Path, model_type: str = "xlm-roberta") -> Path:
+    """An XLM-RoBERTa (or RoBERTa) checkpoint that computes what the tiny BERT at ``bert``
+    computes: its weights under ``roberta.``, its position table shifted past the padding
+    index (``pad_token_id`` 1: rows 2.. are BERT's rows 0..), one token type (BERT's
+    first), the same tokenizer and pooling. Equal vectors from the two check the
+    RoBERTa-kind positions and names."""
+    import shutil
+
+    shutil.copytree(bert, path, dirs_exist_ok=True)
+    config = json.loads((bert / "config.json").read_text())
+    offset = 2
+    weights = mx.load(str(bert / "model.safetensors"))
+    table = weights["embeddings.position_embeddings.weight"]
+    shifted = mx.concatenate([mx.zeros((offset, table.shape[1])), table])
+    weights["embeddings.position_embeddings.weight"] = shifted
+    types = weights["embeddings.token_type_embeddings.weight"]
+    weights["embeddings.token_type_embeddings.weight"] = types[:1]
+    config |= {
+        "architectures": ["XLMRobertaModel"],
+        "model_type": model_type,
+        "pad_token_id": offset - 1,
+        "max_position_embeddings": config["max_position_embeddings"] + offset,
+        "type_vocab_size": 1,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    renamed = {f"roberta.{k}": v for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), renamed)
+    return path
+
+
 def write_decoder_embedder(path: Path, seed: int = 11, arch: str = "llama") -> Path:
     """A tiny ``arch`` decoder with a last-token pooling module: a decoder embedder
     (Qwen3-Embedding's shape) loaded through mlx-lm."""

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from schemas import ContextLengthError, GenerationError
+from worker.engine.encoder import usable_positions
 
 #: Pooling modes, by the key of ``1_Pooling/config.json`` that turns each on.
 POOLING_KEYS = {
@@ -144,7 +145,7 @@ class Embedder:
             raise ValueError(f"{type(model).__module__} has no {' or '.join(BODIES)} to pool")
         self.heads = int(config.get("num_attention_heads") or 1)
         self.vocab_size = int(config.get("vocab_size") or 0)
-        limits = [pooling.max_tokens, config.get("max_position_embeddings")]
+        limits = [pooling.max_tokens, usable_positions(config)]
         #: The most tokens one input may have (sentence-transformers' max_seq_length, else
         #: the model's positions), or None when nothing says.
         self.context: int | None = min((int(x) for x in limits if x), default=None)

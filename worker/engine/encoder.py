@@ -5,6 +5,11 @@ Written here rather than taken from mlx-embeddings: that package imports mlx-vlm
 load (``mlx_embeddings.utils``), which pulls opencv, mlx-audio and datasets into every
 worker; its BERT is this same graph. Numerics follow Hugging Face's ``BertModel``:
 absolute position embeddings, post-LayerNorm blocks, exact GELU, padded keys masked out.
+
+RoBERTa and XLM-RoBERTa (multilingual-e5, bge-m3, paraphrase-multilingual...) are the same
+graph with positions counted from ``pad_token_id + 1`` (Hugging Face's
+``create_position_ids_from_input_ids``), one token type, and weights under ``roberta.``:
+their usable length is the position table less that offset (512 of 514).
 """
 
 from __future__ import annotations
@@ -19,7 +24,22 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 #: ``model_type`` values this module runs.
-ENCODER_TYPES = frozenset({"bert"})
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+#: Those whose positions start past the padding index.
+ROBERTA_TYPES = frozenset({"roberta", "xlm-roberta"})
+
+
+def position_offset(config: dict[str, Any]) -> int:
+    """The first position a token takes: ``pad_token_id + 1`` for RoBERTa's kind, else 0."""
+    if config.get("model_type") in ROBERTA_TYPES:
+        return int(config.get("pad_token_id", 1)) + 1
+    return 0
+
+
+def usable_positions(config: dict[str, Any]) -> int | None:
+    """The most tokens one input may have: the position table less the offset."""
+    size = config.get("max_position_embeddings")
+    return int(size) - position_offset(config) if size else None
 
 
 @dataclass(frozen=True)
@@ -32,11 +52,13 @@ class BertConfig:
     max_position_embeddings: int
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
+    position_offset: int = 0  # RoBERTa's: pad_token_id + 1
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> BertConfig:
         names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in config.items() if k in names})
+        given = {k: v for k, v in config.items() if k in names and k != "position_offset"}
+        return cls(**given, position_offset=position_offset(config))
 
 
 class _Attention(nn.Module):
@@ -102,9 +124,12 @@ class _Embeddings(nn.Module):
         self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.offset = c.position_offset
 
     def __call__(self, ids: mx.array) -> mx.array:
-        positions = mx.arange(ids.shape[1])[None]
+        # (padding on the right: real tokens take offset, offset + 1...; a pad token's
+        # position, masked out of every key and of pooling, does not matter)
+        positions = (mx.arange(ids.shape[1]) + self.offset)[None]
         x = self.word_embeddings(ids) + self.position_embeddings(positions)
         return self.LayerNorm(x + self.token_type_embeddings(mx.zeros_like(ids)))
 
@@ -134,8 +159,9 @@ class BertModel(nn.Module):
 
 
 def load_encoder(path: Path, config: dict[str, Any]) -> BertModel:
-    """The BERT model in ``path`` (weights with or without a ``bert.`` prefix; the
-    pooler and pretraining heads are not needed for sentence embeddings)."""
+    """The BERT (or RoBERTa) model in ``path`` (weights with or without a ``bert.`` or
+    ``roberta.`` prefix; the pooler and pretraining heads are not needed for sentence
+    embeddings)."""
     model = BertModel(BertConfig.of(config))
     weights: dict[str, mx.array] = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -143,7 +169,7 @@ def load_encoder(path: Path, config: dict[str, Any]) -> BertModel:
     wanted = {k for k, _ in tree_flatten(model.parameters())}
     kept = {}
     for name, value in weights.items():
-        name = name.removeprefix("bert.")
+        name = name.removeprefix("bert.").removeprefix("roberta.")
         if name in wanted:
             kept[name] = value
     missing = wanted - kept.keys()
