@@ -4,7 +4,7 @@ Two ranks on this machine, started by mlx's own launcher over its ring backend (
 exactly as across Macs (``mlx.launch --hosts mac1,mac2``): rank 0 serves Redis, rank 1
 follows. Each job's text must be the text of the same job on one unsplit model (greedy),
 alone and in a continuous batch, streamed, with a schema and with logprobs; what a group
-does not do yet (n > 1, speculation, adapters, a model mlx-lm cannot split) ends by name.
+does not do yet (speculation, adapters, a model mlx-lm cannot split) ends by name.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_pipeline_where_the_model_has_no_tensor_split_and_refusals_by_name(
     conn, redis_url, tmp_path, models
 ):
     """qwen3_next has only mlx-lm's pipeline: auto takes it, and its text is the whole
-    model's. n > 1 fails by name; a model mlx-lm cannot split (gemma3_text) fails by name;
+    model's, n choices too; a model mlx-lm cannot split (gemma3_text) fails by name;
     the group goes on serving after each."""
     from producer import Client
 
@@ -158,7 +158,8 @@ def test_pipeline_where_the_model_has_no_tensor_split_and_refusals_by_name(
     for name in ("good", "after"):
         assert got[name].status == "succeeded", got[name].error
         assert got[name].response.choices[0].message.content == _plain_text(nxt, jobs[name])
-    assert got["n"].status == "failed" and "n > 1" in got["n"].error.message
+    choices = got["n"].response.choices  # n choices: each rank runs them all
+    assert [c.message.content for c in choices] == [_plain_text(nxt, good)] * 2
     assert got["gemma"].status == "failed" and "cannot be split" in got["gemma"].error.message
 
 

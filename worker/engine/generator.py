@@ -141,12 +141,13 @@ class ChatGenerator:
         in ``others``; ``completion_tokens`` counts every choice's tokens."""
         job = self._job(request)
         n = job.request.n if job.request is not None else 1
-        if self.models.group is not None:
-            raise InvalidRequestError("n > 1: a worker group runs one choice per job (not yet n)")
-        engine = BatchEngine(self.target, n)
+        group = self.models.group
+        engine: Engine = BatchEngine(self.target, n)
+        if group is not None:  # every rank runs the choices (each prefills its prompt)
+            engine = GroupEngine(group, engine, "batch", self.target, max_batch=n)
         start_at = time.perf_counter()
         try:
-            layers, held, reused = self._shared_prefill(job)
+            layers, held, reused = (None, 0, 0) if group is not None else self._shared_prefill(job)
             seed = job.params.seed
             for i in range(n):
                 choice = job.with_params(seed=seed + i) if seed is not None else job
