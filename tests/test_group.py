@@ -10,6 +10,7 @@ does not do yet (speculation, adapters, a model mlx-lm cannot split) ends by nam
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -32,12 +33,14 @@ BIN = Path(sys.executable).parent
 
 
 def _free_port_run(n: int) -> int:
-    """A base port with ``n`` free ports after it (the ring backend takes one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and all(_free(base + i) for i in range(1, n)):
+    """A base port with ``n`` free ports from it (the ring backend takes one per rank),
+    below the ephemeral range: no outgoing connection (a Redis client of a test running
+    beside this one) can take one between this check and the ring's bind."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(max(1024, low - 12000), low - n)
+        if all(_free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no run of free ports")
 
