@@ -284,6 +284,37 @@ def test_an_uploaded_image_is_seen_by_its_own_tenant_only(gateway, workers, tmp_
     by_file = ask(a, {"type": "file", "file": {"file_id": uploaded.id}})
     inline = ask(a, {"type": "image_url", "image_url": {"url": data_url(image)}})
     assert by_file.choices[0].message.content == inline.choices[0].message.content
+    line = {  # a Batch API line naming the file: the batch's tenant reads it
+        "custom_id": "img",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": vlm,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "file", "file": {"file_id": uploaded.id}},
+                        {"type": "text", "text": "describe the queue"},
+                    ],
+                }
+            ],
+        },
+    }
+    lines = a.files.create(file=("in.jsonl", json.dumps(line).encode() + b"\n"), purpose="batch")
+    batch = a.batches.create(
+        input_file_id=lines.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_for(
+        lambda: (x := a.batches.retrieve(batch.id)).status == "completed" and x,
+        timeout=120,
+        every=0.2,
+    )
+    out = json.loads(a.files.content(done.output_file_id).content)
+    text = out["response"]["body"]["choices"][0]["message"]["content"]
+    assert text == by_file.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as e:  # another tenant's file: not found
         ask(b, {"type": "file", "file": {"file_id": uploaded.id}})
     assert f"no file {uploaded.id!r} (of this tenant)" in e.value.body["message"]
