@@ -315,6 +315,21 @@ def test_an_uploaded_image_is_seen_by_its_own_tenant_only(gateway, workers, tmp_
     out = json.loads(a.files.content(done.output_file_id).content)
     text = out["response"]["body"]["choices"][0]["message"]["content"]
     assert text == by_file.choices[0].message.content
+    # Batches, their output files and their input files are their tenant's too.
+    assert batch.id in [x.id for x in a.batches.list(limit=100)]
+    assert batch.id not in [x.id for x in b.batches.list(limit=100)]
+    for call in (
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+        lambda: b.files.retrieve(done.output_file_id),
+        lambda: b.files.content(done.output_file_id),
+        lambda: b.files.content(lines.id),
+        lambda: b.batches.create(
+            input_file_id=lines.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
     with pytest.raises(openai.BadRequestError) as e:  # another tenant's file: not found
         ask(b, {"type": "file", "file": {"file_id": uploaded.id}})
     assert f"no file {uploaded.id!r} (of this tenant)" in e.value.body["message"]

@@ -442,7 +442,15 @@ def _record_reply(record: dict[str, Any] | None, headers: dict[str, str]) -> Res
     )
 
 
+def _key_tenant(s: GatewaySettings, request: Request) -> str:
+    """The tenant of the request's API key (files and batches are theirs)."""
+    return s.tenant_of(request.headers.get("authorization"))
+
+
 def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
+    def _tenant(request: Request) -> str:
+        return _key_tenant(s, request)
+
     @app.post("/v1/files")
     async def upload(
         request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
@@ -463,14 +471,16 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
 
     async def _meta(request: Request, file_id: str) -> dict[str, Any] | None:
         if (out := files.parse_output_id(file_id)) is not None:
-            redis = request.app.state.redis
-            return await run_in_threadpool(batchapi.output_file_meta, redis, out[0], out[1])
+            redis, tenant = request.app.state.redis, _tenant(request)
+            fn = batchapi.output_file_meta
+            return await run_in_threadpool(fn, redis, out[0], out[1], tenant)
         return await _upload(request, file_id)
 
     async def _upload(request: Request, file_id: str) -> dict[str, Any] | None:
         """An uploaded file's metadata, if the request's key's tenant owns it."""
-        tenant = s.tenant_of(request.headers.get("authorization"))
-        return files.owned(await files.file_meta(request.app.state.aredis, file_id), tenant)
+        return files.owned(
+            await files.file_meta(request.app.state.aredis, file_id), _tenant(request)
+        )
 
     @app.get("/v1/files/{file_id}")
     async def retrieve(request: Request, file_id: str) -> Response:
@@ -482,10 +492,8 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
     @app.get("/v1/files/{file_id}/content")
     async def content(request: Request, file_id: str) -> Response:
         if (out := files.parse_output_id(file_id)) is not None:
-            if (
-                await run_in_threadpool(batchapi.batch_object, request.app.state.redis, out[0])
-                is None
-            ):
+            redis, tenant = request.app.state.redis, _tenant(request)
+            if await run_in_threadpool(batchapi.batch_object, redis, out[0], tenant) is None:
                 return error(404, f"no file {file_id!r}", code="file_not_found")
             return StreamingResponse(
                 files.iter_output_file(request.app.state.redis, out[0], out[1]),
@@ -507,6 +515,9 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
 
 
 def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
+    def _tenant(request: Request) -> str:
+        return _key_tenant(s, request)
+
     def sync(request: Request) -> Redis:
         return request.app.state.redis
 
@@ -544,7 +555,7 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(request: Request, batch_id: str) -> Response:
-        obj = await _run(batchapi.batch_object, sync(request), batch_id)
+        obj = await _run(batchapi.batch_object, sync(request), batch_id, _tenant(request))
         if obj and obj["status"] == "validating":  # its gateway may have died
             await _validate(request, batch_id, obj["input_file_id"], obj["endpoint"])
         return (
@@ -557,7 +568,8 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
     async def listing(
         request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
     ) -> Response:
-        return JSONResponse(await _run(batchapi.list_batches, sync(request), limit, after))
+        found = await _run(batchapi.list_batches, sync(request), limit, after, _tenant(request))
+        return JSONResponse(found)
 
     @app.post("/v1/batches/{batch_id}/retry")
     async def retry(request: Request, batch_id: str) -> Response:
@@ -575,6 +587,8 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
             return error(400, describe_validation_error(e))
         except InvalidRequestError as e:
             return error(400, str(e))
+        if await _run(batchapi.batch_object, sync(request), batch_id, _tenant(request)) is None:
+            return error(404, f"no batch {batch_id!r}", code="batch_not_found")
         try:
             report = await _run(retry_batch, sync(request), batch_id, flt)
         except BatchNotFoundError:
@@ -586,7 +600,7 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(request: Request, batch_id: str) -> Response:
-        if await _run(batchapi.batch_object, sync(request), batch_id) is None:
+        if await _run(batchapi.batch_object, sync(request), batch_id, _tenant(request)) is None:
             return error(404, f"no batch {batch_id!r}", code="batch_not_found")
         await _run(batchapi.cancel, sync(request), batch_id)
         return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))

@@ -171,12 +171,15 @@ def cancel(conn: Redis, batch_id: str) -> None:
     cancel_batch(conn, batch_id)
 
 
-def batch_object(conn: Redis, batch_id: str) -> dict[str, Any] | None:
-    """OpenAI's Batch object for an mlxq batch (None if there is none)."""
+def batch_object(conn: Redis, batch_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+    """OpenAI's Batch object for an mlxq batch (None if there is none, or if ``tenant`` is
+    given and the batch is another tenant's: to a key of another tenant it does not exist)."""
     raw = conn.hgetall(keys.batch_key(batch_id))
     if not raw:
         return None
     meta = {k.decode(): v.decode() for k, v in raw.items()}
+    if tenant is not None and meta.get("tenant", keys.DEFAULT_TENANT) != tenant:
+        return None
     created = float(meta.get("created_at", 0))
     window = meta.get("completion_window") or "24h"
     expires = created + WINDOW_S.get(window, WINDOW_S["24h"])
@@ -239,10 +242,13 @@ def batch_object(conn: Redis, batch_id: str) -> dict[str, Any] | None:
     return obj
 
 
-def output_file_meta(conn: Redis, batch_id: str, errors: bool) -> dict[str, Any] | None:
-    """The File metadata of a batch's output or error file (None: no such batch). Its size
-    is counted by making the file; once the batch has ended it is kept on the batch."""
-    obj = batch_object(conn, batch_id)
+def output_file_meta(
+    conn: Redis, batch_id: str, errors: bool, tenant: str | None = None
+) -> dict[str, Any] | None:
+    """The File metadata of a batch's output or error file (None: no such batch, or
+    another ``tenant``'s). Its size is counted by making the file; once the batch has
+    ended it is kept on the batch."""
+    obj = batch_object(conn, batch_id, tenant)
     if obj is None:
         return None
     field = "err_bytes" if errors else "out_bytes"
@@ -259,8 +265,11 @@ def output_file_meta(conn: Redis, batch_id: str, errors: bool) -> dict[str, Any]
     }
 
 
-def list_batches(conn: Redis, limit: int, after: str | None) -> dict[str, Any]:
-    """Batches newest first, ``limit`` per page, after the batch id ``after``."""
+def list_batches(
+    conn: Redis, limit: int, after: str | None, tenant: str | None = None
+) -> dict[str, Any]:
+    """Batches newest first, ``limit`` per page, after the batch id ``after`` (only
+    ``tenant``'s, if given)."""
     start = 0
     if after:
         rank = conn.zrevrank(keys.BATCHES, after)
@@ -272,7 +281,7 @@ def list_batches(conn: Redis, limit: int, after: str | None) -> dict[str, Any]:
             break
         start += len(ids)
         for raw in ids:
-            obj = batch_object(conn, raw.decode())
+            obj = batch_object(conn, raw.decode(), tenant)
             if obj is not None and len(data) < limit + 1:
                 data.append(obj)
     page = data[:limit]
