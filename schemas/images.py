@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
-from collections import OrderedDict
 from typing import Any
 
 from schemas.request import FILE_REF, IMAGE_REF
@@ -87,22 +87,12 @@ def _stored(part: Any, images: dict[str, bytes]) -> Any:
     return {**part, "image_url": {**image, "url": image_ref(digest)}}
 
 
-#: The last data URLs decoded (a file's lines repeat an image: decoded once in a row).
-_RECENT: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
-RECENT_URLS = 8
-
-
+@functools.lru_cache(maxsize=8)  # a file's lines repeat an image: decoded once in a row
 def _decoded(url: str) -> tuple[str, bytes] | None:
     """(SHA-256, bytes) of a data URL; None if its base64 does not decode."""
-    if (hit := _RECENT.get(url)) is not None:
-        _RECENT.move_to_end(url)
-        return hit
     _, _, b64 = url.partition(",")
     try:
         data = base64.b64decode("".join(b64.split()), validate=True)
     except (binascii.Error, ValueError):
         return None
-    _RECENT[url] = found = (hashlib.sha256(data).hexdigest(), data)
-    while len(_RECENT) > RECENT_URLS:
-        _RECENT.popitem(last=False)
-    return found
+    return hashlib.sha256(data).hexdigest(), data

@@ -26,7 +26,9 @@ def describe_validation_error(error: ValidationError, prefix: str = "") -> str:
 
 
 def _is_union_tag(part: object) -> bool:
-    return isinstance(part, str) and (part in {"str", "TextPart", "ImagePart"} or "[" in part)
+    return isinstance(part, str) and (
+        part in {"str", "TextPart", "ImagePart", "FilePart"} or "[" in part
+    )
 
 
 def _dedupe(items: list[str]) -> list[str]:

@@ -458,10 +458,9 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
         if purpose not in ("batch", "vision"):
             return error(400, f"purpose {purpose!r} is not supported (only 'batch', 'vision')")
         limit = s.max_file_bytes if purpose == "batch" else min(s.max_file_bytes, MAX_IMAGE_BYTES)
-        tenant = s.tenant_of(request.headers.get("authorization"))
         try:
             obj = await files.store_upload(
-                request.app.state.aredis, file, purpose, limit, s.file_ttl, tenant
+                request.app.state.aredis, file, purpose, limit, s.file_ttl, _tenant(request)
             )
         except files.TooLarge as e:
             return error(413, str(e), code="file_too_large")
@@ -533,7 +532,7 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
             spec = batchapi.BatchCreate.model_validate(body)
         except ValidationError as e:
             return error(400, describe_validation_error(e))
-        tenant = s.tenant_of(request.headers.get("authorization"))
+        tenant = _tenant(request)
         meta = files.owned(
             await files.file_meta(request.app.state.aredis, spec.input_file_id), tenant
         )

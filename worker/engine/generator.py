@@ -221,9 +221,20 @@ class ChatGenerator:
         ``limit`` tokens at most. ``company``: prompts of jobs queued after it."""
         if job.vision is not None:
             return self._image_start(job, draft)
+        return self._kept_start(job, job.prompt, limit, draft, company)
+
+    def _kept_start(
+        self,
+        job: Prepared,
+        prompt: list[int],
+        limit: int,
+        draft: LoadedModel | None = None,
+        company: Sequence[Sequence[int]] = (),
+    ) -> Start:
+        """:meth:`starting_cache` on token ids: ``prompt`` (the job's, or the text before
+        its first image and that image's first token)."""
         if not self.models.prefixes.enabled or job.request is None:
             return NO_START
-        prompt = job.prompt
         store = self.models.prefixes
         # What other jobs' prompts share with it (on tokens: recent ones and its company),
         # or its last message boundary (a hint).
@@ -247,8 +258,6 @@ class ChatGenerator:
         image placeholders as tokens: a proposer only)."""
         vision, target, store = job.vision, self.target, self.models.prefixes
         assert vision is not None and target.vision is not None
-        if self.models.group is not None:
-            raise InvalidRequestError("a worker group does not run images (not built yet)")
         key, head, end = image_key(target.key, vision.digest), job.prompt[: vision.end], vision.end
         matched = store.match(key, head) if store.enabled else None
         if matched is not None and matched[1] == end:
@@ -267,25 +276,11 @@ class ChatGenerator:
         return Start(layers, end, reused)
 
     def _text_start(self, job: Prepared, first: int) -> Start:
-        """Where the text before an image job's first image starts: a kept prefix of the
-        target shared with other jobs (a system prompt), as any text job's, kept once
-        shared; at most ``first`` tokens. The image prefill continues from it."""
-        store, prompt = self.models.prefixes, job.prompt
-        if not store.enabled or job.request is None or first < MIN_TOKENS:
-            return NO_START
-        boundary = min(
-            first,
-            max(
-                store.shared(self.target.key, prompt[:first]),
-                message_boundary(self.target.tokenizer, job.request, prompt),
-            ),
-        )
-        store.remember(self.target.key, prompt[:first])
-        pairs = [(self.target.key, self.target)]
-        cache, cached, reused = starting_cache(
-            store, self.models.prefix_room, pairs, prompt, boundary, first
-        )
-        return Start(cache, cached, reused) if cache is not None else NO_START
+        """Where the text before an image job's first image starts: a kept prefix shared
+        with other jobs (a system prompt), kept as any text job's, at most ``first`` tokens
+        (the prompt is cut after the image's first token, which is never kept). The image
+        prefill continues from it."""
+        return self._kept_start(job, job.prompt[: first + 1], first)
 
 
 def _chat_model(entry: LoadedModel, what: str) -> None:

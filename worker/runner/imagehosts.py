@@ -107,13 +107,14 @@ class _Pinned(http.client.HTTPSConnection):
     request (and, for HTTPS, in SNI and the certificate check)."""
 
     def __init__(self, scheme: str, host: str, ip: str, port: int) -> None:
-        super().__init__(host, port, timeout=TIMEOUT_S, context=ssl.create_default_context())
+        self.tls = ssl.create_default_context()  # our own: certificates and host names checked
+        super().__init__(host, port, timeout=TIMEOUT_S, context=self.tls)
         self.scheme, self.ip = scheme, ip
 
     def connect(self) -> None:
         self.sock = socket.create_connection((self.ip, self.port), self.timeout)
         if self.scheme == "https":
-            self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host)  # type: ignore[attr-defined]
+            self.sock = self.tls.wrap_socket(self.sock, server_hostname=self.host)
 
 
 def _internal(address: str) -> bool:

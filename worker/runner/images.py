@@ -31,10 +31,7 @@ class JobImages:
     def check(self, url: str, where: str) -> None:
         if (digest := digest_of(url)) is not None:
             if not self.conn.hexists(self.batch, digest):
-                raise InvalidRequestError(
-                    f"{where}: image {digest[:12]}... is not stored with this job's batch (its "
-                    "batch expired, or the reference was not made by the producer)"
-                )
+                raise _not_stored(digest, where)
         elif (file_id := FILE_REF.fullmatch(url)) is not None:
             self._file(file_id.group(1), where)
         elif not url.startswith(("https://", "http://")):
@@ -43,8 +40,8 @@ class JobImages:
     def fetch(self, url: str, max_bytes: int, where: str) -> bytes:
         if (digest := digest_of(url)) is not None:
             data = self.conn.hget(self.batch, digest)
-            if data is None:
-                self.check(url, where)  # (gone since): names why
+            if data is None:  # (gone since the check: its batch expired)
+                raise _not_stored(digest, where)
             return data  # type: ignore[return-value]
         if (file_id := FILE_REF.fullmatch(url)) is not None:
             size = self._file(file_id.group(1), where)
@@ -77,6 +74,13 @@ class JobImages:
             found = self.conn.hget(batch, "tenant")
             self._tenant = found.decode() if found else keys.tenant_of(self.job.queue)  # type: ignore[union-attr]
         return self._tenant
+
+
+def _not_stored(digest: str, where: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{where}: image {digest[:12]}... is not stored with this job's batch (its batch "
+        "expired, or the reference was not made by the producer)"
+    )
 
 
 def images_of(conn: Redis, job: Job, hosts: ImageHosts) -> JobImages:
