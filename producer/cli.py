@@ -814,7 +814,8 @@ def tail(job_id: str, redis_url: str, timeout: float | None, as_json: bool) -> N
     "--api-key-file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="API keys, one per line (also env MLXQ_API_KEYS, comma-separated).",
+    help="API keys, one per line: KEY, KEY TENANT [WEIGHT], or KEY * for an operator "
+    "(also env MLXQ_API_KEYS: KEY, KEY=TENANT[:WEIGHT], KEY=*; comma-separated).",
 )
 @click.option("--no-auth", is_flag=True, help="Accept requests without a key (local use only).")
 @click.option(
@@ -894,6 +895,7 @@ def serve(
         GatewaySettings,
         load_api_keys,
         load_key_tenants,
+        load_operator_keys,
         load_tenant_weights,
     )
     from producer.tenants import set_weight
@@ -901,6 +903,7 @@ def serve(
     try:
         api_keys = load_api_keys(api_key_file, os.environ.get(ENV_API_KEYS))
         key_tenants = load_key_tenants(api_key_file, os.environ.get(ENV_API_KEYS))
+        operator_keys = load_operator_keys(api_key_file, os.environ.get(ENV_API_KEYS))
         weights = load_tenant_weights(api_key_file, os.environ.get(ENV_API_KEYS))
     except ValueError as e:
         raise click.UsageError(f"API keys: {e}") from None
@@ -916,6 +919,7 @@ def serve(
         redis_url=redis_url,
         api_keys=api_keys,
         key_tenants=key_tenants,
+        operator_keys=operator_keys,
         auth=not no_auth,
         allow_models=allow_models,
         queue=queue,

@@ -21,11 +21,15 @@ QUEUES_SHOWN = 50
 WORKERS_SHOWN = 200
 
 
-def overview(conn: Redis, batches: int = BATCHES_SHOWN) -> dict[str, Any]:
-    """A JSON-ready snapshot: ``batches`` (newest first), ``workers`` and ``queues``."""
+def overview(
+    conn: Redis, batches: int = BATCHES_SHOWN, tenant: str | None = None
+) -> dict[str, Any]:
+    """A JSON-ready snapshot: ``batches`` (newest first), ``workers`` and ``queues``; with a
+    ``tenant``, only its batches and its queues' lists (the workers are the whole fleet's)."""
     batches = max(1, min(batches, 100))
+    index = keys.BATCHES if tenant is None else keys.tenant_batches_key(tenant)
     with conn.pipeline(transaction=False) as pipe:
-        pipe.zrevrange(keys.BATCHES, 0, batches - 1)
+        pipe.zrevrange(index, 0, batches - 1)
         pipe.hkeys(keys.RUNNING)
         pipe.zrevrange(keys.WORKERS, 0, WORKERS_SHOWN - 1)
         pipe.srandmember(keys.RQ_QUEUES, QUEUES_SHOWN)
@@ -33,6 +37,9 @@ def overview(conn: Redis, batches: int = BATCHES_SHOWN) -> dict[str, Any]:
     ids = [b.decode() for b in ids_raw]
     names = [n.decode() for n in names_raw]
     queue_keys = sorted(q.decode() for q in queues_raw)
+    if tenant is not None:
+        prefix = keys.rq_queue_key("")
+        queue_keys = [q for q in queue_keys if keys.tenant_of(q.removeprefix(prefix)) == tenant]
     with conn.pipeline(transaction=False) as pipe:
         for batch_id in ids:
             pipe.hgetall(keys.batch_key(batch_id))
@@ -60,16 +67,22 @@ def overview(conn: Redis, batches: int = BATCHES_SHOWN) -> dict[str, Any]:
         batch = keys.batch_of(job_id.decode())
         running[batch] = running.get(batch, 0) + 1
     now = time.time()
-    out_batches = []
+    out_batches, gone = [], []
     for batch_id, (meta_raw, _, _), first, errs in zip(ids, per_batch, firsts, errors, strict=True):
         if not meta_raw:
+            gone.append(batch_id)
             continue
         meta = {k.decode(): v.decode() for k, v in meta_raw.items()}
+        if tenant is not None and meta.get("tenant", keys.DEFAULT_TENANT) != tenant:
+            continue
         out_batches.append(
             _batch(batch_id, meta, running.get(batch_id, 0), records, first, errs, now)
         )
+    for key, members in keys.gone_batches(gone, tenant):
+        conn.zrem(key, *members)
     return {
         "at": now,
+        "tenant": tenant,
         "batches": out_batches,
         "workers": [_worker(r) for r in worker_raws if r is not None],
         "queues": [

@@ -99,6 +99,7 @@ def register_batch(
         pipe.hsetnx(key, "source", source)
     pipe.expire(key, result_ttl)
     pipe.zadd(keys.BATCHES, {batch_id: now}, nx=True)
+    pipe.zadd(keys.tenant_batches_key(keys.tenant_of(queue)), {batch_id: now}, nx=True)
     is_new = pipe.execute()[0]
     return KnownJobs() if is_new else KnownJobs.load(conn, batch_id)
 

@@ -164,6 +164,21 @@ def batch_images_key(batch_id: str) -> str:
 #: Sorted set of batch ids, scored by creation time (unix seconds).
 BATCHES = f"{PREFIX}:batches"
 
+
+def tenant_batches_key(tenant: str) -> str:
+    """Sorted set: ``tenant``'s batch ids, scored by creation time (what its keys list)."""
+    return f"{BATCHES}@{tenant}"
+
+
+def gone_batches(ids: list[str], tenant: str | None) -> list[tuple[str, list[str]]]:
+    """(sorted set, members) to ZREM for batches whose hashes expired: from
+    :data:`BATCHES`, and from ``tenant``'s set if they were read from it."""
+    if not ids:
+        return []
+    sets = [BATCHES] + ([tenant_batches_key(tenant)] if tenant is not None else [])
+    return [(key, ids) for key in sets]
+
+
 #: List of JSON entries for jobs that could not run at all (no or corrupt job hash).
 DEAD_LETTERS = f"{PREFIX}:dead"
 DEAD_LETTERS_MAX = 10_000

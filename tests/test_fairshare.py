@@ -226,7 +226,11 @@ def test_usage_per_tenant_sums_the_records_and_is_exported(conn, redis_url, tiny
 
 
 def test_gateway_keys_name_their_tenant_for_batch_api_batches(conn, redis_url, tiny, tmp_path):
-    from producer.serve.settings import load_key_tenants, load_tenant_weights
+    from producer.serve.settings import (
+        load_key_tenants,
+        load_operator_keys,
+        load_tenant_weights,
+    )
     from tests.test_faults import wait_for
     from tests.test_gateway import Gateway, write_batch_file
 
@@ -257,6 +261,10 @@ def test_gateway_keys_name_their_tenant_for_batch_api_batches(conn, redis_url, t
         load_key_tenants(bad, None)
     assert "sk-x" not in str(e.value)  # a key is never printed
     assert load_key_tenants(None, "sk-1,sk-2=team-b:2") == (("sk-2", "team-b"),)
+    assert load_key_tenants(None, "sk-1,sk-op=*") == ()  # an operator's key names no tenant
+    assert load_operator_keys(None, "sk-1,sk-op=*,sk-2=team-b") == {"sk-op"}
+    with pytest.raises(ValueError, match="operator's key"):
+        load_operator_keys(None, "sk-op=*:2")
     assert load_tenant_weights(None, "sk-1,sk-2=team-b:2,sk-3=team-c") == {"team-b": 2.0}
     for env, why in (
         ("sk-secret=team-b:lots", "tenant 'team-b'"),

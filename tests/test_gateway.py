@@ -562,6 +562,51 @@ def test_batches_are_listed_newest_first_in_pages(gateway, conn):
     assert all(b.status == "in_progress" and b.request_counts.total == 1 for b in rest.data)
 
 
+def test_each_key_sees_its_tenants_batches_and_an_operator_key_sees_all(gateway, conn):
+    from producer import Client
+
+    client = Client(connection=conn)
+    for batch_id, tenant in (("of-a", "team-a"), ("of-b", "team-b"), ("of-default", "default")):
+        client.submit([{"model": "m", "messages": messages("x")}], batch_id=batch_id, tenant=tenant)
+        time.sleep(0.01)
+    gw = gateway(api_keys=f"{KEY}=team-a,sk-other=team-b,sk-plain,sk-op=*")
+    seen = {
+        key: [b.id for b in gw.client(key).batches.list(limit=100)]
+        for key in (KEY, "sk-other", "sk-plain", "sk-op")
+    }
+    assert seen == {
+        KEY: ["of-a"],
+        "sk-other": ["of-b"],
+        "sk-plain": ["of-default"],  # a key naming no tenant is the default tenant's
+        "sk-op": ["of-default", "of-b", "of-a"],
+    }
+    with pytest.raises(openai.NotFoundError):
+        gw.client("sk-other").batches.retrieve("of-a")
+    assert gw.client("sk-op").batches.retrieve("of-a").id == "of-a"
+
+    def page(key: str) -> dict:
+        reply = request("GET", f"{gw.url}/ui/state", headers=auth(key))
+        assert reply.status == 200, reply.body
+        return reply.json()
+
+    state = page(KEY)
+    assert [b["batch_id"] for b in state["batches"]] == ["of-a"]
+    assert [q["name"] for q in state["queues"]] == ["mlxq@team-a"]
+    assert state["tenant"] == "team-a"
+    state = page("sk-op")
+    assert [b["batch_id"] for b in state["batches"]] == ["of-default", "of-b", "of-a"]
+    assert sorted(q["name"] for q in state["queues"]) == ["mlxq", "mlxq@team-a", "mlxq@team-b"]
+    assert state["tenant"] is None
+    # A batch whose hash expired leaves both sets when it is next listed.
+    conn.delete(keys.batch_key("of-b"))
+    assert [b["batch_id"] for b in page("sk-op")["batches"]] == ["of-default", "of-a"]
+    assert conn.zscore(keys.BATCHES, "of-b") is None
+    conn.delete(keys.batch_key("of-a"))
+    assert gw.client(KEY).batches.list(limit=100).data == []
+    assert conn.zcard(keys.tenant_batches_key("team-a")) == 0
+    assert conn.zscore(keys.BATCHES, "of-a") is None
+
+
 def test_a_client_that_disconnects_cancels_its_unstarted_job(gateway, conn, tiny):
     import socket
 

@@ -135,7 +135,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     _metrics_route(app)
     _file_routes(app, settings)
     _batch_routes(app, settings)
-    page.page_routes(app)
+    page.page_routes(app, settings)
     return app
 
 
@@ -443,13 +443,21 @@ def _record_reply(record: dict[str, Any] | None, headers: dict[str, str]) -> Res
 
 
 def _key_tenant(s: GatewaySettings, request: Request) -> str:
-    """The tenant of the request's API key (files and batches are theirs)."""
+    """The tenant of the request's API key (what it uploads and creates is theirs)."""
     return s.tenant_of(request.headers.get("authorization"))
+
+
+def _key_scope(s: GatewaySettings, request: Request) -> str | None:
+    """Whose files and batches the request's API key reads (None: every tenant's)."""
+    return s.scope_of(request.headers.get("authorization"))
 
 
 def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
     def _tenant(request: Request) -> str:
         return _key_tenant(s, request)
+
+    def _scope(request: Request) -> str | None:
+        return _key_scope(s, request)
 
     @app.post("/v1/files")
     async def upload(
@@ -470,15 +478,15 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
 
     async def _meta(request: Request, file_id: str) -> dict[str, Any] | None:
         if (out := files.parse_output_id(file_id)) is not None:
-            redis, tenant = request.app.state.redis, _tenant(request)
+            redis, tenant = request.app.state.redis, _scope(request)
             fn = batchapi.output_file_meta
             return await run_in_threadpool(fn, redis, out[0], out[1], tenant)
         return await _upload(request, file_id)
 
     async def _upload(request: Request, file_id: str) -> dict[str, Any] | None:
-        """An uploaded file's metadata, if the request's key's tenant owns it."""
+        """An uploaded file's metadata, if the request's key may read it."""
         return files.owned(
-            await files.file_meta(request.app.state.aredis, file_id), _tenant(request)
+            await files.file_meta(request.app.state.aredis, file_id), _scope(request)
         )
 
     @app.get("/v1/files/{file_id}")
@@ -491,7 +499,7 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
     @app.get("/v1/files/{file_id}/content")
     async def content(request: Request, file_id: str) -> Response:
         if (out := files.parse_output_id(file_id)) is not None:
-            redis, tenant = request.app.state.redis, _tenant(request)
+            redis, tenant = request.app.state.redis, _scope(request)
             if await run_in_threadpool(batchapi.batch_object, redis, out[0], tenant) is None:
                 return error(404, f"no file {file_id!r}", code="file_not_found")
             return StreamingResponse(
@@ -516,6 +524,9 @@ def _file_routes(app: FastAPI, s: GatewaySettings) -> None:
 def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
     def _tenant(request: Request) -> str:
         return _key_tenant(s, request)
+
+    def _scope(request: Request) -> str | None:
+        return _key_scope(s, request)
 
     def sync(request: Request) -> Redis:
         return request.app.state.redis
@@ -554,7 +565,7 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(request: Request, batch_id: str) -> Response:
-        obj = await _run(batchapi.batch_object, sync(request), batch_id, _tenant(request))
+        obj = await _run(batchapi.batch_object, sync(request), batch_id, _scope(request))
         if obj and obj["status"] == "validating":  # its gateway may have died
             await _validate(request, batch_id, obj["input_file_id"], obj["endpoint"])
         return (
@@ -567,7 +578,7 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
     async def listing(
         request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
     ) -> Response:
-        found = await _run(batchapi.list_batches, sync(request), limit, after, _tenant(request))
+        found = await _run(batchapi.list_batches, sync(request), limit, after, _scope(request))
         return JSONResponse(found)
 
     @app.post("/v1/batches/{batch_id}/retry")
@@ -586,7 +597,7 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
             return error(400, describe_validation_error(e))
         except InvalidRequestError as e:
             return error(400, str(e))
-        if await _run(batchapi.batch_object, sync(request), batch_id, _tenant(request)) is None:
+        if await _run(batchapi.batch_object, sync(request), batch_id, _scope(request)) is None:
             return error(404, f"no batch {batch_id!r}", code="batch_not_found")
         try:
             report = await _run(retry_batch, sync(request), batch_id, flt)
@@ -599,7 +610,7 @@ def _batch_routes(app: FastAPI, s: GatewaySettings) -> None:
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(request: Request, batch_id: str) -> Response:
-        if await _run(batchapi.batch_object, sync(request), batch_id, _tenant(request)) is None:
+        if await _run(batchapi.batch_object, sync(request), batch_id, _scope(request)) is None:
             return error(404, f"no batch {batch_id!r}", code="batch_not_found")
         await _run(batchapi.cancel, sync(request), batch_id)
         return JSONResponse(await _run(batchapi.batch_object, sync(request), batch_id))

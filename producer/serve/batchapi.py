@@ -75,6 +75,7 @@ def create(
         pipe.hset(keys.batch_key(batch_id), mapping=fields)
         pipe.expire(keys.batch_key(batch_id), settings.result_ttl)
         pipe.zadd(keys.BATCHES, {batch_id: now})
+        pipe.zadd(keys.tenant_batches_key(tenant), {batch_id: now})
         pipe.execute()
     return batch_id
 
@@ -269,21 +270,28 @@ def list_batches(
     conn: Redis, limit: int, after: str | None, tenant: str | None = None
 ) -> dict[str, Any]:
     """Batches newest first, ``limit`` per page, after the batch id ``after`` (only
-    ``tenant``'s, if given)."""
+    ``tenant``'s, read from its own set, if given). Expired batches met on the way are
+    dropped from the sets."""
+    index = keys.BATCHES if tenant is None else keys.tenant_batches_key(tenant)
     start = 0
     if after:
-        rank = conn.zrevrank(keys.BATCHES, after)
+        rank = conn.zrevrank(index, after)
         start = rank + 1 if rank is not None else 0
     data: list[dict[str, Any]] = []
+    gone: list[str] = []
     while len(data) < limit + 1:
-        ids = conn.zrevrange(keys.BATCHES, start, start + limit)
+        ids = conn.zrevrange(index, start, start + limit)
         if not ids:
             break
         start += len(ids)
         for raw in ids:
             obj = batch_object(conn, raw.decode(), tenant)
-            if obj is not None and len(data) < limit + 1:
+            if obj is None and not conn.exists(keys.batch_key(raw.decode())):
+                gone.append(raw.decode())
+            elif obj is not None and len(data) < limit + 1:
                 data.append(obj)
+    for key, members in keys.gone_batches(gone, tenant):
+        conn.zrem(key, *members)
     page = data[:limit]
     return {
         "object": "list",

@@ -36,10 +36,11 @@ class NotAnImage(Exception):
     """A ``vision`` upload that is not an image of a format workers read."""
 
 
-def owned(meta: dict[str, Any] | None, tenant: str) -> dict[str, Any] | None:
+def owned(meta: dict[str, Any] | None, tenant: str | None) -> dict[str, Any] | None:
     """``meta`` if its file belongs to ``tenant`` (an upload's owner; a batch output's are
-    checked by their batch), else None: another tenant's file is not found."""
-    if meta is None or meta.get("tenant", keys.DEFAULT_TENANT) != tenant:
+    checked by their batch; None: any tenant's, for an operator), else None: another
+    tenant's file is not found."""
+    if meta is None or (tenant is not None and meta.get("tenant", keys.DEFAULT_TENANT) != tenant):
         return None
     return meta
 

@@ -3,7 +3,8 @@
 The page itself and its script and style carry no data, so they load without a key (a
 browser cannot send a bearer token on navigation); the page asks for an API key and sends
 it with every read of ``/ui/state`` (one :func:`producer.overview.overview`: bounded Redis
-work whatever the queues hold) and with the Batch API's retry and cancel calls.
+work whatever the queues hold) and with the Batch API's retry and cancel calls. A tenant's
+key sees its tenant's batches and queues; an operator's key (``KEY *``) every tenant's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from producer.overview import overview
+from producer.serve.settings import GatewaySettings
 
 #: Path -> (file, media type) of what loads without a key.
 ASSETS = {
@@ -47,7 +49,7 @@ def _asset(name: str) -> bytes:
     return files("producer.serve.ui").joinpath(name).read_bytes()
 
 
-def page_routes(app: FastAPI) -> None:
+def page_routes(app: FastAPI, settings: GatewaySettings) -> None:
     for path, (name, media) in ASSETS.items():
 
         async def asset(name: str = name, media: str = media) -> Response:
@@ -57,5 +59,6 @@ def page_routes(app: FastAPI) -> None:
 
     @app.get("/ui/state", include_in_schema=False)
     async def state(request: Request, batches: int = 20) -> Response:
-        snapshot = await run_in_threadpool(overview, request.app.state.redis, batches)
+        scope = settings.scope_of(request.headers.get("authorization"))
+        snapshot = await run_in_threadpool(overview, request.app.state.redis, batches, scope)
         return JSONResponse(snapshot, headers={"Cache-Control": "no-store"})

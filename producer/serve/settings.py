@@ -16,6 +16,9 @@ from schemas import keys
 from schemas.settings import DEFAULT_REDIS_URL
 
 ENV_API_KEYS = "MLXQ_API_KEYS"
+#: The tenant field of an operator's key (``KEY *``, ``KEY=*``): it reads every tenant's
+#: batches and files (``/ui`` shows the whole fleet); what it sends is the default tenant's.
+OPERATOR = "*"
 #: How ``producer serve --workers N`` hands its settings to the processes uvicorn starts.
 ENV_CONFIG = "MLXQ_GATEWAY_CONFIG"
 MB = 1 << 20
@@ -48,15 +51,21 @@ class GatewaySettings:
     #: (key, tenant) of keys that name a tenant: their Batch API batches are that
     #: tenant's (fair share, usage); other keys' are the default tenant's.
     key_tenants: tuple[tuple[str, str], ...] = ()
+    #: Keys that read every tenant's batches and files (:data:`OPERATOR`).
+    operator_keys: frozenset[str] = field(default_factory=frozenset)
 
     def to_env(self) -> str:
-        data = asdict(self) | {"api_keys": sorted(self.api_keys)}
+        data = asdict(self) | {
+            "api_keys": sorted(self.api_keys),
+            "operator_keys": sorted(self.operator_keys),
+        }
         return json.dumps(data)
 
     @classmethod
     def from_env(cls) -> GatewaySettings:
         data = json.loads(os.environ[ENV_CONFIG])
         data["api_keys"] = frozenset(data["api_keys"])
+        data["operator_keys"] = frozenset(data["operator_keys"])
         data["allow_models"] = tuple(data["allow_models"])
         data["key_tenants"] = tuple(tuple(kt) for kt in data["key_tenants"])
         return cls(**data)
@@ -71,6 +80,19 @@ class GatewaySettings:
             if hmac.compare_digest(given, key.encode()):
                 found = tenant
         return found
+
+    def scope_of(self, header: str | None) -> str | None:
+        """Whose batches and files the key an ``Authorization`` header carries reads: its
+        tenant's, or every tenant's (None) for an operator's key or a gateway without
+        keys (``--no-auth``)."""
+        if not self.auth:
+            return None
+        bearer = header is not None and header.startswith("Bearer ")
+        given = header[len("Bearer ") :].strip().encode() if bearer else b""
+        operator = False
+        for key in self.operator_keys:  # every key compared: constant time
+            operator |= hmac.compare_digest(given, key.encode())
+        return None if operator else self.tenant_of(header)
 
     def key_ok(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries one of the API keys."""
@@ -96,7 +118,14 @@ def load_key_tenants(path: Path | None, env: str | None) -> tuple[tuple[str, str
     """(key, tenant) of the keys that name one: ``KEY TENANT [WEIGHT]`` on a line of the
     file, ``KEY=TENANT[:WEIGHT]`` in ``MLXQ_API_KEYS``. Raises ValueError naming a bad
     tenant or weight (never the key)."""
-    return tuple(sorted((k, t) for k, t, _ in _entries(path, env) if t is not None))
+    entries = _entries(path, env)
+    return tuple(sorted((k, t) for k, t, _ in entries if t is not None and t != OPERATOR))
+
+
+def load_operator_keys(path: Path | None, env: str | None) -> frozenset[str]:
+    """The operators' keys: ``KEY *`` on a line of the file, ``KEY=*`` in
+    ``MLXQ_API_KEYS`` (see :data:`OPERATOR`)."""
+    return frozenset(k for k, t, _ in _entries(path, env) if t == OPERATOR)
 
 
 def load_tenant_weights(path: Path | None, env: str | None) -> dict[str, float]:
@@ -135,8 +164,12 @@ def _entries(path: Path | None, env: str | None) -> list[Entry]:
     for key, given, where in raw:
         if not key:
             raise ValueError(f"{where}: an API key is empty")
-        tenant = keys.validate_tenant(given[0]) if given else None
+        tenant = None
+        if given:
+            tenant = OPERATOR if given[0] == OPERATOR else keys.validate_tenant(given[0])
         weight = None
+        if len(given) == 2 and tenant == OPERATOR:
+            raise ValueError(f"{where}: an operator's key ({OPERATOR}) takes no weight")
         if len(given) == 2:
             try:
                 weight = check_weight(float(given[1]))

@@ -173,6 +173,9 @@ async function refresh() {
     drawBatches(state.batches);
     drawWorkers(state.workers);
     drawQueues(state.queues);
+    $("scope").textContent = state.tenant === null
+      ? "Showing every tenant."
+      : `Showing tenant ${state.tenant}'s batches and queues.`;
     $("data").hidden = false;
     $("login").hidden = true;
     document.body.dataset.updated = String(state.at);
