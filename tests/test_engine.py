@@ -102,14 +102,13 @@ ENGINES = ["alone", "alone-draft", "alone-lookup", "batch", "specbatch", "specba
 
 def _engine(kind: str, gen: ChatGenerator):
     from worker.engine.batch import BatchEngine
-    from worker.engine.lookup import DEFAULT_LOOKUP
     from worker.engine.single import SingleEngine
     from worker.engine.specbatch import SpecBatchEngine
 
     return {
         "alone": lambda: SingleEngine(gen.target),
-        "alone-draft": lambda: SingleEngine(gen.target, gen.draft),
-        "alone-lookup": lambda: SingleEngine(gen.target, lookup=DEFAULT_LOOKUP),
+        "alone-draft": lambda: SpecBatchEngine(gen.target, gen.draft, 3, solo=True),
+        "alone-lookup": lambda: SpecBatchEngine(gen.target, None, 3, solo=True),
         "batch": lambda: BatchEngine(gen.target, 4),
         "specbatch": lambda: SpecBatchEngine(gen.target, gen.draft, 3),
         "specbatch-lookup": lambda: SpecBatchEngine(gen.target, None, 3),
@@ -155,11 +154,12 @@ def test_every_path_is_an_engine_with_one_interface(cache, tiny, kind):
 def test_a_job_alone_is_one_sequence(cache, tiny):
     from worker.engine.protocol import CannotTake
     from worker.engine.single import SingleEngine
+    from worker.engine.specbatch import SpecBatchEngine
 
-    gen = ChatGenerator.get_or_create(tiny.target, cache=cache)
+    gen = ChatGenerator.get_or_create(tiny.target, tiny.twin, cache=cache)
     job = gen.prepare(ChatRequest.model_validate(chat(tiny.target, max_tokens=4)))
-    engine = SingleEngine(gen.target)
-    engine.add(1, job)
-    with pytest.raises(CannotTake, match="one sequence"):
-        engine.add(2, job)
-    engine.close()
+    for engine in (SingleEngine(gen.target), SpecBatchEngine(gen.target, gen.draft, 3, solo=True)):
+        engine.add(1, job)
+        with pytest.raises(CannotTake, match="one sequence"):
+            engine.add(2, job)
+        engine.close()

@@ -27,6 +27,7 @@ from worker.engine.protocol import NO_START, Engine, Start, run_to_end
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
 from worker.engine.sequence import Deadline, OnText
 from worker.engine.single import SingleEngine
+from worker.engine.specbatch import SpecBatchEngine
 
 
 @dataclass
@@ -117,12 +118,18 @@ class ChatGenerator:
         if num_draft_tokens is not None:
             job = job.with_params(num_draft_tokens=num_draft_tokens)
         draft = self.draft if self.draft is not None and use_draft and not lookup else None
+        if lookup is not None:
+            job = job.with_params(lookup=lookup)
+        speculative = draft is not None or lookup is not None
         # stream_generate's penalties see only what is prefilled: leave them their window.
         limit = len(job.prompt) - max(1, job.params.penalty_window)
         start = self.starting_cache(job, limit, draft, company)
-        engine: Engine = SingleEngine(self.target, draft, lookup, give_up_below)
+        engine: Engine = SingleEngine(self.target)
+        if speculative:  # a speculative engine holding one row, on its own caches
+            k = job.params.num_draft_tokens
+            engine = SpecBatchEngine(self.target, draft, k, solo=True, give_up_below=give_up_below)
         if (group := self.models.group) is not None:
-            if draft is not None or lookup is not None:
+            if speculative:
                 raise InvalidRequestError("a worker group does not speculate (not built yet)")
             engine = GroupEngine(group, engine, "single", self.target)
         try:

@@ -140,7 +140,7 @@ def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
     if spec["kind"] == "batch":
         engine = BatchEngine(target, int(spec["max_batch"]))
     else:
-        engine = SingleEngine(target, None, None, None)
+        engine = SingleEngine(target)
     while True:
         msg = group.listen()
         if msg == EXIT:

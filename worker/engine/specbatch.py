@@ -37,6 +37,7 @@ from worker.engine import rewind
 from worker.engine.batch import UNPADDED_PREFILL
 from worker.engine.kvquant import positions
 from worker.engine.layers import count as cache_count
+from worker.engine.layers import nbytes
 from worker.engine.lookup import NgramIndex
 from worker.engine.models import LoadedModel
 from worker.engine.prefill import prefill
@@ -44,7 +45,7 @@ from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished,
 from worker.engine.request import Prepared
 from worker.engine.sampling import logits_processors, pick, sampler_for
 from worker.engine.sequence import OnText, Sequence
-from worker.engine.speculate import accepted, counted, draft_unseen
+from worker.engine.speculate import GiveUp, accepted, counted, draft_unseen
 
 Cache = list[Any]
 
@@ -102,7 +103,10 @@ class SpecBatchEngine:
     """A continuous batch on (target, draft) that decodes speculatively: k draft tokens
     per round, or, with a ``planner``, each round the k in 0..k it chooses for the rows
     held (``worker.schedule.goodput``; k = 0 is a plain step). ``draft`` None: each row
-    proposes up to k tokens by prompt lookup (its job's ``params.lookup``)."""
+    proposes up to k tokens by prompt lookup (its job's ``params.lookup``).
+
+    ``solo``: one row on its own caches (a job alone); ``give_up_below`` (tokens/s,
+    solo only): it stops proposing once it measures slower than that."""
 
     def __init__(
         self,
@@ -110,9 +114,17 @@ class SpecBatchEngine:
         draft: LoadedModel | None,
         k: int,
         planner: DraftPlanner | None = None,
+        *,
+        solo: bool = False,
+        give_up_below: float | None = None,
     ) -> None:
-        self.target, self.draft, self.k = target, draft, k
+        self.target, self.draft, self.k, self.solo = target, draft, k, solo
         self.models = (target,) if draft is None else (target, draft)
+        self.give_up = None
+        if give_up_below is not None:
+            if not solo or planner is not None:
+                raise ValueError("give_up_below is a job alone's rule (solo, no planner)")
+            self.give_up = planner = GiveUp(k, give_up_below)
         self.planner = planner
         self.eos = frozenset(int(t) for t in target.tokenizer.eos_token_ids)
         self.rows: list[_Row] = []
@@ -121,14 +133,15 @@ class SpecBatchEngine:
         self.d_cache: Cache | None = None
         self.rounds = 0
         self.replays = 0  # target passes that re-ran kept tokens (recurrent state)
-        # Layers that are not all plain KV are rewound by checkpoint and replay.
+        # A batch rewinds layers that are not all plain KV by checkpoint and replay; a
+        # solo row only recurrent ones (set as it joins).
         self.t_replay = not target.plain_kv
         self.d_replay = draft is not None and not draft.plain_kv
 
     # -- the Engine interface ------------------------------------------------
     @property
     def kv_bytes(self) -> int:
-        return sum(int(c.nbytes) for c in (self.t_cache or []) + (self.d_cache or []))
+        return nbytes((self.t_cache or []) + (self.d_cache or []))
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)
@@ -155,6 +168,8 @@ class SpecBatchEngine:
         changes nothing), then decodes.
         ``start.cache``: the target's layers then the draft's, holding the first
         ``start.cached`` prompt tokens."""
+        if self.solo and len(self):
+            raise CannotTake("a job alone is one sequence: this engine holds one already")
         prompt, params = job.prompt, job.params
         n_t = cache_count(self.target.model)
         if start.cache is None:
@@ -163,13 +178,18 @@ class SpecBatchEngine:
             t_layers, d_layers, cached = start.cache[:n_t], start.cache[n_t:], start.cached
         t_layers = t_layers or self.target.new_cache()
         d_layers = (d_layers or self.draft.new_cache()) if self.draft else []
-        why = rewind.unsupported(t_layers + d_layers, batch=True)
+        why = rewind.unsupported(t_layers + d_layers, batch=not self.solo)
         for m in self.models:
-            if m.config.get("model_type") in UNPADDED_PREFILL:
+            if not self.solo and m.config.get("model_type") in UNPADDED_PREFILL:
                 why = f"{m.config['model_type']} cannot prefill padded rows exactly"
         if why:
             what = "this pair" if self.draft is not None else "this model"
-            raise CannotTake(f"a speculative batch cannot hold {what}: {why}")
+            where = "speculation" if self.solo else "a speculative batch"
+            raise CannotTake(f"{where} cannot hold {what}: {why}")
+        if self.solo:
+            if params.seed is not None:
+                mx.random.seed(params.seed)
+            mx.reset_peak_memory()
         row = _Row(
             tag,
             len(prompt),
@@ -187,8 +207,17 @@ class SpecBatchEngine:
 
     def _join(self) -> None:
         """Prefill every joining row (right-padded, one batched pass per chunk on each
-        model) and append them to the batch."""
+        model) and append them to the batch; a solo row on its own caches."""
         joiners, self.joining = self.joining, []
+        if self.solo:
+            (j,) = joiners
+            prefill(self.target.model, j.rest, j.target)
+            self.t_cache, self.t_replay = j.target, rewind.needs_replay(j.target)
+            if self.draft is not None:
+                prefill(self.draft.model, j.rest, j.draft)
+                self.d_cache, self.d_replay = j.draft, rewind.needs_replay(j.draft)
+            self.rows = [j.row]
+            return
         rests = [j.rest for j in joiners]
         width = max(len(r) for r in rests)
         tokens = mx.array([r + [0] * (width - len(r)) for r in rests])
@@ -238,25 +267,26 @@ class SpecBatchEngine:
         ks = [min(k, n) for n in left]
         d_mark, caps = None, ks
         if self.draft is None:  # each row's own lookup; padded to the longest
-            drafts, ks = self._lookup(ks)
+            found, ks = self._lookup(ks)
             kr = max(ks)
+            drafts = mx.array(found, mx.uint32) if kr else None
         else:
             kr = max(ks)
-            drafts, d_mark = self._draft(kr) if kr else ([[] for _ in rows], None)  # [rows][kr]
+            drafts, d_mark = self._draft(kr) if kr else (None, None)  # (B, kr)
         drafted = time.perf_counter()
-        ys = [r.history[-1] for r in rows]
-        verify_in = mx.array([[y, *d] for y, d in zip(ys, drafts, strict=True)])
-        t_mark = rewind.batch_checkpoint(self.t_cache) if self.t_replay and kr else None
+        ys = mx.array([[r.history[-1]] for r in rows], mx.uint32)
+        verify_in = ys if drafts is None else mx.concatenate([ys, drafts], axis=1)
+        t_mark = self._checkpoint(self.t_cache) if self.t_replay and kr else None
         logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
         chosen, vectors = self._sample_verify(logits, drafts, ks)
+        proposed = drafts.tolist() if drafts is not None else [[] for _ in rows]
         verified = time.perf_counter()
         done: list[Finished] = []
-        t_tail, d_tail, keep, emitted, accepts = [], [], [], 0, []
+        t_tail, keep, emitted, accepts = [], [], 0, []
         for i, row in enumerate(rows):
-            a = accepted(chosen[i], drafts[i], ks[i])
+            a = accepted(chosen[i], proposed[i], ks[i])
             accepts.append(a)
             t_tail.append(kr - a)
-            d_tail.append(kr - 1 - a if a < kr else 0)
             finish = None
             for j in range(a + 1):
                 token = chosen[i][j]
@@ -270,22 +300,17 @@ class SpecBatchEngine:
                 if finish is not None:
                     break
             row.idle_rounds += caps[i] > 0 and ks[i] == 0  # (a lookup that found nothing)
-            if self.draft is not None:  # (every row's draft ran kr passes)
-                restored = d_mark is not None and kr > 0
-                row.pending = draft_unseen(drafts[i], chosen[i], a, restored, row.pending)
             if finish is None:
                 keep.append(i)
             else:
-                done.append((row.tag, row.finish(finish)))
-        if t_mark is None:
-            _drop_tail(self.t_cache, t_tail)
-        elif max(t_tail) > 0:
-            self._replay(t_mark, verify_in, accepts)
-        if d_mark is not None:
-            assert self.d_cache is not None
-            rewind.batch_restore(self.d_cache, d_mark)  # (all rows: kept tokens are pending)
-        elif self.d_cache is not None:
-            _drop_tail(self.d_cache, d_tail)
+                done.append((row.tag, self._finish(row, finish)))
+        self._rewind_target(t_mark, t_tail, verify_in, accepts)
+        if self.d_cache is not None:
+            restored = self._rewind_draft(d_mark, kr, accepts)
+            for i, row in enumerate(rows):
+                row.pending = draft_unseen(
+                    proposed[i], chosen[i], accepts[i], restored, row.pending
+                )
         if len(keep) < len(rows):
             self._keep(keep)
         self.rounds += 1
@@ -295,12 +320,57 @@ class SpecBatchEngine:
             self.planner.observe(tags, accepts, ks, kr, times, emitted)
         return Step(emitted, done, joined, decoding=len(rows))
 
-    def _replay(self, mark: list[Any], verify_in: mx.array, accepts: list[int]) -> None:
-        """Recurrent target layers: back to before verification, then the target runs again
-        over each row's kept tokens only (its input token and accepted drafts; shorter
-        rows right-padded, as when prefilling)."""
+    def _finish(self, row: _Row, reason: str) -> Any:
+        if self.give_up is not None:  # what it measured while speculating
+            row.speculated = (self.give_up.spec_tokens, self.give_up.spec_s)
+            row.gave_up = self.give_up.gave_up
+        return row.finish(reason)
+
+    # -- rewinding: a batch's caches, or a solo row's own -------------------
+    def _checkpoint(self, cache: Cache, copy: bool = False) -> list[Any]:
+        fn = rewind.checkpoint if self.solo else rewind.batch_checkpoint
+        return fn(cache, copy=copy)
+
+    def _restore(self, cache: Cache, mark: list[Any]) -> None:
+        (rewind.restore if self.solo else rewind.batch_restore)(cache, mark)
+
+    def _rewind_target(
+        self, mark: list[Any] | None, tails: list[int], verify_in: mx.array, accepts: list[int]
+    ) -> None:
+        """The target's cache as if it had seen only each row's kept tokens."""
         assert self.t_cache is not None
-        rewind.batch_restore(self.t_cache, mark)
+        if mark is not None:
+            if max(tails) > 0:
+                self._replay(mark, verify_in, accepts)
+        elif self.solo:
+            rewind.cut(self.t_cache, tails[0])
+        else:
+            _drop_tail(self.t_cache, tails)
+
+    def _rewind_draft(self, mark: list[Any] | None, kr: int, accepts: list[int]) -> bool:
+        """The draft's cache past what it proposed and the rows rejected; True if it went
+        back to its checkpoint after its first pass (the kept tokens are then unseen)."""
+        assert self.d_cache is not None
+        if self.solo:
+            a = accepts[0]
+            if mark is not None and a < kr:
+                rewind.restore(self.d_cache, mark)
+                return True
+            if a < kr:
+                rewind.trim(self.d_cache, kr - 1 - a)  # (it never saw its last token)
+            return False
+        if mark is not None:
+            rewind.batch_restore(self.d_cache, mark)  # (all rows: kept tokens are pending)
+            return kr > 0
+        _drop_tail(self.d_cache, [kr - 1 - a if a < kr else 0 for a in accepts])
+        return False
+
+    def _replay(self, mark: list[Any], verify_in: mx.array, accepts: list[int]) -> None:
+        """Target layers rewound by replay: back to before verification, then the target
+        runs again over each row's kept tokens only (its input token and accepted drafts;
+        shorter rows right-padded, as when prefilling)."""
+        assert self.t_cache is not None
+        self._restore(self.t_cache, mark)
         lens = [a + 1 for a in accepts]
         width = max(lens)
         if width > min(lens):
@@ -313,6 +383,7 @@ class SpecBatchEngine:
         mx.eval([c.state for c in self.t_cache])
         self.replays += 1
 
+    # -- proposing and sampling ----------------------------------------------
     def _lookup(self, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """Each row's prompt-lookup proposal (up to ``ks[i]`` tokens), padded to the longest,
         and each one's length."""
@@ -324,77 +395,96 @@ class SpecBatchEngine:
         width = max((len(f) for f in found), default=0)
         return [f + [0] * (width - len(f)) for f in found], [len(f) for f in found]
 
-    def _draft(self, kr: int) -> tuple[list[list[int]], list[Any] | None]:
-        """``kr`` draft tokens for every row (the draft's passes batched), and, for a draft
-        rewound by replay, its checkpoint after the first pass (which takes what the rows'
-        drafts had not seen yet, for good)."""
+    def _draft(self, kr: int) -> tuple[mx.array, list[Any] | None]:
+        """``kr`` draft tokens for every row, (B, kr), evaluated lazily (the draft's passes
+        batched), and, for a draft rewound by restoring, its checkpoint after the first
+        pass (which takes what the rows' drafts had not seen yet, for good)."""
         rows = self.rows
         assert self.d_cache is not None and self.draft is not None
         lens = [len(r.pending) for r in rows]
         width = max(lens)
+        if self.solo:  # a window its next passes would wrap is restored, not trimmed
+            wraps = rewind.wraps(self.d_cache, width + kr)
+            restore = kr > 1 and (self.d_replay or wraps)
+        else:
+            restore = self.d_replay
         if width > min(lens):
             for c in self.d_cache:  # rows with fewer pending tokens are right-padded
                 c.prepare(lengths=lens, right_padding=[width - n for n in lens])
-        first = mx.array([r.pending + [0] * (width - len(r.pending)) for r in rows])
+        first = mx.array([r.pending + [0] * (width - len(r.pending)) for r in rows], mx.uint32)
         logits = self.draft.model(first, cache=self.d_cache)
         if width > min(lens):
             for c in self.d_cache:
                 c.finalize()
         last = logits[mx.arange(len(rows)), mx.array(lens) - 1]
-        mark = rewind.batch_checkpoint(self.d_cache, copy=True) if self.d_replay else None
-        drafts: list[list[int]] = [[] for _ in rows]
+        mark = self._checkpoint(self.d_cache, copy=True) if restore else None
+        steps: list[mx.array] = []  # (B,) each
         for step in range(kr):
-            tokens = self._sample_rows(
-                last, [r.history + d for r, d in zip(rows, drafts, strict=True)]
-            )
-            for d, t in zip(drafts, tokens, strict=True):
-                d.append(t)
+            tokens = self._sample_rows(last, steps)
+            mx.async_eval(tokens)
+            steps.append(tokens)
             if step + 1 < kr:
-                logits = self.draft.model(mx.array(tokens)[:, None], cache=self.d_cache)
-                last = logits[:, -1]
-        return drafts, mark
+                last = self.draft.model(tokens[:, None], cache=self.d_cache)[:, -1]
+        return mx.stack(steps, axis=1), mark
 
-    def _sample_rows(self, logits: mx.array, contexts: list[list[int]]) -> list[int]:
+    def _plain(self) -> bool:
+        """Every row greedy without processors: one argmax samples them all."""
+        return all(not r.processors and r.params.temperature == 0 for r in self.rows)
+
+    def _sample_rows(self, logits: mx.array, steps: list[mx.array]) -> mx.array:
         """One token per row from ``logits`` (B, V), each through its row's processors and
-        sampler; greedy rows without processors in one argmax."""
-        if all(not r.processors and r.params.temperature == 0 for r in self.rows):
-            return mx.argmax(logits, axis=-1).tolist()
-        return [
-            int(self._sample_one(row, logits[i : i + 1], contexts[i])[0].item())
-            for i, row in enumerate(self.rows)
-        ]
-
-    @staticmethod
-    def _sample_one(row: _Row, logits: mx.array, context: list[int]) -> tuple[mx.array, mx.array]:
-        return pick(logits, context, row.processors, row.sampler)
+        sampler (seeing its history and its drafts so far, ``steps``), lazily."""
+        if self._plain():
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        picked = []
+        for i, row in enumerate(self.rows):
+            context: Any = []  # (what processors see: history, then this round's drafts)
+            if row.processors:
+                context = mx.concatenate(
+                    [mx.array(row.history, mx.uint32), *(s[i : i + 1] for s in steps)]
+                )
+            token, _ = pick(logits[i : i + 1], context, row.processors, row.sampler)
+            picked.append(token.astype(mx.uint32))
+        return mx.concatenate(picked)
 
     def _sample_verify(
-        self, logits: mx.array, drafts: list[list[int]], ks: list[int]
+        self, logits: mx.array, drafts: mx.array | None, ks: list[int]
     ) -> tuple[list[list[int]], Any]:
         """The target's token at every verified position of every row, and a function
-        giving the log-probability vector of row i, position j (for logprobs)."""
-        rows = self.rows
-        plain = all(not r.processors and r.params.temperature == 0 for r in rows)
-        if plain:
-            chosen = mx.argmax(logits, axis=-1).tolist()
+        giving the log-probability vector of row i, position j (for logprobs). A row's
+        positions are sampled at once, or, with processors, each seeing the drafts
+        before it (the target's own tokens wherever they are kept)."""
+        if self._plain():
+            chosen = mx.argmax(logits, axis=-1)
+            mx.eval(chosen, *([] if drafts is None else [drafts]))
 
             def vectors(i: int, j: int) -> mx.array:
                 v = logits[i, j]
                 return v - mx.logsumexp(v, keepdims=True)
 
-            return chosen, vectors
-        chosen, kept = [], {}
-        for i, row in enumerate(rows):
-            seq = []
-            for j in range(logits.shape[1]):
-                context = row.history + drafts[i][:j]  # the target's own tokens at accepted
-                token, lp = self._sample_one(row, logits[i : i + 1, j], context)
-                seq.append(int(token.item()))
-                kept[(i, j)] = lp
-                if j >= ks[i] or seq[-1] != drafts[i][j]:
-                    break  # the rest of this row is rejected: no need to sample it
-            chosen.append(seq)
-        return chosen, lambda i, j: kept[(i, j)]
+            return chosen.tolist(), vectors
+        tokens, lps = [], []
+        for i, row in enumerate(self.rows):
+            n = ks[i] + 1
+            if not row.processors:
+                token, lp = pick(logits[i, :n], [], [], row.sampler)
+                tokens.append(token)
+                lps.append(lp)
+                continue
+            context = mx.array(row.history, mx.uint32)
+            picks = [
+                pick(
+                    logits[i, j : j + 1],
+                    mx.concatenate([context, drafts[i, :j]]) if j else context,
+                    row.processors,
+                    row.sampler,
+                )
+                for j in range(n)
+            ]
+            tokens.append(mx.concatenate([t for t, _ in picks]))
+            lps.append(mx.concatenate([lp for _, lp in picks]))
+        mx.eval(*tokens, *([] if drafts is None else [drafts]))
+        return [t.tolist() for t in tokens], lambda i, j: lps[i][j]
 
     def _keep(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
