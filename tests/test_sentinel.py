@@ -212,7 +212,7 @@ def test_the_asyncio_client_follows_a_failover(group):
     async def run() -> tuple[bytes | None, bytes | None]:
         conn = async_redis_from_url(group.url)
         await conn.set("mlxq:before", "1")
-        await asyncio.sleep(0.2)  # replicated
+        assert await conn.wait(len(group.replicas), 10_000) == len(group.replicas)
         group.kill_primary()
         await conn.set("mlxq:after", "2")  # retried until the Sentinels name the new primary
         got = await conn.get("mlxq:before"), await conn.get("mlxq:after")
@@ -254,7 +254,7 @@ def test_sentinel_and_nodes_over_tls_with_a_private_ca(tmp_path, tiny):
         conn = redis_from_url(url)
         batch = sub.stdout.strip()
         assert Client(connection=conn).status(batch).succeeded == 3
-        time.sleep(0.3)  # replicated
+        assert conn.wait(len(group.replicas), 10_000) == len(group.replicas)  # replicated
         old = group.primary_port()
         group.kill_primary()
 
