@@ -73,6 +73,7 @@ def _speculative(
         "accepted": out.draft_tokens_accepted,
         "rounds": engine.rounds,
         "replays": engine.replays,
+        "replay_over_verify": round(engine.replay_s / max(engine.verify_s, 1e-9), 3),
     }
     return tokens, speed, counts
 
@@ -120,6 +121,7 @@ def speculation(target: str, cache: ModelCache, max_tokens: int, reps: int) -> d
             "greedy_equal_to_plain": equal,
             "rounds": t["rounds"],
             "replays": t["replays"],
+            "replay_over_verify": t["replay_over_verify"],
         }
         print(target.rsplit("/", 1)[-1], name, out[name], file=sys.stderr, flush=True)
     return out

@@ -133,6 +133,7 @@ class SpecBatchEngine:
         self.d_cache: Cache | None = None
         self.rounds = 0
         self.replays = 0  # target passes that re-ran kept tokens (recurrent state)
+        self.verify_s = self.replay_s = 0.0  # seconds in verify passes and in replays
         # A batch rewinds layers that are not all plain KV by checkpoint and replay; a
         # solo row only recurrent ones (set as it joins).
         self.t_replay = not target.plain_kv
@@ -273,6 +274,8 @@ class SpecBatchEngine:
         else:
             kr = max(ks)
             drafts, d_mark = self._draft(kr) if kr else (None, None)  # (B, kr)
+        if self.planner is not None and drafts is not None:
+            mx.eval(drafts)  # (lazy otherwise: the planner is told the draft's own time)
         drafted = time.perf_counter()
         ys = mx.array([[r.history[-1]] for r in rows], mx.uint32)
         verify_in = ys if drafts is None else mx.concatenate([ys, drafts], axis=1)
@@ -314,6 +317,7 @@ class SpecBatchEngine:
         if len(keep) < len(rows):
             self._keep(keep)
         self.rounds += 1
+        self.verify_s += verified - drafted
         if self.planner:
             total = time.perf_counter() - now
             times = (drafted - now, verified - drafted, total)
@@ -370,6 +374,7 @@ class SpecBatchEngine:
         runs again over each row's kept tokens only (its input token and accepted drafts;
         shorter rows right-padded, as when prefilling)."""
         assert self.t_cache is not None
+        began = time.perf_counter()
         self._restore(self.t_cache, mark)
         lens = [a + 1 for a in accepts]
         width = max(lens)
@@ -382,6 +387,7 @@ class SpecBatchEngine:
                 c.finalize()
         mx.eval([c.state for c in self.t_cache])
         self.replays += 1
+        self.replay_s += time.perf_counter() - began
 
     # -- proposing and sampling ----------------------------------------------
     def _lookup(self, ks: list[int]) -> tuple[list[list[int]], list[int]]:
