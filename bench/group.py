@@ -16,6 +16,11 @@ sends 2 (N - 1) / N x S per rank); pipeline sends it once per stage boundary, an
 last stage's output back to every rank. Both ranks share this machine's 2 cores, so the
 split cannot be faster here: the figure is the collectives' overhead, not a speedup.
 
+And what rank 0's messages cost (``worker.engine.mirror``): a plain step tells one header;
+a speculative round tells the step, the proposals before the target's pass and what the
+rows kept after it (4 rows, k = 4 here): milliseconds per step and per round (medians),
+timed on the group's own transport.
+
     LD_PRELOAD=.../libblas.so.3 .venv/bin/python -m bench.group [--tokens 64]
 """
 
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "out"
@@ -69,10 +76,34 @@ def rank_run(target: str, mode: str, tokens: int) -> None:
         y = model(y[None], cache=cache)[:, -1].argmax(-1)
         mx.eval(y)
     elapsed, sent = time.perf_counter() - start, lo_bytes() - sent
+    row = {"ms_per_token": round(1000 * elapsed / tokens, 2), "ranks": size}
+    row["bytes_per_token_per_rank"] = round(sent / max(size, 1) / tokens) if size > 1 else 0
+    if mode != "whole":
+        row |= messages_ms(group)
     if rank == 0:
-        row = {"ms_per_token": round(1000 * elapsed / tokens, 2), "ranks": size}
-        row["bytes_per_token_per_rank"] = round(sent / max(size, 1) / tokens) if size > 1 else 0
         print("RESULT " + json.dumps(row), flush=True)
+
+
+def messages_ms(group: Any, times: int = 200) -> dict:
+    """Milliseconds rank 0's messages take (the median of ``times``; both ranks share
+    this VM's cores, so single collectives wait on the scheduler): a plain step's, a
+    speculative round's."""
+    proposed = {"op": "proposed", "drafts": [[1000 + i] * 4 for i in range(4)]}
+    kept = {"op": "kept", "accepts": [2, 1, 4, 0], "last": [7, 8, 9, 10], "keep": [0, 1, 2, 3]}
+    out = {}
+    for name, told in (("step_messages_ms", []), ("spec_round_messages_ms", [proposed, kept])):
+        took = []
+        for _ in range(times):
+            start = time.perf_counter()
+            group.step()
+            for message in told:
+                group.tell(message)
+            if not group.leads:
+                for _ in range(1 + len(told)):
+                    group.listen()
+            took.append(time.perf_counter() - start)
+        out[name] = round(1000 * statistics.median(took), 3)
+    return out
 
 
 def measured(target: str, mode: str, tokens: int) -> dict:
@@ -126,6 +157,8 @@ def main() -> None:
             "group_vs_whole": round(split_row["ms_per_token"] / whole["ms_per_token"], 3),
             "bytes_per_token_per_rank": split_row["bytes_per_token_per_rank"],
             "cost_model_bytes": cost_model(target, split),
+            "step_messages_ms": split_row["step_messages_ms"],
+            "spec_round_messages_ms": split_row["spec_round_messages_ms"],
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

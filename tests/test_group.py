@@ -3,8 +3,9 @@
 Two ranks on this machine, started by mlx's own launcher over its ring backend (TCP),
 exactly as across Macs (``mlx.launch --hosts mac1,mac2``): rank 0 serves Redis, rank 1
 follows. Each job's text must be the text of the same job on one unsplit model (greedy),
-alone and in a continuous batch, streamed, with a schema and with logprobs; what a group
-does not do yet (speculation, adapters, a model mlx-lm cannot split) ends by name.
+alone and in a continuous batch, streamed, with a schema and with logprobs, and
+speculative (rank 0's draft, prompt lookup); what a group does not do yet (adapters, a
+model mlx-lm cannot split) ends by name.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         arch: str(ensure_model(root / arch, TinySpec(arch=arch, layers=4, seed=2)))
         for arch in ("llama", "qwen3_moe", "qwen3_next", "gemma3_text")
     }
+    made["draft"] = str(ensure_model(root / "draft", TinySpec(layers=2, seed=5)))
     return made | {"dir": str(root)}
 
 
@@ -99,8 +101,7 @@ def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
     conn, redis_url, tmp_path, models, arch, max_batch
 ):
     """Tensor parallel (a dense llama, an MoE qwen3_moe): plain, streamed, a schema,
-    logprobs, a draft named (the group decodes plainly), alone (--max-batch 1) and in a
-    continuous batch (4)."""
+    logprobs, alone (--max-batch 1) and in a continuous batch (4)."""
     from producer import Client
 
     target = models[arch]
@@ -115,7 +116,6 @@ def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
         "stream": body(1, stream=True),
         "schema": body(2, response_format=schema_format(), max_tokens=40),
         "logprobs": body(3, logprobs=True, top_logprobs=2),
-        "draft": body(4, draft_model=target),
         "more": body(5),
         "sampled": body(6, temperature=0.9, seed=7),  # the same draws on both ranks
     }
@@ -130,12 +130,58 @@ def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
     for rid in s.job_ids:
         r = read_result(conn, rid)
         assert r is not None and r.status == "succeeded", (r.custom_id if r else rid, r and r.error)
-        body_ = jobs[r.custom_id] | {"stream": False, "draft_model": None}
+        body_ = jobs[r.custom_id] | {"stream": False}
         assert r.response.choices[0].message.content == _plain_text(target, body_), r.custom_id
-        assert not r.metrics.speculative
     if max_batch == "4":
         sizes = [read_result(conn, rid).metrics.batch_size for rid in s.job_ids]
         assert max(sizes) > 1, sizes  # they ran as a batch, mirrored on both ranks
+
+
+@pytest.mark.parametrize(("arch", "max_batch"), [("llama", "1"), ("qwen3_next", "4")])
+def test_a_group_speculates_with_rank_0s_draft_and_by_prompt_lookup(
+    conn, redis_url, tmp_path, models, arch, max_batch
+):
+    """Speculation in a group: rank 0 holds the draft whole (a random one: most proposals
+    rejected, so every round rewinds) and proposes; every rank verifies. Greedy text is
+    the whole model's plain text, alone (--max-batch 1, tensor parallel llama) and in a
+    speculative batch (4, pipeline qwen3_next, whose recurrent layers rewind by replay),
+    by a draft and by prompt lookup, streamed, with a schema and logprobs; a sampled job
+    keeps the ranks in step (the jobs after it still match)."""
+    from producer import Client
+
+    target, draft = models[arch], models["draft"]
+    repeat = "alpha beta gamma delta " * 6  # (prompt lookup finds its proposals here)
+
+    def body(i: int, **fields) -> dict:
+        base = chat(target, f"{repeat}{LONG} {i}", max_tokens=24) | {"temperature": 0}
+        return base | {"draft_model": draft} | fields
+
+    lookup = {"draft_model": None, "speculation": {"method": "prompt_lookup", "ngram_min": 1}}
+    jobs = {
+        "sampled": body(0, temperature=0.9, seed=7),
+        "draft": body(1),
+        "stream": body(2, stream=True),
+        "schema": body(3, response_format=schema_format(), max_tokens=40),
+        "logprobs": body(4, logprobs=True, top_logprobs=2),
+        "lookup": body(5, **lookup),
+        "lookup2": body(6, **lookup),
+        "more": body(7),
+    }
+    s = Client(connection=conn).submit(jobs)
+    args = ("--shard", "auto", "--max-batch", max_batch, "--speculative", "always")
+    log = run_group(redis_url, tmp_path, *args, "--model-dir", models["dir"])
+    assert "draft (whole, on rank 0 alone)" in log
+    got = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    for name, r in got.items():
+        assert r.status == "succeeded", (name, r.error)
+        assert r.metrics.speculative, name
+        if name == "sampled":
+            continue
+        plain = jobs[name] | {"stream": False, "draft_model": None, "speculation": None}
+        assert r.response.choices[0].message.content == _plain_text(target, plain), name
+    assert got["draft"].metrics.draft_tokens_proposed > got["draft"].metrics.draft_tokens_accepted
+    if max_batch == "4":
+        assert max(r.metrics.batch_size for r in got.values()) > 1
 
 
 def test_pipeline_where_the_model_has_no_tensor_split_and_refusals_by_name(
@@ -192,11 +238,11 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {launcher}")
 
 
-@pytest.mark.parametrize("fault", ["kill-1", "kill-0", "stop-1"])
+@pytest.mark.parametrize("fault", ["kill-1", "kill-0", "stop-1", "spec-kill-1"])
 def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, workers, fault):
-    """A rank lost while the group decodes a batch: SIGKILL of rank 1 (its collectives
-    fail) or SIGSTOP (they never return: rank 0's --group-timeout ends it) makes rank 0
-    hand its jobs back with no crash counted; SIGKILL of rank 0 leaves them to their
+    """A rank lost while the group decodes a batch (plain, or speculative: "spec-"): SIGKILL
+    of rank 1 (its collectives fail) or SIGSTOP (they never return: rank 0's
+    --group-timeout ends it) makes rank 0 hand its jobs back with no crash counted; SIGKILL of rank 0 leaves them to their
     leases. Either way each job then runs once, with the whole model's text: on a worker
     on one machine, or (after the hang) on the group restarted."""
     import json
@@ -206,12 +252,15 @@ def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, w
     from schemas import keys
     from tests.test_faults import one_result, running_execution, wait_for
 
+    spec = fault.startswith("spec-")  # a speculative batch (rank 0's draft proposes)
+    fault = fault.removeprefix("spec-")
     how, victim = fault.split("-")
     target = models["llama"]
     eos = json.loads((Path(target) / "config.json").read_text())["eos_token_id"]
 
     def body(i: int) -> dict:
         base = chat(target, f"{LONG} {i}", max_tokens=160) | {"temperature": 0}
+        base |= {"draft_model": models["draft"]} if spec else {}
         return base | {"logit_bias": {str(eos): -100}}  # all 160 tokens: time to kill
 
     jobs = {f"j{i}": body(i) for i in range(4)}
@@ -219,6 +268,7 @@ def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, w
     launch = [str(BIN / "mlx.launch"), "--backend", "ring", "-n", "2"]
     launch += ["--starting-port", str(_free_port_run(2)), "--", str(BIN / "worker")]
     args = ("--shard", "auto", "--max-batch", "4", "--lease-seconds", "2", "--group-timeout", "4")
+    args += ("--speculative", "always") if spec else ()
     group = workers(*args, command=launch)
     wait_for(lambda: any(running_execution(conn, j) for j in s.job_ids), timeout=120)
     wait_for(lambda: group.output.count(" loaded ") >= 2, timeout=120)  # both ranks: decoding
@@ -246,7 +296,7 @@ def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, w
         r = one_result(conn, rid, timeout=180)
         assert r.status == "succeeded", r.error
         assert r.response.usage.completion_tokens == 160
-        want = _plain_text(target, jobs[r.custom_id])
+        want = _plain_text(target, jobs[r.custom_id] | {"draft_model": None})
         assert r.response.choices[0].message.content == want, r.custom_id
     if how != "stop":
         alone.signal(signal.SIGTERM)
@@ -288,7 +338,7 @@ def test_a_transport_failure_inside_any_group_call_is_a_lost_group():
     with pytest.raises(RuntimeError, match="shape"), group.call("a step"):
         raise RuntimeError("shape mismatch")  # a job's own error stays one
     assert not group.lost
-    engine = GroupEngine(group, Dies(), "batch", SimpleNamespace(name="m", adapter=None))
+    engine = GroupEngine(group, Dies(), SimpleNamespace(name="m", adapter=None))
     with pytest.raises(GroupLost, match="a step"):
         engine.step()
     assert group.lost

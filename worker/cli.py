@@ -415,7 +415,6 @@ def main(
     if name:
         rt.worker_id = name
     if group is not None:
-        rt.policy.plain_because = "a worker group decodes plainly"
         group.guard(lambda what: None)  # (a hang while preloading: no job is held yet)
         atexit.register(group.exit)
     for model in models:

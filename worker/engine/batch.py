@@ -37,7 +37,7 @@ class BatchEngine:
     def __init__(
         self, target: LoadedModel, max_batch: int, prefill_step: int = PREFILL_STEP
     ) -> None:
-        self.target = target
+        self.target, self.max_batch = target, max_batch
         self.models = (target,)
         tok = target.tokenizer
         together = 1 if target.config.get("model_type") in UNPADDED_PREFILL else PREFILL_BATCH

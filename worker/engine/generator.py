@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from schemas import ChatRequest, InvalidRequestError, ModelKindError
+from schemas import ChatRequest, ModelKindError
 from worker.engine.batch import BatchEngine
 from worker.engine.images import ImageSource
 from worker.engine.layers import restore, snapshot
@@ -59,7 +59,7 @@ class ChatGenerator:
         draft, d_hit = None, False
         if draft_model_id is not None:
             keep = (target.key, (model_id, None))
-            draft, d_hit = cache.get(draft_model_id, None, keep=keep)
+            draft, d_hit = cache.get(draft_model_id, None, keep=keep, local=True)
             _chat_model(draft, "draft model")
             cache.check_draft(target, draft)
         return cls(target, draft, cache, t_hit, d_hit)
@@ -128,10 +128,8 @@ class ChatGenerator:
         if speculative:  # a speculative engine holding one row, on its own caches
             k = job.params.num_draft_tokens
             engine = SpecBatchEngine(self.target, draft, k, solo=True, give_up_below=give_up_below)
-        if (group := self.models.group) is not None:
-            if speculative:
-                raise InvalidRequestError("a worker group does not speculate (not built yet)")
-            engine = GroupEngine(group, engine, "single", self.target)
+        if (group := self.models.group) is not None:  # (rank 0 proposes, every rank verifies)
+            engine = GroupEngine(group, engine, self.target)
         try:
             engine.add(0, job, start, on_text)
         except BaseException:
@@ -151,7 +149,7 @@ class ChatGenerator:
         group = self.models.group
         engine: Engine = BatchEngine(self.target, n)
         if group is not None:  # every rank runs the choices (each prefills its prompt)
-            engine = GroupEngine(group, engine, "batch", self.target, max_batch=n)
+            engine = GroupEngine(group, engine, self.target)
         start_at = time.perf_counter()
         try:
             layers, held, reused = (None, 0, 0) if group is not None else self._shared_prefill(job)

@@ -1,16 +1,24 @@
 """A worker group's engines: rank 0's tell every call, the followers repeat them.
 
 See ``worker.engine.group`` for the group and why every rank must make the same model
-calls in the same order. Pure MLX and mlx-lm; knows nothing of Redis.
+calls in the same order. Plain decoding is deterministic given the same calls, so the
+followers sample for themselves. Speculation is not: rank 0 alone holds the draft
+(whole: a small model, run with no collective per draft token) and samples (a seeded
+sequence's draws, a grammar's state), so each round it tells the proposals before the
+target's pass and what each row kept after it; a follower verifies the same tokens on
+its part of the target and rewinds as rank 0 does, sampling nothing. Pure MLX and
+mlx-lm; knows nothing of Redis.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import fields
 from typing import Any
+
+import mlx.core as mx
 
 from schemas import ChatRequest
 from worker.engine.batch import BatchEngine
@@ -20,6 +28,7 @@ from worker.engine.protocol import NO_START, CannotTake, Engine, Start, Step
 from worker.engine.request import GenerationParams, Prepared, prepare
 from worker.engine.sequence import OnText
 from worker.engine.single import SingleEngine
+from worker.engine.specbatch import SpecBatchEngine
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +42,17 @@ class GroupEngine:
     """An engine on rank 0 of a group: every call is told to the followers first (or,
     for ``add``, once it is known to be taken), who make the same call on their parts."""
 
-    def __init__(
-        self, group: Group, inner: Engine, kind: str, target: LoadedModel, **spec: Any
-    ) -> None:
+    def __init__(self, group: Group, inner: Engine, target: LoadedModel) -> None:
         self.group, self.inner = group, inner
         self.models = inner.models
+        spec: dict[str, Any] = {"kind": "single"}
+        if isinstance(inner, BatchEngine):
+            spec = {"kind": "batch", "max_batch": inner.max_batch}
+        elif isinstance(inner, SpecBatchEngine):  # (rank 0 proposes, every rank verifies)
+            spec = {"kind": "spec", "k": inner.k, "solo": inner.solo}
+            inner.tell = group.tell
         with group.call("a new engine"):
-            group.tell(
-                {"op": "engine", "kind": kind, "model": target.name, "adapter": target.adapter}
-                | spec
-            )
+            group.tell({"op": "engine", "model": target.name, "adapter": target.adapter} | spec)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -139,6 +149,8 @@ def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
     engine: Engine
     if spec["kind"] == "batch":
         engine = BatchEngine(target, int(spec["max_batch"]))
+    elif spec["kind"] == "spec":
+        engine = Verifier(target, int(spec["k"]), bool(spec["solo"]), group.listen)
     else:
         engine = SingleEngine(target)
     while True:
@@ -164,6 +176,49 @@ def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
             _obey(group, cache, msg)  # a job run between this batch's steps
         else:
             raise RuntimeError(f"a worker group follower was told {msg}")
+
+
+class Verifier(SpecBatchEngine):
+    """A follower's speculative engine: each round it verifies what rank 0 proposed, on
+    its part of the target, and keeps what rank 0 kept. No draft, no sampling: rank 0's
+    proposals and choices are the group's."""
+
+    def __init__(
+        self, target: LoadedModel, k: int, solo: bool, listen: Callable[[], dict[str, Any] | int]
+    ) -> None:
+        super().__init__(target, None, k, solo=solo)
+        self.listen = listen
+
+    def _looks_up(self, params: Any) -> bool:
+        return False
+
+    def _heard(self, op: str) -> dict[str, Any]:
+        msg = self.listen()
+        if not isinstance(msg, dict) or msg.get("op") != op:
+            raise RuntimeError(f"a worker group follower expected {op!r} and was told {msg}")
+        return msg
+
+    def step(self) -> Step:
+        joined = bool(self.joining)
+        if joined:
+            self._join()
+        rows = self.rows
+        if not rows:
+            return Step(0, [], joined, decoding=0)
+        proposed = self._heard("proposed")["drafts"]
+        kr = len(proposed[0])
+        drafts = mx.array(proposed, mx.uint32) if kr else None
+        verify_in, mark = self._verify_input(drafts, kr)
+        mx.eval(self.target.model(verify_in, cache=self.t_cache))  # (its collectives, now)
+        kept = self._heard("kept")
+        accepts = kept["accepts"]
+        for row, token in zip(rows, kept["last"], strict=True):
+            row.history.append(token)
+        self._rewind_target(mark, [kr - a for a in accepts], verify_in, accepts)
+        if len(kept["keep"]) < len(rows):
+            self._keep(kept["keep"])
+        self.rounds += 1
+        return Step(0, [], joined, decoding=len(rows))
 
 
 def _tag(value: Any) -> Hashable:

@@ -71,6 +71,11 @@ HUB_PATTERNS = [
 
 CacheKey = tuple[str, str | None]
 
+#: The key's second part for a draft a worker group's rank 0 holds whole, for itself
+#: alone (``ModelCache.get(..., local=True)``): the same name split across the group is
+#: another entry.
+RANK0 = "<rank 0>"
+
 #: Default byte budget of the prefix cache (``--prefix-cache-gb``).
 DEFAULT_PREFIX_CACHE_BYTES = 1_000_000_000
 
@@ -98,6 +103,8 @@ class LoadedModel:
     #: Its vision tower, for a vision-language model that runs images here; else why not.
     vision: Vision | None = field(default=None, repr=False)
     no_vision: str | None = None
+    #: Held whole by a worker group's rank 0 alone (a draft), not split across the group.
+    local: bool = False
 
     def new_cache(self) -> list[Any]:
         """An empty cache for one sequence, as every engine makes them (quantized KV
@@ -116,7 +123,7 @@ class LoadedModel:
 
     @property
     def key(self) -> CacheKey:
-        return (self.name, self.adapter)
+        return (self.name, RANK0 if self.local else self.adapter)
 
     @property
     def context_length(self) -> int | None:
@@ -350,16 +357,24 @@ class ModelCache:
         *,
         keep: tuple[CacheKey, ...] = (),
         pin: bool = False,
+        local: bool = False,
     ) -> tuple[LoadedModel, bool]:
-        """The loaded model and whether it was already warm. ``keep`` entries are not evicted."""
-        key = (name, adapter)
+        """The loaded model and whether it was already warm. ``keep`` entries are not evicted.
+        ``local``: in a worker group, loaded whole on this rank alone (rank 0's draft: no
+        other rank runs it), not split."""
+        local = local and self.group is not None
+        if local and adapter is not None:
+            raise ModelLoadError(f"adapter {adapter!r}: a worker group serves no adapters yet")
+        key = (name, RANK0 if local else adapter)
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
             entry.uses += 1
             entry.pinned = entry.pinned or pin
             return entry, True
-        if adapter is None:
+        if local:
+            entry = self._load_base(name, keep, local=True)
+        elif adapter is None:
             with self._watch(f"loading {name!r}", 10):  # (every rank loads its part)
                 entry = self._load_base(name, keep)
         elif self.group is not None:
@@ -371,7 +386,7 @@ class ModelCache:
         entry.uses = 1
         if self.kv_quant is not None and entry.kind == "chat":
             self._quantize(entry)
-        if self.group is not None:  # measured now, on every rank (a forward pass)
+        if self.group is not None and not local:  # measured now, on every rank (a forward pass)
             with self._watch(f"measuring {name!r}"):
                 _ = entry.kv
         self._entries[key] = entry
@@ -446,8 +461,9 @@ class ModelCache:
 
     def _evict(self, key: CacheKey) -> None:
         # Adapter entries share their base's arrays: evicting a base evicts its adapters.
-        dependents = [k for k in self._entries if key[1] is None and k[0] == key[0] and k[1]]
-        if self.group is not None:
+        adapted = [k for k in self._entries if k[0] == key[0] and k[1] not in (None, RANK0)]
+        dependents = adapted if key[1] is None else []
+        if self.group is not None and key[1] != RANK0:  # (rank 0's own draft: no one else has it)
             with self._watch(f"evicting {key[0]!r}"):
                 self.group.tell({"op": "evict", "name": key[0], "adapter": key[1]})
         for k in [*dependents, key]:
@@ -463,17 +479,18 @@ class ModelCache:
                 self._evict(key)
         free_memory()
 
-    def _load_base(self, name: str, keep: tuple[CacheKey, ...]) -> LoadedModel:
+    def _load_base(self, name: str, keep: tuple[CacheKey, ...], local: bool = False) -> LoadedModel:
         path = self.locate(name)
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"model {name!r}: {path} has no config.json")
         self._make_room(weight_bytes(path), keep, f"model {name!r}")
         start = time.perf_counter()
-        if self.group is not None:
+        split = self.group is not None and not local
+        if split:
             _chat_only(path, name)
             self.group.tell({"op": "load", "name": name, "adapter": None})
         try:
-            if self.group is not None:
+            if split:
                 model, tokenizer, config = load_sharded(path, self.group, name)
                 embedder = None
             else:
@@ -484,13 +501,12 @@ class ModelCache:
             raise ModelLoadError(f"model {name!r} could not be loaded: {e}") from e
         elapsed = time.perf_counter() - start
         entry = LoadedModel(name, None, model, tokenizer, config, param_bytes(model), elapsed)
-        entry.embedder = embedder
+        entry.embedder, entry.local = embedder, local
         if embedder is None:
             self._see(entry, path)
         log.info(
-            "loaded %s%s in %.2fs (%.1f MB)",
-            name,
-            " (embeddings)" if embedder is not None else "",
+            "loaded %s in %.2fs (%.1f MB)",
+            _label(entry.key) + (" (embeddings)" if embedder is not None else ""),
             elapsed,
             entry.nbytes / 1e6,
         )
@@ -588,4 +604,6 @@ def _chat_only(path: Path, name: str) -> None:
 
 
 def _label(key: CacheKey) -> str:
+    if key[1] == RANK0:
+        return f"{key[0]} (whole, on rank 0 alone)"
     return key[0] if key[1] is None else f"{key[0]} + adapter {key[1]}"

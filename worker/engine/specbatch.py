@@ -26,7 +26,7 @@ Pure MLX and mlx-lm; knows nothing of Redis or jobs.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,11 @@ class _Joiner:
     rest: list[int]  # prompt tokens still to prefill (all but the cached ones and the last)
     target: Cache
     draft: Cache  # [] without a draft model
+
+
+def _listed(drafts: mx.array | None, rows: int) -> list[list[int]]:
+    """A round's proposals per row (padded to the round's k), as lists."""
+    return drafts.tolist() if drafts is not None else [[] for _ in range(rows)]
 
 
 def _drop_tail(cache: Cache, tails: list[int]) -> None:
@@ -138,6 +143,9 @@ class SpecBatchEngine:
         # solo row only recurrent ones (set as it joins).
         self.t_replay = not target.plain_kv
         self.d_replay = draft is not None and not draft.plain_kv
+        #: A worker group's rank 0: each round's proposals, then what the rows kept, told
+        #: to the other ranks, which verify the same (``worker.engine.mirror``).
+        self.tell: Callable[[dict[str, Any]], None] | None = None
 
     # -- the Engine interface ------------------------------------------------
     @property
@@ -202,9 +210,14 @@ class SpecBatchEngine:
             sampler=sampler_for(params),
             history=list(prompt),
             pending=[prompt[-1]],
-            index=NgramIndex(params.lookup, prompt) if self.draft is None else None,
+            index=NgramIndex(params.lookup, prompt) if self._looks_up(params) else None,
         )
         self.joining.append(_Joiner(row, prompt[cached:-1], t_layers, d_layers))
+
+    def _looks_up(self, params: Any) -> bool:
+        """Whether this engine's rows propose by prompt lookup (a group's follower's do
+        not: it verifies what rank 0 proposed)."""
+        return self.draft is None and params.lookup is not None
 
     def _join(self) -> None:
         """Prefill every joining row (right-padded, one batched pass per chunk on each
@@ -274,15 +287,15 @@ class SpecBatchEngine:
         else:
             kr = max(ks)
             drafts, d_mark = self._draft(kr) if kr else (None, None)  # (B, kr)
-        if self.planner is not None and drafts is not None:
+        if drafts is not None and (self.planner is not None or self.tell is not None):
             mx.eval(drafts)  # (lazy otherwise: the planner is told the draft's own time)
+        if self.tell is not None:
+            self.tell({"op": "proposed", "drafts": _listed(drafts, len(rows))})
         drafted = time.perf_counter()
-        ys = mx.array([[r.history[-1]] for r in rows], mx.uint32)
-        verify_in = ys if drafts is None else mx.concatenate([ys, drafts], axis=1)
-        t_mark = self._checkpoint(self.t_cache) if self.t_replay and kr else None
+        verify_in, t_mark = self._verify_input(drafts, kr)
         logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
         chosen, vectors = self._sample_verify(logits, drafts, ks)
-        proposed = drafts.tolist() if drafts is not None else [[] for _ in rows]
+        proposed = _listed(drafts, len(rows))
         verified = time.perf_counter()
         done: list[Finished] = []
         t_tail, keep, emitted, accepts = [], [], 0, []
@@ -307,6 +320,9 @@ class SpecBatchEngine:
                 keep.append(i)
             else:
                 done.append((row.tag, self._finish(row, finish)))
+        if self.tell is not None:
+            last = [r.history[-1] for r in rows]
+            self.tell({"op": "kept", "accepts": accepts, "last": last, "keep": keep})
         self._rewind_target(t_mark, t_tail, verify_in, accepts)
         if self.d_cache is not None:
             restored = self._rewind_draft(d_mark, kr, accepts)
@@ -329,6 +345,14 @@ class SpecBatchEngine:
             row.speculated = (self.give_up.spec_tokens, self.give_up.spec_s)
             row.gave_up = self.give_up.gave_up
         return row.finish(reason)
+
+    def _verify_input(self, drafts: mx.array | None, kr: int) -> tuple[mx.array, Any]:
+        """What the target verifies, (B, kr + 1): each row's last token, then its
+        proposals; and the target's checkpoint where it rewinds by replay."""
+        ys = mx.array([[r.history[-1]] for r in self.rows], mx.uint32)
+        verify_in = ys if drafts is None else mx.concatenate([ys, drafts], axis=1)
+        assert self.t_cache is not None
+        return verify_in, self._checkpoint(self.t_cache) if self.t_replay and kr else None
 
     # -- rewinding: a batch's caches, or a solo row's own -------------------
     def _checkpoint(self, cache: Cache, copy: bool = False) -> list[Any]:

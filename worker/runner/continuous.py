@@ -504,11 +504,8 @@ class ContinuousBatch:
                 self.engine = SpecBatchEngine(target, draft_model, k, planner)
             else:
                 self.engine = BatchEngine(self.generator.target, self.cap)
-                if (group := self.rt.cache.group) is not None:  # mirrored on every rank
-                    target = self.generator.target
-                    self.engine = GroupEngine(
-                        group, self.engine, "batch", target, max_batch=self.cap
-                    )
+            if (group := self.rt.cache.group) is not None:  # mirrored on every rank
+                self.engine = GroupEngine(group, self.engine, self.generator.target)
         return self.engine
 
     def _publish(self, kv_bytes: int) -> None:

@@ -149,8 +149,6 @@ class SpeculationPolicy:
         #: again before the next one (a model was not on this machine yet).
         self.on_first_use: Callable[[str, str | None, str | None], bool] | None = None
         self._used: set[tuple[str, str | None, str | None]] = set()
-        #: Set when no job may speculate on this worker (a worker group): why.
-        self.plain_because: str | None = None
 
     @property
     def lock(self) -> threading.Lock:
@@ -170,8 +168,6 @@ class SpeculationPolicy:
         """What proposes a job's speculative tokens, as the policy names it: the draft it
         names, :data:`LOOKUP`, or None (it never speculates)."""
         method = req.speculation_method
-        if self.plain_because is not None:
-            return None
         if method == "draft":
             return req.draft_model
         if method == "prompt_lookup" or (method is None and self.lookup != "never"):
