@@ -184,6 +184,43 @@ def test_a_group_speculates_with_rank_0s_draft_and_by_prompt_lookup(
         assert max(r.metrics.batch_size for r in got.values()) > 1
 
 
+@pytest.mark.parametrize(("arch", "max_batch"), [("llama", "1"), ("qwen3_next", "4")])
+def test_a_group_keeps_shared_prefixes_on_every_rank(
+    conn, redis_url, tmp_path, models, arch, max_batch
+):
+    """The prefix cache in a group: each rank keeps its part of every shared prefix (rank
+    0 tells each prefill and each entry it drops). Two system prompts take turns under
+    a prefix budget of about one entry (each new entry drops the other), alone (tensor
+    llama) and batched (pipeline qwen3_next: recurrent entries), plain and speculative
+    (rank 0's draft keeps its own entries): later jobs start from a kept prefix
+    (cached_tokens) and every job's text is the whole model's without a prefix cache."""
+    from producer import Client
+
+    target = models[arch]
+    systems = [f"{LONG} {word} " * 4 for word in ("first", "second")]
+
+    def body(i: int, **fields) -> dict:
+        messages = [
+            {"role": "system", "content": systems[(i // 2) % 2]},
+            {"role": "user", "content": f"job {i} " * (1 + i % 3)},
+        ]
+        return {"model": target, "messages": messages, "max_tokens": 12, "temperature": 0} | fields
+
+    jobs = {f"j{i}": body(i) for i in range(8)}
+    jobs |= {f"d{i}": body(i, draft_model=models["draft"]) for i in (8, 9)}
+    s = Client(connection=conn).submit(jobs)
+    args = ("--shard", "auto", "--max-batch", max_batch, "--speculative", "always")
+    args += ("--prefix-cache-gb", "0.0002", "--model-dir", models["dir"])
+    run_group(redis_url, tmp_path, *args)
+    got = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
+    for name, r in got.items():
+        assert r.status == "succeeded", (name, r.error)
+        plain = jobs[name] | {"draft_model": None}
+        assert r.response.choices[0].message.content == _plain_text(target, plain), name
+    assert sum(r.metrics.cached_tokens > 0 for r in got.values()) >= 4
+    assert any(got[d].metrics.speculative and got[d].metrics.cached_tokens for d in ("d8", "d9"))
+
+
 def test_pipeline_where_the_model_has_no_tensor_split_and_refusals_by_name(
     conn, redis_url, tmp_path, models
 ):
@@ -242,9 +279,10 @@ def _rank_pid(launcher: int, rank: int) -> int:
 def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, workers, fault):
     """A rank lost while the group decodes a batch (plain, or speculative: "spec-"): SIGKILL
     of rank 1 (its collectives fail) or SIGSTOP (they never return: rank 0's
-    --group-timeout ends it) makes rank 0 hand its jobs back with no crash counted; SIGKILL of rank 0 leaves them to their
-    leases. Either way each job then runs once, with the whole model's text: on a worker
-    on one machine, or (after the hang) on the group restarted."""
+    --group-timeout ends it) makes rank 0 hand its jobs back with no crash counted;
+    SIGKILL of rank 0 leaves them to their leases. Either way each job then runs once,
+    with the whole model's text: on a worker on one machine, or (after the hang) on the
+    group restarted."""
     import json
     import signal
 

@@ -365,11 +365,15 @@ def main(
 
     kv_quant = KVQuant(int(kv_bits), int(kv_group_size or 0)) if kv_bits else None
     group = None
+    if shard is not None and prefix_cache_dir is not None:
+        raise click.BadParameter(
+            "a worker group keeps prefixes in memory only (each rank holds its part)",
+            param_hint="--prefix-cache-dir",
+        )
     if shard is not None:
         group = _join_group(shard, group_timeout, model_dirs, allow_models, models, kv_quant)
         if group is None:
             return  # a follower's work is done (rank 0 said exit)
-        prefix_cache_gb = 0.0  # (each rank would need the same kept prefixes: not yet)
     try:  # fail fast on a wrong URL or password; retry only once we are running
         redis_from_url(redis_url).ping()
     except ValueError as e:

@@ -250,10 +250,10 @@ class ChatGenerator:
         )
         store.remember(self.target.key, prompt)
         pairs = [(m.key, m) for m in (self.target, draft) if m is not None]
-        cache, cached, reused = starting_cache(
+        cache, cached, reused, source = starting_cache(
             store, self.models.prefix_room, pairs, prompt, boundary, limit
         )
-        return Start(cache, cached, reused) if cache is not None else NO_START
+        return Start(cache, cached, reused, source) if cache is not None else NO_START
 
     def _image_start(self, job: Prepared, draft: LoadedModel | None) -> Start:
         """A job with images starts from its prompt through its last image token,

@@ -16,7 +16,9 @@ repeat it on their own parts:
 - ``engine``: an engine is made (a job alone, or a continuous batch), then ``add`` (a
   sequence joins: its prompt and parameters; rank 0 gives every sequence a seed, so
   sampling draws the same tokens everywhere), ``remove``, ``step`` and ``close``,
-  exactly as rank 0 calls them. Engines nest (a job run between a batch's steps).
+  exactly as rank 0 calls them. Engines nest (a job run between a batch's steps);
+- ``prefix`` / ``forget``: the prefix cache keeps (prefills) or drops an entry
+  (:class:`PrefixTeller`); a sequence's ``add`` names the entry it starts from.
 
 Messages go by ``all_sum`` of arrays that only rank 0 fills (mlx's own transport: no
 home-made sockets): one collective for a step or a close, two for a message, each
@@ -50,6 +52,10 @@ log = logging.getLogger(__name__)
 
 #: ``--shard`` modes: ``auto`` takes tensor parallelism where the model has it.
 MODES = ("auto", "tensor", "pipeline")
+#: The second part of a model cache key for a draft rank 0 holds whole, for itself alone
+#: (``ModelCache.get(..., local=True)``): the same name split across the group is another
+#: entry, and no other rank hears of it.
+RANK0 = "<rank 0>"
 #: What a follower hears instead of a message: rank 0 steps, or closes, its engine, or
 #: the group ends.
 STEP, CLOSE, EXIT = -1, -2, -3
@@ -239,6 +245,32 @@ class Group:
     def sync(self) -> None:
         """Every rank waits for every other (the end of a load)."""
         self._sum(mx.array([1.0]))
+
+
+class PrefixTeller:
+    """Rank 0's prefix cache telling the other ranks what it does with the entries of a
+    split model (``worker.engine.prefix.Mirror``): they prefill the same entries (each
+    prefill is a collective) and drop them when rank 0 does."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    @contextlib.contextmanager
+    def prefilling(
+        self, model: Any, tokens: Any, base: tuple[int, ...] | None, held: int
+    ) -> Iterator[None]:
+        if model[1] == RANK0:  # (rank 0's own draft)
+            yield
+            return
+        message = {"op": "prefix", "model": list(model), "tokens": list(tokens), "held": held}
+        with self.group.call("a kept prefix's prefill"):
+            self.group.tell(message | {"base": list(base) if base is not None else None})
+            yield
+
+    def forgot(self, model: Any, tokens: tuple[int, ...]) -> None:
+        if model[1] != RANK0:
+            with self.group.call("a forgotten prefix"):
+                self.group.tell({"op": "forget", "model": list(model), "tokens": list(tokens)})
 
 
 def _packed(message: dict[str, Any]) -> tuple[int, bytes]:

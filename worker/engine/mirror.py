@@ -23,7 +23,9 @@ import mlx.core as mx
 from schemas import ChatRequest
 from worker.engine.batch import BatchEngine
 from worker.engine.group import CLOSE, EXIT, STEP, Group, GroupLost, transport_failed
-from worker.engine.models import LoadedModel, ModelCache
+from worker.engine.layers import restore, snapshot
+from worker.engine.models import CacheKey, LoadedModel, ModelCache
+from worker.engine.prefill import prefill
 from worker.engine.protocol import NO_START, CannotTake, Engine, Start, Step
 from worker.engine.request import GenerationParams, Prepared, prepare
 from worker.engine.sequence import OnText
@@ -72,8 +74,8 @@ class GroupEngine:
         on_text: OnText | None = None,
         first: bool = False,
     ) -> None:
-        if start.cache is not None:
-            raise CannotTake("a worker group starts every sequence from its prompt")
+        if start.cache is not None and not start.source:
+            raise CannotTake("a worker group starts a sequence only from a kept prefix")
         if job.params.seed is None:  # the same draws on every rank
             job = job.with_params(seed=secrets.randbelow(2**31))
         if job.request is None:
@@ -85,6 +87,7 @@ class GroupEngine:
             "prompt": job.prompt,
             "params": {k: getattr(job.params, k) for k in _SENT},
             "request": job.request.model_dump(mode="json"),
+            "start": [list(start.source), start.cached, start.reused] if start.source else None,
         }
         with self.group.call("an added sequence"):
             self.inner.add(tag, job, start, on_text, first)
@@ -111,9 +114,14 @@ class _Exit(BaseException):
     """Rank 0 ended the group."""
 
 
+#: A follower's kept prefixes, its part of each: (model key, tokens) -> layers.
+Kept = dict[tuple[CacheKey, tuple[int, ...]], list[Any]]
+
+
 def follow(group: Group, cache: ModelCache) -> None:
     """A follower's life: repeat what rank 0 tells, until it says ``exit`` (raises
     :class:`~worker.engine.group.GroupLost` if a rank is gone)."""
+    kept: Kept = {}
     try:
         while True:
             msg = group.listen()
@@ -121,20 +129,27 @@ def follow(group: Group, cache: ModelCache) -> None:
                 raise _Exit
             if not isinstance(msg, dict):
                 raise RuntimeError(f"a worker group follower was told {msg} outside an engine")
-            _obey(group, cache, msg)
+            _obey(group, cache, kept, msg)
     except _Exit:
         group.confirm_exit()
 
 
-def _obey(group: Group, cache: ModelCache, msg: dict[str, Any]) -> None:
+def _obey(group: Group, cache: ModelCache, kept: Kept, msg: dict[str, Any]) -> None:
     op = msg["op"]
     try:
         if op == "load":
             cache.get(msg["name"], msg["adapter"])
         elif op == "evict":
-            cache.evict((msg["name"], msg["adapter"]))
+            key = (msg["name"], msg["adapter"])
+            cache.evict(key)
+            for k in [k for k in kept if k[0] == key]:
+                del kept[k]
         elif op == "engine":
-            _run_engine(group, cache, msg)
+            _run_engine(group, cache, kept, msg)
+        elif op == "prefix":
+            _prefill(cache, kept, msg)
+        elif op == "forget":
+            kept.pop(((msg["model"][0], msg["model"][1]), tuple(msg["tokens"])), None)
         else:
             raise RuntimeError(f"a worker group follower was told {op!r} outside an engine")
     except Exception as e:  # rank 0 met the same (the same code on the same input)
@@ -144,7 +159,17 @@ def _obey(group: Group, cache: ModelCache, msg: dict[str, Any]) -> None:
         log.warning("group rank %d: %s failed: %s: %s", group.rank, op, type(e).__name__, e)
 
 
-def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
+def _prefill(cache: ModelCache, kept: Kept, msg: dict[str, Any]) -> None:
+    """Rank 0 keeps a prefix: this rank's part of it, prefilled from the same entry."""
+    target, _ = cache.get(*msg["model"])
+    tokens, held, base = tuple(msg["tokens"]), int(msg["held"]), msg["base"]
+    layers = target.new_cache() if base is None else restore(kept[(target.key, tuple(base))], held)
+    part = snapshot(prefill(target.model, list(tokens), layers, held, len(tokens)), len(tokens))
+    if part is not None:
+        kept[(target.key, tokens)] = part
+
+
+def _run_engine(group: Group, cache: ModelCache, kept: Kept, spec: dict[str, Any]) -> None:
     target, _ = cache.get(spec["model"], spec["adapter"])
     engine: Engine
     if spec["kind"] == "batch":
@@ -169,11 +194,16 @@ def _run_engine(group: Group, cache: ModelCache, spec: dict[str, Any]) -> None:
                 "logit_bias": tuple(tuple(p) for p in msg["params"]["logit_bias"]),
             }
             job = Prepared(msg["prompt"], prepare(req, target).params, req).with_params(**params)
-            engine.add(_tag(msg["tag"]), job, NO_START, None, msg["first"])
+            start = NO_START
+            if msg["start"] is not None:  # rank 0's kept prefix: this rank's part of it
+                source, cached, reused = msg["start"]
+                layers = restore(kept[(target.key, tuple(source))], cached)
+                start = Start(layers, cached, reused, tuple(source))
+            engine.add(_tag(msg["tag"]), job, start, None, msg["first"])
         elif isinstance(msg, dict) and msg["op"] == "remove":
             engine.remove(_tag(msg["tag"]))
         elif isinstance(msg, dict):
-            _obey(group, cache, msg)  # a job run between this batch's steps
+            _obey(group, cache, kept, msg)  # a job run between this batch's steps
         else:
             raise RuntimeError(f"a worker group follower was told {msg}")
 

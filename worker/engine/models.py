@@ -40,7 +40,7 @@ from schemas import (
 from schemas.request import MAX_IMAGE_BYTES
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
-from worker.engine.group import Group, load_sharded
+from worker.engine.group import RANK0, Group, PrefixTeller, load_sharded
 from worker.engine.identity import weights_identity
 from worker.engine.kvquant import KVQuant, QuantizedKV, describe, make_cache, probe
 from worker.engine.memory import (
@@ -70,11 +70,6 @@ HUB_PATTERNS = [
 ]
 
 CacheKey = tuple[str, str | None]
-
-#: The key's second part for a draft a worker group's rank 0 holds whole, for itself
-#: alone (``ModelCache.get(..., local=True)``): the same name split across the group is
-#: another entry.
-RANK0 = "<rank 0>"
 
 #: Default byte budget of the prefix cache (``--prefix-cache-gb``).
 DEFAULT_PREFIX_CACHE_BYTES = 1_000_000_000
@@ -258,6 +253,8 @@ class ModelCache:
         #: Name -> directory to load from (``worker.runner.access`` restricts it).
         self.locate = locate
         self.prefixes = PrefixCache(prefix_bytes, prefix_disk)
+        if group is not None and group.leads:  # the other ranks keep their parts too
+            self.prefixes.mirror = PrefixTeller(group)
         self._entries: OrderedDict[CacheKey, LoadedModel] = OrderedDict()
         self._compatible: dict[tuple[CacheKey, CacheKey], bool] = {}
         self.loads = 0

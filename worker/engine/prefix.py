@@ -28,6 +28,11 @@ job whose prompt starts with a kept prefix prefills only the rest.
   them (``worker.engine.layers``).
 - **Disk.** With ``--prefix-cache-dir``, entries are also written to disk and a new or
   restarted worker on the machine reads them back (``worker.engine.prefixdisk``).
+- **A worker group** (``worker --shard``): each rank holds its part of every entry of a
+  split model. Rank 0 decides; its :attr:`PrefixCache.mirror` tells the other ranks
+  each prefill of an entry (they run the same one: it is a collective) and each entry
+  it forgets, and a job starts on every rank from the same entry
+  (``worker.engine.mirror``).
 - **Memory.** Entries are compact copies (exactly their tokens' state, a
   sliding window's at most its window, not the generation buffer), counted in
   bytes under the cache's own budget (``--prefix-cache-gb``) and inside the
@@ -42,6 +47,7 @@ zero-copy reuse, and warming a prefix before a job runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -63,6 +69,22 @@ class Runs(Protocol):
     model: nn.Module
 
     def new_cache(self) -> list[Any]: ...
+
+
+class Mirror(Protocol):
+    """Where a worker group's rank 0 tells its other ranks what its prefix cache does with
+    a split model's entries (``worker.engine.mirror.PrefixTeller``)."""
+
+    def prefilling(
+        self, model: Hashable, tokens: Sequence[int], base: tuple[int, ...] | None, held: int
+    ) -> contextlib.AbstractContextManager[None]:
+        """Around the prefill of entry ``tokens`` of ``model``, from the first ``held``
+        tokens of entry ``base`` (None: from nothing)."""
+        ...
+
+    def forgot(self, model: Hashable, tokens: tuple[int, ...]) -> None:
+        """Entry ``tokens`` of ``model`` is gone."""
+        ...
 
 
 log = logging.getLogger(__name__)
@@ -136,6 +158,8 @@ class PrefixCache:
         self.stats = PrefixStats()
         # (model, block hash) -> the last prompt that had that block (its tokens).
         self._seen: OrderedDict[tuple[Hashable, int], np.ndarray] = OrderedDict()
+        #: A worker group's rank 0: the other ranks are told of each prefill and removal.
+        self.mirror: Mirror | None = None
 
     @property
     def enabled(self) -> bool:
@@ -241,6 +265,8 @@ class PrefixCache:
     def _remove(self, key: tuple[Hashable, tuple[int, ...]]) -> int:
         entry = self._entries.pop(key)
         self._nbytes -= entry.nbytes
+        if self.mirror is not None:
+            self.mirror.forgot(*key)
         return entry.nbytes
 
     def evict(self, nbytes: int) -> int:
@@ -283,9 +309,9 @@ def starting_cache(
     prompt: Sequence[int],
     boundary: int,
     limit: int,
-) -> tuple[Cache | None, int, int]:
+) -> tuple[Cache | None, int, int, tuple[int, ...]]:
     """Where a job's prompt starts: (cache, tokens it holds, tokens reused from entries kept
-    before this job), or (None, 0, 0).
+    before this job, the tokens of the target's entry it starts from), or (None, 0, 0, ()).
 
     ``models`` are (cache key, model) pairs, the target first (then the draft of a
     speculative job); the cache holds their layers in that order, all at the same
@@ -296,11 +322,11 @@ def starting_cache(
     prefill.
     """
     if not store.enabled:
-        return None, 0, 0
+        return None, 0, 0, ()
     limit = min(limit, len(prompt) - 1)
     boundary = min(boundary, len(prompt) - 1)  # kept whole; this job may use less of it
     store.stats.lookups += 1
-    found: list[tuple[Cache, int]] = []
+    found: list[tuple[Cache, int, tuple[int, ...]]] = []
     earlier = len(prompt)  # the target's tokens that entries kept before this job hold
     for i, (key, model) in enumerate(models):
         store.from_disk(key, model, prompt, room())
@@ -308,25 +334,32 @@ def starting_cache(
         # A new entry only for MIN_TOKENS more than a kept one gives (a prompt seen before
         # whole, e.g. a job run again, would otherwise keep itself for a few tokens more).
         if boundary >= MIN_TOKENS and (matched is None or boundary - matched[1] >= MIN_TOKENS):
-            base, held = None, 0  # extend the entry that covers part of it, if any
+            base, held, since = None, 0, None  # extend the entry covering part of it, if any
             if matched is not None:
                 base, held = restore(matched[0].layers, matched[1]), matched[1]
+                since = matched[0].tokens
             base = base if base is not None else model.new_cache()
-            layers = snapshot(prefill(model.model, prompt, base, held, boundary), boundary)
+            tokens = tuple(prompt[:boundary])
+            told = store.mirror.prefilling(key, tokens, since, held) if store.mirror else None
+            with told or contextlib.nullcontext():
+                layers = snapshot(prefill(model.model, prompt, base, held, boundary), boundary)
             if layers is None:
-                return None, 0, 0
-            store.put(key, prompt[:boundary], layers, room())
-            found.append((layers, boundary))
+                return None, 0, 0, ()
+            if not store.put(key, tokens, layers, room()) and store.mirror is not None:
+                store.mirror.forgot(key, tokens)  # (a group starts only from what it keeps)
+                return None, 0, 0, ()
+            found.append((layers, boundary, tokens))
             earlier = held if i == 0 else earlier
         elif matched is not None:
-            found.append((matched[0].layers, matched[1]))
+            found.append((matched[0].layers, matched[1], matched[0].tokens))
         else:
-            return None, 0, 0
-    n = min(min(k for _, k in found), limit)
-    if n < MIN_TOKENS or any(n < shortest(layers, k) for layers, k in found):
-        return None, 0, 0
+            return None, 0, 0, ()
+    n = min(min(k for _, k, _ in found), limit)
+    if n < MIN_TOKENS or any(n < shortest(layers, k) for layers, k, _ in found):
+        return None, 0, 0, ()
     reused = min(earlier, n)
     if reused:
         store.stats.hits += 1
         store.stats.tokens_reused += reused
-    return [layer for layers, _ in found for layer in restore(layers, n)], n, reused
+    cache = [layer for layers, _, _ in found for layer in restore(layers, n)]
+    return cache, n, reused, found[0][2]

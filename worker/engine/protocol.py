@@ -33,11 +33,14 @@ class CannotTake(Exception):
 class Start:
     """Where a sequence's prompt starts: a KV cache holding its first ``cached`` tokens
     (the models' layers in order; None: from nothing), and how many of them count as
-    reused (taken from the prefix cache, reported as ``cached_tokens``)."""
+    reused (taken from the prefix cache, reported as ``cached_tokens``); ``source``: the
+    tokens of the kept entry the target's layers come from (a worker group's other ranks
+    start from their part of it)."""
 
     cache: list[Any] | None = None
     cached: int = 0
     reused: int = 0
+    source: tuple[int, ...] = ()
 
 
 #: A prompt that starts from nothing (no kept prefix).
