@@ -350,6 +350,30 @@ def test_modernbert_gives_hugging_faces_vectors_local_and_global_layers(conn, re
     assert records["long"].error.code == "context_length_exceeded", records["long"].error
 
 
+def test_an_architecture_only_remote_code_defines_is_refused_by_name(conn, redis_url, tmp_path):
+    """nomic-bert (nomic-embed-text) is defined by its own code (``auto_map``), which mlxq
+    never runs: its job fails naming that; an ``auto_map`` beside a type mlxq runs is no
+    reason to refuse (the same ModernBERT with one still embeds)."""
+    import shutil
+
+    from worker.dev.tinyembed import write_modernbert
+
+    good = write_modernbert(tmp_path / "modernbert")
+    nomic, mapped = tmp_path / "nomic", tmp_path / "mapped"
+    for path, model_type in ((nomic, "nomic_bert"), (mapped, "modernbert")):
+        shutil.copytree(good, path)
+        config = json.loads((path / "config.json").read_text())
+        auto_map = {"AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"}
+        config |= {"model_type": model_type, "auto_map": auto_map}
+        (path / "config.json").write_text(json.dumps(config))
+    jobs = {name: {"model": str(tmp_path / name), "input": "hello"} for name in ("nomic", "mapped")}
+    records = _run(conn, redis_url, jobs)
+    error = records["nomic"].error
+    assert error.code == "model_load_error" and "nomic_bert" in error.message, error
+    assert "own code" in error.message
+    assert _vectors(records["mapped"]).shape == (1, 32)
+
+
 @pytest.mark.parametrize("model_type", ["xlm-roberta", "roberta"])
 def test_a_roberta_encoder_embeds_as_its_bert_twin(conn, redis_url, tmp_path, model_type):
     """XLM-RoBERTa (multilingual-e5, bge-m3) and RoBERTa: positions from pad_token_id + 1,

@@ -575,6 +575,8 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     from mlx_lm.utils import load
 
     config, encoder, pooling = _kind(path)
+    if not encoder and (why := _remote_only(config)) is not None:
+        raise ValueError(why)
     if encoder:
         assert pooling is not None
         model = load_encoder(path, config)
@@ -584,6 +586,25 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     if pooling is None:
         return model, tokenizer, config, None
     return model, tokenizer, config, Embedder(model, tokenizer, pooling, config, not encoder)
+
+
+def _remote_only(config: dict[str, Any]) -> str | None:
+    """Why a model whose architecture only its own remote code defines (``auto_map``, e.g.
+    nomic-bert) cannot load: mlxq never runs a model's code. None if mlx-lm has it."""
+    import importlib.util
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    kind = str(config.get("model_type", "?"))
+    if not config.get("auto_map"):
+        return None
+    known = MODEL_REMAPPING.get(kind, kind).replace("-", "_")
+    if known.isidentifier() and importlib.util.find_spec(f"mlx_lm.models.{known}") is not None:
+        return None
+    return (
+        f"model_type {kind!r} is defined only by the model's own code (auto_map), which mlxq "
+        "never runs; neither mlxq nor mlx-lm implements it"
+    )
 
 
 def _kind(path: Path) -> tuple[dict[str, Any], bool, Any]:
