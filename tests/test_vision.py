@@ -1,5 +1,5 @@
-"""Images in chat jobs: tiny Gemma 3 and Mistral 3 VLMs through the real queue, against
-mlx-vlm itself.
+"""Images in chat jobs: tiny Gemma 3, Mistral 3 and SmolVLM (Idefics 3 and SmolVLM 2) VLMs
+through the real queue, against mlx-vlm itself.
 
 The models are built with mlx-vlm's own classes (worker.dev.tinyvlm) and loaded by
 ``mlx_vlm.load`` for the reference and by the worker (mlx-lm's language model plus
@@ -44,7 +44,8 @@ QUESTIONS = ["describe the queue", "what is the batch", "name the worker model"]
 @pytest.fixture(scope="module", params=ARCHS)
 def vlm(request, tmp_path_factory):
     """A tiny VLM of each architecture (Gemma 3: SigLIP pooled, sliding-window layers;
-    Mistral 3: Pixtral, merged patches with row breaks)."""
+    Mistral 3: Pixtral, merged patches with row breaks; SmolVLM: pixel-shuffled patches
+    between fake tokens, a llama language model mlx-lm does not read as a VLM's)."""
     root = tmp_path_factory.mktemp("vlm")
     return str(ensure_vlm(root / f"tiny-{request.param}-vlm", arch=request.param))
 

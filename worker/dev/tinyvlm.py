@@ -1,13 +1,16 @@
 """Tiny local vision-language models for tests and demos where no model hub is reachable.
 
-Real Gemma 3 and Mistral 3 checkpoints in shape (config.json with ``vision_config``,
-safetensors weights in mlx-vlm's names, a BPE tokenizer with the family's image tokens, a
-chat template that places image parts, the image processor's and processor's configs),
-made with mlx-vlm's own model classes and random weights (deterministic for a seed):
-mlx-vlm's ``load`` reads them as VLMs, mlx-lm's ``load`` as text models, as they read
-``google/gemma-3-4b-it`` or ``mistralai/Mistral-Small-3.1-24B-Instruct-2503``. A 56 x 56
-image becomes 4 image tokens (Gemma: SigLIP, pooled; Mistral: Pixtral, 2 x 2 merged, with
-its row breaks and end token). Needs mlx-vlm (``mlxq[vision]``).
+Real Gemma 3, Mistral 3 and SmolVLM (Idefics 3, SmolVLM 2) checkpoints in shape
+(config.json with ``vision_config``, safetensors weights in mlx-vlm's names, a BPE tokenizer
+with the family's image tokens, a chat template that places image parts, the image
+processor's and processor's configs), made with mlx-vlm's own model classes and random
+weights (deterministic for a seed): mlx-vlm's ``load`` reads them as VLMs, mlx-lm's
+``load`` the first two as text models, as they read ``google/gemma-3-4b-it`` or
+``mistralai/Mistral-Small-3.1-24B-Instruct-2503`` (SmolVLM's language model:
+``worker.engine.vision.load_language``). A 56 x 56 image becomes 4 image tokens (Gemma:
+SigLIP, pooled; Mistral: Pixtral, 2 x 2 merged, with its row breaks and end token;
+SmolVLM: pixel-shuffled 2 x 2, between fake tokens after a global-image tag). Needs
+mlx-vlm (``mlxq[vision]``).
 """
 
 from __future__ import annotations
@@ -44,9 +47,21 @@ GEMMA3_SPECIALS = (
     "<image_soft_token>"
 ).split()
 MISTRAL3_SPECIALS = "<unk> <s> </s> <pad> [INST] [/INST] [IMG] [IMG_BREAK] [IMG_END]".split()
+#: SmolVLM's (Idefics3's): <image> per image part, which the processor expands to
+#: <fake_token_around_image><global-img> and the image's tokens, then the fake token again.
+IDEFICS3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}:"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% elif p['type'] == 'text' %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+IDEFICS3_SPECIALS = (
+    "<unk> <s> </s> <pad> <fake_token_around_image> <image> <end_of_utterance> <global-img>"
+).split()
 IMAGE_SIZE = 56  # pixels a side: 4 x 4 patches of 14, merged or pooled to 2 x 2 tokens
 #: The architectures: mlx-vlm's model_type, and its tiny text and vision configs.
-ARCHS = ("gemma3", "mistral3")
+ARCHS = ("gemma3", "mistral3", "idefics3", "smolvlm")
 _TEXT = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -109,7 +124,9 @@ def write_vlm(
         raise ValueError(f"tiny VLM architectures: {', '.join(ARCHS)}; not {arch!r}")
     path.mkdir(parents=True, exist_ok=True)
     gemma = arch == "gemma3"
-    specials = GEMMA3_SPECIALS if gemma else MISTRAL3_SPECIALS
+    specials = {"gemma3": GEMMA3_SPECIALS, "mistral3": MISTRAL3_SPECIALS}.get(
+        arch, IDEFICS3_SPECIALS
+    )
     ids = _write_tokenizer(path, specials, vocab)
     tokenizer = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -155,6 +172,39 @@ def write_vlm(
             "do_pan_and_scan": False,
         }
         processor = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
+    elif arch in ("idefics3", "smolvlm"):  # (SmolVLM 1 is idefics3; SmolVLM 2 smolvlm)
+        tokenizer |= {
+            "bos_token": "<s>",
+            "eos_token": "<end_of_utterance>",
+            "chat_template": IDEFICS3_TEMPLATE,
+        }
+        text = text_shape | {
+            "model_type": "llama",
+            "vocab_size": vocab,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+        }
+        text.pop("head_dim")  # (hidden / heads: Idefics3's text model has no head_dim)
+        vision = vision_shape | {"model_type": f"{arch}_vision"}
+        config = {
+            "image_token_id": ids["<image>"],
+            "scale_factor": 2,
+            "eos_token_id": ids["<end_of_utterance>"],
+        }
+        image = _IMAGE | {
+            "image_processor_type": "Idefics3ImageProcessor"
+            if arch == "idefics3"
+            else "SmolVLMImageProcessor",
+            "processor_class": "Idefics3Processor" if arch == "idefics3" else "SmolVLMProcessor",
+            "size": {"longest_edge": side},
+            "max_image_size": {"longest_edge": side},
+            "do_image_splitting": False,
+            "do_pad": True,
+            "resample": 1,
+        }
+        name = "Idefics3Processor" if arch == "idefics3" else "SmolVLMProcessor"
+        processor = {"processor_class": name, "image_seq_len": tokens}
     else:
         tokenizer |= {"bos_token": "<s>", "eos_token": "</s>", "chat_template": MISTRAL3_TEMPLATE}
         text = text_shape | {

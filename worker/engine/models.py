@@ -53,7 +53,7 @@ from worker.engine.memory import (
 from worker.engine.prefix import PrefixCache
 from worker.engine.prefixdisk import PrefixDisk
 from worker.engine.rewind import leaves
-from worker.engine.vision import Vision, can_see
+from worker.engine.vision import TEXT_VIEWS, Vision, can_see, load_language
 
 log = logging.getLogger(__name__)
 
@@ -581,6 +581,8 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
         assert pooling is not None
         model = load_encoder(path, config)
         tokenizer = encoder_tokenizer(path)
+    elif config.get("model_type") in TEXT_VIEWS:  # (a VLM mlx-lm does not read as text)
+        model, tokenizer = load_language(path, config)
     else:
         model, tokenizer, config = load(str(path), return_config=True)
     if pooling is None:

@@ -1,8 +1,10 @@
 """Images in a job's prompt: the vision side of a vision-language model.
 
 A VLM checkpoint is two things here. Its language model is loaded by mlx-lm, like any
-chat model (mlx-lm reads Gemma 3 and Mistral 3 VLM checkpoints as text models): so every
-engine, cache type and path is the one text jobs take. Its vision tower and projector
+chat model (mlx-lm reads Gemma 3 and Mistral 3 VLM checkpoints as text models; for
+SmolVLM / Idefics 3, which it does not, :func:`load_language` builds its ``text_config``
+architecture from the checkpoint's language weights): so every engine, cache type and
+path is the one text jobs take. Its vision tower and projector
 are loaded by mlx-vlm (``pip install 'mlxq[vision]'``) beside it, sharing the language
 model's token embeddings (mlx-vlm's own copy of the language model is dropped before
 its weights load).
@@ -42,7 +44,10 @@ log = logging.getLogger(__name__)
 
 #: VLM architectures (config ``model_type``) whose images mlxq runs: checked equal to
 #: mlx-vlm's own generation.
-ARCHS = frozenset({"gemma3", "mistral3"})
+ARCHS = frozenset({"gemma3", "mistral3", "idefics3", "smolvlm"})
+#: VLMs whose checkpoints mlx-lm does not read as text models: their language model is
+#: mlx-lm's ``text_config`` architecture over their language weights (:func:`load_language`).
+TEXT_VIEWS = frozenset({"idefics3", "smolvlm"})
 #: Architectures that position image tokens in 2-D (multimodal RoPE): not on mlx-lm's
 #: language model.
 MROPE = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"})
@@ -96,7 +101,7 @@ class Vision:
         from mlx_vlm.utils import load_model, load_processor
 
         model = load_model(path, lazy=True)
-        inner = model.language_model.model
+        inner = _inner(model.language_model)
         inner.embed_tokens = _embeddings(language)
         inner.layers = []  # before anything is evaluated: never read from disk
         model.language_model.lm_head = nn.Identity()
@@ -163,8 +168,61 @@ class Vision:
         return cache
 
 
+def load_language(path: Path, config: dict[str, Any]) -> tuple[nn.Module, Any]:
+    """The language model of a :data:`TEXT_VIEWS` VLM at ``path`` as an mlx-lm model of its
+    ``text_config`` architecture (its weights under mlx-vlm's ``language_model.`` or
+    Hugging Face's ``model.text_model.`` renamed, the vision tower's left on disk), and the
+    tokenizer."""
+    import importlib
+
+    from mlx_lm.utils import MODEL_REMAPPING, load_model, load_tokenizer
+
+    text = dict(config["text_config"])
+    kind = str(text.get("model_type"))
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(kind, kind)}")
+    except ImportError as e:
+        raise ValueError(f"its language model ({kind}) is not an mlx-lm architecture") from e
+
+    class Language(arch.Model):  # type: ignore[name-defined,misc]
+        def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
+            return super().sanitize(_language_weights(weights))  # type: ignore[no-any-return]
+
+    model, _ = load_model(
+        path, model_config=text, get_model_classes=lambda config: (Language, arch.ModelArgs)
+    )
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer
+
+
+#: Where a text-view VLM's language weights are (mlx-vlm's names, then Hugging Face's), and
+#: what mlx-lm's model calls them.
+_RENAMES = (
+    ("language_model.lm_head.", "lm_head."),
+    ("language_model.", "model."),
+    ("model.text_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def _language_weights(weights: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in weights.items():
+        for prefix, to in _RENAMES:
+            if name.startswith(prefix):
+                out[to + name[len(prefix) :]] = value
+                break
+    return out
+
+
+def _inner(language: nn.Module) -> nn.Module:
+    """mlx-vlm's language model's layers and embeddings: under ``model`` for most, on the
+    language model itself for Idefics 3."""
+    return language.model if "model" in language else language  # type: ignore[no-any-return]
+
+
 def _embeddings_of(vlm: nn.Module) -> nn.Module:
-    return vlm.language_model.model.embed_tokens  # type: ignore[no-any-return]
+    return _inner(vlm.language_model).embed_tokens  # type: ignore[no-any-return]
 
 
 def _embeddings(language: nn.Module) -> nn.Module:
