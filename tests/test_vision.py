@@ -1,5 +1,5 @@
-"""Images in chat jobs: tiny Gemma 3, Mistral 3 and SmolVLM (Idefics 3 and SmolVLM 2) VLMs
-through the real queue, against mlx-vlm itself.
+"""Images in chat jobs: tiny Gemma 3, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2-VL /
+Qwen2.5-VL VLMs through the real queue, against mlx-vlm itself.
 
 The models are built with mlx-vlm's own classes (worker.dev.tinyvlm) and loaded by
 ``mlx_vlm.load`` for the reference and by the worker (mlx-lm's language model plus
@@ -45,7 +45,8 @@ QUESTIONS = ["describe the queue", "what is the batch", "name the worker model"]
 def vlm(request, tmp_path_factory):
     """A tiny VLM of each architecture (Gemma 3: SigLIP pooled, sliding-window layers;
     Mistral 3: Pixtral, merged patches with row breaks; SmolVLM: pixel-shuffled patches
-    between fake tokens, a llama language model mlx-lm does not read as a VLM's)."""
+    between fake tokens, a llama language model mlx-lm does not read as a VLM's; Qwen2-VL
+    and Qwen2.5-VL: 3 x 2 merged patches at 2-D positions, mRoPE)."""
     root = tmp_path_factory.mktemp("vlm")
     return str(ensure_vlm(root / f"tiny-{request.param}-vlm", arch=request.param))
 
@@ -437,3 +438,24 @@ def _png_header_only(width: int, height: int) -> bytes:
         + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
         + chunk(b"IEND", b"")
     )
+
+
+def test_what_mrope_vlms_refuse_by_name(tmp_path):
+    """Qwen3-VL's interleaved mRoPE is not run: an image on it fails naming why; Qwen2-VL's
+    image prefix needs unquantized KV caches (the keys are turned after it on plain ones):
+    on quantized ones (``--kv-bits``), a clear 400."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from worker.engine.vision import can_see
+
+    qwen = ensure_vlm(tmp_path / "qwen2-vl", arch="qwen2_vl")
+    gen = ChatGenerator.get_or_create(str(qwen), cache=ModelCache())
+    prepared = gen.prepare(ChatRequest.model_validate(job(str(qwen), "q", png(1))))
+    quantized = [QuantizedKVCache() for _ in gen.target.new_cache()]
+    assert gen.target.vision is not None and prepared.vision is not None
+    with pytest.raises(InvalidRequestError, match="unquantized KV caches"):
+        gen.target.vision.prefill(gen.target.model, prepared.prompt, prepared.vision, quantized)
+    for kind in ("qwen3_vl", "glm4v"):  # (what a model's load says of its images)
+        why = can_see({"model_type": kind, "vision_config": {}})
+        assert why is not None and "mRoPE" in why and kind in why
+    assert can_see({"model_type": "qwen2_5_vl", "vision_config": {}}) is None

@@ -1,16 +1,17 @@
 """Tiny local vision-language models for tests and demos where no model hub is reachable.
 
-Real Gemma 3, Mistral 3 and SmolVLM (Idefics 3, SmolVLM 2) checkpoints in shape
-(config.json with ``vision_config``, safetensors weights in mlx-vlm's names, a BPE tokenizer
-with the family's image tokens, a chat template that places image parts, the image
-processor's and processor's configs), made with mlx-vlm's own model classes and random
-weights (deterministic for a seed): mlx-vlm's ``load`` reads them as VLMs, mlx-lm's
-``load`` the first two as text models, as they read ``google/gemma-3-4b-it`` or
-``mistralai/Mistral-Small-3.1-24B-Instruct-2503`` (SmolVLM's language model:
+Real Gemma 3, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2(.5)-VL checkpoints in
+shape (config.json with ``vision_config``, safetensors weights in mlx-vlm's names, a BPE
+tokenizer with the family's image tokens, a chat template that places image parts, the
+image processor's and processor's configs), made with mlx-vlm's own model classes and
+random weights (deterministic for a seed): mlx-vlm's ``load`` reads them as VLMs, mlx-lm's
+``load`` all but SmolVLM as text models, as they read ``google/gemma-3-4b-it`` or
+``Qwen/Qwen2.5-VL-3B-Instruct`` (SmolVLM's language model:
 ``worker.engine.vision.load_language``). A 56 x 56 image becomes 4 image tokens (Gemma:
 SigLIP, pooled; Mistral: Pixtral, 2 x 2 merged, with its row breaks and end token;
-SmolVLM: pixel-shuffled 2 x 2, between fake tokens after a global-image tag). Needs
-mlx-vlm (``mlxq[vision]``).
+SmolVLM: pixel-shuffled 2 x 2, between fake tokens after a global-image tag); Qwen's
+resize it to 56 x 84, 3 x 2 merged tokens at 2-D positions. Needs mlx-vlm
+(``mlxq[vision]``).
 """
 
 from __future__ import annotations
@@ -56,12 +57,25 @@ IDEFICS3_TEMPLATE = (
     "{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+#: Qwen2-VL's: an image part becomes <|vision_start|><|image_pad|><|vision_end|>, whose pad
+#: the processor repeats once per merged patch.
+QWEN2VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2VL_SPECIALS = (
+    "<unk> <|endoftext|> <|im_start|> <|im_end|> <|vision_start|> <|vision_end|> <|image_pad|> "
+    "<|video_pad|>"
+).split()
 IDEFICS3_SPECIALS = (
     "<unk> <s> </s> <pad> <fake_token_around_image> <image> <end_of_utterance> <global-img>"
 ).split()
 IMAGE_SIZE = 56  # pixels a side: 4 x 4 patches of 14, merged or pooled to 2 x 2 tokens
 #: The architectures: mlx-vlm's model_type, and its tiny text and vision configs.
-ARCHS = ("gemma3", "mistral3", "idefics3", "smolvlm")
+ARCHS = ("gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")
 _TEXT = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -124,9 +138,12 @@ def write_vlm(
         raise ValueError(f"tiny VLM architectures: {', '.join(ARCHS)}; not {arch!r}")
     path.mkdir(parents=True, exist_ok=True)
     gemma = arch == "gemma3"
-    specials = {"gemma3": GEMMA3_SPECIALS, "mistral3": MISTRAL3_SPECIALS}.get(
-        arch, IDEFICS3_SPECIALS
-    )
+    specials = {
+        "gemma3": GEMMA3_SPECIALS,
+        "mistral3": MISTRAL3_SPECIALS,
+        "qwen2_vl": QWEN2VL_SPECIALS,
+        "qwen2_5_vl": QWEN2VL_SPECIALS,
+    }.get(arch, IDEFICS3_SPECIALS)
     ids = _write_tokenizer(path, specials, vocab)
     tokenizer = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -172,6 +189,61 @@ def write_vlm(
             "do_pan_and_scan": False,
         }
         processor = {"processor_class": "Gemma3Processor", "image_seq_length": tokens}
+    elif arch in ("qwen2_vl", "qwen2_5_vl"):
+        processor_name = "Qwen2VLProcessor" if arch == "qwen2_vl" else "Qwen2_5_VLProcessor"
+        tokenizer |= {
+            "pad_token": "<|endoftext|>",
+            "eos_token": "<|im_end|>",
+            "chat_template": QWEN2VL_TEMPLATE,
+        }
+        text = text_shape | {
+            "model_type": arch,
+            "vocab_size": vocab,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # (head_dim / 2)
+            "tie_word_embeddings": False,
+        }
+        text.pop("head_dim")  # (hidden / heads)
+        vision = {
+            "model_type": arch,
+            "depth": vision_shape["num_hidden_layers"],
+            "embed_dim": vision_shape["hidden_size"],
+            "hidden_size": text_shape["hidden_size"],
+            "num_heads": vision_shape["num_attention_heads"],
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        }
+        if arch == "qwen2_5_vl":  # (windowed attention in the tower, all but its last block)
+            vision |= {
+                "hidden_size": vision_shape["hidden_size"],
+                "intermediate_size": vision_shape["intermediate_size"],
+                "out_hidden_size": text_shape["hidden_size"],
+                "window_size": 56,
+                "fullatt_block_indexes": [vision_shape["num_hidden_layers"] - 1],
+            }
+        config = text | {
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "eos_token_id": ids["<|im_end|>"],
+        }
+        # Images resized to multiples of 28 within these: 56 x 84 (6 x 4 patches of 14,
+        # 3 x 2 tokens once merged: rows and columns differ, as 2-D positions must).
+        image = _IMAGE | {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": processor_name,
+            "min_pixels": 28 * 28,
+            "max_pixels": 56 * 84,
+            "patch_size": 14,
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+            "resample": 3,
+        }
+        processor = {"processor_class": processor_name}
     elif arch in ("idefics3", "smolvlm"):  # (SmolVLM 1 is idefics3; SmolVLM 2 smolvlm)
         tokenizer |= {
             "bos_token": "<s>",

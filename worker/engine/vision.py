@@ -19,15 +19,22 @@ alone, batched, speculative or as n choices, and the rest of its prompt and ever
 generated token are plain token ids. Greedy text equals mlx-vlm's own ``generate``
 (tests/test_vision.py).
 
-Architectures whose language model takes positions other than the cache offset
-(Qwen2-VL and Qwen3-VL's multimodal RoPE) are refused by name: their text would differ.
+Qwen2-VL's and Qwen2.5-VL's image tokens take 2-D positions (multimodal RoPE: time, row,
+column), and the text after them positions shifted from its index. Their image prefix is
+prefilled with each layer's rotary embedding swapped for mlx-vlm's mRoPE at those
+positions (``get_rope_index``); then every key kept is turned back by the shift (a rotary
+embedding of one position for all: RoPE's scores depend on differences of positions
+only), so every later token takes its plain index, as on any text model, on every engine
+and path. Other mRoPE architectures (Qwen3-VL's interleaved layout, GLM-4V) are refused
+by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from schemas import InvalidRequestError
 from worker.engine.images import Image, ImageCache
@@ -44,13 +52,15 @@ log = logging.getLogger(__name__)
 
 #: VLM architectures (config ``model_type``) whose images mlxq runs: checked equal to
 #: mlx-vlm's own generation.
-ARCHS = frozenset({"gemma3", "mistral3", "idefics3", "smolvlm"})
+ARCHS = frozenset({"gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"})
 #: VLMs whose checkpoints mlx-lm does not read as text models: their language model is
 #: mlx-lm's ``text_config`` architecture over their language weights (:func:`load_language`).
 TEXT_VIEWS = frozenset({"idefics3", "smolvlm"})
 #: Architectures that position image tokens in 2-D (multimodal RoPE): not on mlx-lm's
 #: language model.
-MROPE = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"})
+MROPE = frozenset({"qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"})
+#: Those among :data:`ARCHS` whose image prefix is prefilled at mRoPE positions.
+SHIFTED = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Vision:
         self.model = model
         self.processor = processor
         self.image_token = image_token
+        self.mrope = model.config.model_type in SHIFTED
         self.images = ImageCache()  # decoded images by content hash, for this model
         embed = {id(v) for _, v in tree_flatten(_embeddings_of(model).parameters())}
         own = [v for _, v in tree_flatten(model.parameters()) if id(v) not in embed]
@@ -107,8 +118,9 @@ class Vision:
         model.language_model.lm_head = nn.Identity()
         mx.eval(model.parameters())
         processor = load_processor(path, add_detokenizer=False)
-        token = int(model.config.image_token_index)
-        return cls(model, processor, token)
+        config = model.config
+        token = getattr(config, "image_token_index", None) or config.image_token_id
+        return cls(model, processor, int(token))
 
     def prepare(self, text: str, images: Sequence[Image]) -> tuple[list[int], VisionInput]:
         """The prompt's token ids (image placeholders expanded) and its image inputs."""
@@ -160,12 +172,75 @@ class Vision:
         embeddings in chunks of :data:`PREFILL_STEP`."""
         embeds = self.embeddings(prompt, vision)
         tokens = mx.array(list(prompt[: vision.end]))
-        for i in range(start, vision.end, PREFILL_STEP):
-            j = min(i + PREFILL_STEP, vision.end)
-            # A slice each time: mlx-lm's models scale their input embeddings in place.
-            language(tokens[i:j][None], cache=cache, input_embeddings=embeds[i:j][None])
-            mx.eval([c.state for c in cache])
+        shift = 0
+        with contextlib.ExitStack() as stack:
+            if self.mrope:
+                shift = stack.enter_context(self._positions(language, tokens, vision, cache))
+            for i in range(start, vision.end, PREFILL_STEP):
+                j = min(i + PREFILL_STEP, vision.end)
+                # A slice each time: mlx-lm's models scale their input embeddings in place.
+                language(tokens[i:j][None], cache=cache, input_embeddings=embeds[i:j][None])
+                mx.eval([c.state for c in cache])
+        if shift:
+            _turn_keys(cache, -shift, self._rotary(language)[1])
         return cache
+
+    def _rotary(self, language: nn.Module) -> tuple[Any, float]:
+        """mlx-vlm's mRoPE for ``language``'s attention, and its base."""
+        from mlx_vlm.models.qwen2_vl.language import Qwen2RotaryEmbedding
+
+        text = self.model.config.text_config
+        dims = text.hidden_size // text.num_attention_heads
+        return Qwen2RotaryEmbedding(
+            dims, text.max_position_embeddings, text.rope_theta, text.rope_scaling
+        ), float(text.rope_theta)
+
+    @contextlib.contextmanager
+    def _positions(
+        self, language: nn.Module, tokens: mx.array, vision: VisionInput, cache: list[Any]
+    ) -> Iterator[int]:
+        """While the image prefix is prefilled: every layer's rotary embedding at mRoPE
+        positions. Yields how far the text after it is shifted from its index."""
+        if any(type(c) is not KVCache for c in cache):
+            raise InvalidRequestError(
+                f"{self.model.config.model_type} images need unquantized KV caches (--kv-bits)"
+            )
+        grid = vision.arrays.get("image_grid_thw")
+        positions, shift = self.model.language_model.get_rope_index(tokens[None], grid)
+        rotary, _ = self._rotary(language)
+        attentions = [layer.self_attn for layer in language.layers]
+        ropes = [a.rope for a in attentions]
+        for a in attentions:
+            a.rope = _AtPositions(rotary, positions)
+        try:
+            yield int(shift.reshape(-1)[0].item())
+        finally:
+            for a, rope in zip(attentions, ropes, strict=True):
+                a.rope = rope
+
+
+class _AtPositions:
+    """A layer's rotary embedding at given positions (mRoPE: (3, 1, tokens)), whatever the
+    offset it is called with says, for the tokens from that offset on."""
+
+    def __init__(self, rotary: Any, positions: mx.array) -> None:
+        self.rotary, self.positions = rotary, positions
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        at = self.positions[..., offset : offset + x.shape[-2]]
+        return self.rotary.apply_rotary(x, x, at)[0]  # type: ignore[no-any-return]
+
+
+def _turn_keys(cache: list[Any], by: int, base: float) -> None:
+    """Every key each layer holds turned by ``by`` positions (rotary, all alike)."""
+    for c in cache:
+        keys = c.keys[..., : c.offset, :]
+        b, h, n, d = keys.shape
+        turned = mx.fast.rope(
+            keys.reshape(b * h * n, 1, d), d, traditional=False, base=base, scale=1.0, offset=by
+        )
+        c.keys[..., : c.offset, :] = turned.reshape(b, h, n, d)
+    mx.eval([c.state for c in cache])
 
 
 def load_language(path: Path, config: dict[str, Any]) -> tuple[nn.Module, Any]:
