@@ -1,5 +1,5 @@
 """Images in chat jobs: tiny Gemma 3, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2-VL /
-Qwen2.5-VL VLMs through the real queue, against mlx-vlm itself.
+Qwen2.5-VL / Qwen3-VL VLMs through the real queue, against mlx-vlm itself.
 
 The models are built with mlx-vlm's own classes (worker.dev.tinyvlm) and loaded by
 ``mlx_vlm.load`` for the reference and by the worker (mlx-lm's language model plus
@@ -46,7 +46,8 @@ def vlm(request, tmp_path_factory):
     """A tiny VLM of each architecture (Gemma 3: SigLIP pooled, sliding-window layers;
     Mistral 3: Pixtral, merged patches with row breaks; SmolVLM: pixel-shuffled patches
     between fake tokens, a llama language model mlx-lm does not read as a VLM's; Qwen2-VL
-    and Qwen2.5-VL: 3 x 2 merged patches at 2-D positions, mRoPE)."""
+    and Qwen2.5-VL: 3 x 2 merged patches at 2-D positions, mRoPE; Qwen3-VL: interleaved
+    mRoPE and deepstack features)."""
     root = tmp_path_factory.mktemp("vlm")
     return str(ensure_vlm(root / f"tiny-{request.param}-vlm", arch=request.param))
 
@@ -441,9 +442,9 @@ def _png_header_only(width: int, height: int) -> bytes:
 
 
 def test_what_mrope_vlms_refuse_by_name(tmp_path):
-    """Qwen3-VL's interleaved mRoPE is not run: an image on it fails naming why; Qwen2-VL's
-    image prefix needs unquantized KV caches (the keys are turned after it on plain ones):
-    on quantized ones (``--kv-bits``), a clear 400."""
+    """Qwen3-VL MoE's and GLM-4V's mRoPE are not run: an image on them fails naming why;
+    Qwen2-VL's image prefix needs unquantized KV caches (the keys are turned after it on
+    plain ones): on quantized ones (``--kv-bits``), a clear 400."""
     from mlx_lm.models.cache import QuantizedKVCache
 
     from worker.engine.vision import can_see
@@ -455,7 +456,8 @@ def test_what_mrope_vlms_refuse_by_name(tmp_path):
     assert gen.target.vision is not None and prepared.vision is not None
     with pytest.raises(InvalidRequestError, match="unquantized KV caches"):
         gen.target.vision.prefill(gen.target.model, prepared.prompt, prepared.vision, quantized)
-    for kind in ("qwen3_vl", "glm4v"):  # (what a model's load says of its images)
+    for kind in ("qwen3_vl_moe", "glm4v"):  # (what a model's load says of its images)
         why = can_see({"model_type": kind, "vision_config": {}})
         assert why is not None and "mRoPE" in why and kind in why
-    assert can_see({"model_type": "qwen2_5_vl", "vision_config": {}}) is None
+    for kind in ("qwen2_5_vl", "qwen3_vl"):
+        assert can_see({"model_type": kind, "vision_config": {}}) is None

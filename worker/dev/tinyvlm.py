@@ -1,6 +1,6 @@
 """Tiny local vision-language models for tests and demos where no model hub is reachable.
 
-Real Gemma 3, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2(.5)-VL checkpoints in
+Real Gemma 3, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2/2.5/3-VL checkpoints in
 shape (config.json with ``vision_config``, safetensors weights in mlx-vlm's names, a BPE
 tokenizer with the family's image tokens, a chat template that places image parts, the
 image processor's and processor's configs), made with mlx-vlm's own model classes and
@@ -10,7 +10,8 @@ random weights (deterministic for a seed): mlx-vlm's ``load`` reads them as VLMs
 ``worker.engine.vision.load_language``). A 56 x 56 image becomes 4 image tokens (Gemma:
 SigLIP, pooled; Mistral: Pixtral, 2 x 2 merged, with its row breaks and end token;
 SmolVLM: pixel-shuffled 2 x 2, between fake tokens after a global-image tag); Qwen's
-resize it to 56 x 84, 3 x 2 merged tokens at 2-D positions. Needs mlx-vlm
+resize it to 56 x 84, 3 x 2 merged tokens at 2-D positions (Qwen3: patches of 16, 64 x
+64, 2 x 2, one deepstack layer). Needs mlx-vlm
 (``mlxq[vision]``).
 """
 
@@ -75,7 +76,7 @@ IDEFICS3_SPECIALS = (
 ).split()
 IMAGE_SIZE = 56  # pixels a side: 4 x 4 patches of 14, merged or pooled to 2 x 2 tokens
 #: The architectures: mlx-vlm's model_type, and its tiny text and vision configs.
-ARCHS = ("gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")
+ARCHS = ("gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _TEXT = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -143,6 +144,7 @@ def write_vlm(
         "mistral3": MISTRAL3_SPECIALS,
         "qwen2_vl": QWEN2VL_SPECIALS,
         "qwen2_5_vl": QWEN2VL_SPECIALS,
+        "qwen3_vl": QWEN2VL_SPECIALS,
     }.get(arch, IDEFICS3_SPECIALS)
     ids = _write_tokenizer(path, specials, vocab)
     tokenizer = {
@@ -244,6 +246,52 @@ def write_vlm(
             "resample": 3,
         }
         processor = {"processor_class": processor_name}
+    elif arch == "qwen3_vl":
+        tokenizer |= {
+            "pad_token": "<|endoftext|>",
+            "eos_token": "<|im_end|>",
+            "chat_template": QWEN2VL_TEMPLATE,
+        }
+        text = text_shape | {
+            "model_type": "qwen3_vl_text",
+            "vocab_size": vocab,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            # interleaved sections over head_dim / 2 = 8 frequencies
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+            "tie_word_embeddings": False,
+        }
+        vision = {
+            "model_type": "qwen3_vl",
+            "depth": vision_shape["num_hidden_layers"],
+            "hidden_size": vision_shape["hidden_size"],
+            "intermediate_size": vision_shape["intermediate_size"],
+            "out_hidden_size": text_shape["hidden_size"],
+            "num_heads": vision_shape["num_attention_heads"],
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0],  # (the tower's first block, added after layer 0)
+        }
+        config = {
+            "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"],
+            "eos_token_id": ids["<|im_end|>"],
+        }
+        # Patches of 16 merged 2 x 2: images resized to 96 x 64, 3 x 2 tokens.
+        image = _IMAGE | {
+            "image_processor_type": "Qwen3VLImageProcessor",
+            "processor_class": "Qwen3VLProcessor",
+            "min_pixels": 32 * 32,
+            "max_pixels": 96 * 64,
+            "patch_size": 16,
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+        }
+        processor = {"processor_class": "Qwen3VLProcessor"}
     elif arch in ("idefics3", "smolvlm"):  # (SmolVLM 1 is idefics3; SmolVLM 2 smolvlm)
         tokenizer |= {
             "bos_token": "<s>",

@@ -19,14 +19,15 @@ alone, batched, speculative or as n choices, and the rest of its prompt and ever
 generated token are plain token ids. Greedy text equals mlx-vlm's own ``generate``
 (tests/test_vision.py).
 
-Qwen2-VL's and Qwen2.5-VL's image tokens take 2-D positions (multimodal RoPE: time, row,
+Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image tokens take 2-D positions (multimodal RoPE: time, row,
 column), and the text after them positions shifted from its index. Their image prefix is
 prefilled with each layer's rotary embedding swapped for mlx-vlm's mRoPE at those
 positions (``get_rope_index``); then every key kept is turned back by the shift (a rotary
 embedding of one position for all: RoPE's scores depend on differences of positions
 only), so every later token takes its plain index, as on any text model, on every engine
-and path. Other mRoPE architectures (Qwen3-VL's interleaved layout, GLM-4V) are refused
-by name.
+and path. Qwen3-VL's interleaved layout takes the same turn, and its deepstack features
+are added to the first layers' outputs during that prefill. Other mRoPE architectures
+(Qwen3-VL MoE, GLM-4V) are refused by name.
 """
 
 from __future__ import annotations
@@ -52,15 +53,17 @@ log = logging.getLogger(__name__)
 
 #: VLM architectures (config ``model_type``) whose images mlxq runs: checked equal to
 #: mlx-vlm's own generation.
-ARCHS = frozenset({"gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"})
+ARCHS = frozenset(
+    {"gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+)
 #: VLMs whose checkpoints mlx-lm does not read as text models: their language model is
 #: mlx-lm's ``text_config`` architecture over their language weights (:func:`load_language`).
 TEXT_VIEWS = frozenset({"idefics3", "smolvlm"})
 #: Architectures that position image tokens in 2-D (multimodal RoPE): not on mlx-lm's
 #: language model.
-MROPE = frozenset({"qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"})
+MROPE = frozenset({"qwen3_vl_moe", "glm4v", "glm4v_moe"})
 #: Those among :data:`ARCHS` whose image prefix is prefilled at mRoPE positions.
-SHIFTED = frozenset({"qwen2_vl", "qwen2_5_vl"})
+SHIFTED = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
 
 @dataclass(frozen=True)
@@ -148,16 +151,17 @@ class Vision:
         digest = hashlib.sha256("".join(im.digest for im in images).encode()).hexdigest()
         return ids, VisionInput(arrays, end, digest, places[0])
 
-    def embeddings(self, prompt: Sequence[int], vision: VisionInput) -> mx.array:
-        """The input embeddings of ``prompt[:vision.end]``: (tokens, hidden)."""
+    def features(self, prompt: Sequence[int], vision: VisionInput) -> Any:
+        """mlx-vlm's input features of ``prompt[:vision.end]``: ``inputs_embeds`` (1,
+        tokens, hidden), and for some architectures more (Qwen3-VL's deepstack features
+        and the positions they go to)."""
         ids = mx.array(list(prompt[: vision.end]))[None]
         arrays = dict(vision.arrays)
         pixels = arrays.pop("pixel_values", None)
         mask = arrays.pop("attention_mask", None)
         if mask is not None:
             mask = mask[:, : vision.end]
-        out = self.model.get_input_embeddings(ids, pixels, mask=mask, **arrays)
-        return out.inputs_embeds[0]
+        return self.model.get_input_embeddings(ids, pixels, mask=mask, **arrays)
 
     def prefill(
         self,
@@ -170,12 +174,15 @@ class Vision:
         """``cache`` (holding ``prompt[:start]``, text before the first image) holding
         ``prompt[:vision.end]``, images included: the language model run over the input
         embeddings in chunks of :data:`PREFILL_STEP`."""
-        embeds = self.embeddings(prompt, vision)
+        features = self.features(prompt, vision)
+        embeds = features.inputs_embeds[0]
         tokens = mx.array(list(prompt[: vision.end]))
         shift = 0
         with contextlib.ExitStack() as stack:
             if self.mrope:
                 shift = stack.enter_context(self._positions(language, tokens, vision, cache))
+            if getattr(features, "deepstack_visual_embeds", None) is not None:
+                stack.enter_context(_deepstack(language, features))
             for i in range(start, vision.end, PREFILL_STEP):
                 j = min(i + PREFILL_STEP, vision.end)
                 # A slice each time: mlx-lm's models scale their input embeddings in place.
@@ -186,14 +193,18 @@ class Vision:
         return cache
 
     def _rotary(self, language: nn.Module) -> tuple[Any, float]:
-        """mlx-vlm's mRoPE for ``language``'s attention, and its base."""
+        """mlx-vlm's mRoPE for ``language``'s attention (Qwen2's sections in chunks,
+        Qwen3's interleaved), and its base."""
         from mlx_vlm.models.qwen2_vl.language import Qwen2RotaryEmbedding
+        from mlx_vlm.models.qwen3_vl.language import Qwen3VLRotaryEmbedding
 
         text = self.model.config.text_config
-        dims = text.hidden_size // text.num_attention_heads
-        return Qwen2RotaryEmbedding(
+        dims = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kind = Qwen3VLRotaryEmbedding if self.model.config.model_type == "qwen3_vl" else None
+        rotary = (kind or Qwen2RotaryEmbedding)(
             dims, text.max_position_embeddings, text.rope_theta, text.rope_scaling
-        ), float(text.rope_theta)
+        )
+        return rotary, float(text.rope_theta)
 
     @contextlib.contextmanager
     def _positions(
@@ -217,6 +228,36 @@ class Vision:
         finally:
             for a, rope in zip(attentions, ropes, strict=True):
                 a.rope = rope
+
+
+@contextlib.contextmanager
+def _deepstack(language: nn.Module, features: Any) -> Iterator[None]:
+    """While Qwen3-VL's image prefix is prefilled: layer i's output gets the tower's i-th
+    deepstack features added at the image's positions (as mlx-vlm's language model adds
+    them), for the tokens each call holds (from its cache's offset)."""
+    where = mx.array(features.visual_pos_masks[0].tolist()).astype(mx.int32)
+    index = mx.cumsum(where) - 1  # (which feature row each image position takes)
+    layers = language.layers
+    kept = list(layers)
+    for i, rows in enumerate(features.deepstack_visual_embeds):
+        extra = mx.where(where[:, None] > 0, rows[mx.maximum(index, 0)], 0).astype(rows.dtype)
+        layers[i] = _Added(kept[i], extra)
+    try:
+        yield
+    finally:
+        layers[:] = kept
+
+
+class _Added:
+    """A decoder layer whose output gets ``extra[offset : offset + tokens]``."""
+
+    def __init__(self, layer: Any, extra: mx.array) -> None:
+        self.layer, self.extra = layer, extra
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        start = int(cache.offset) if cache is not None else 0
+        out = self.layer(x, mask, cache)
+        return out + self.extra[start : start + x.shape[1]][None].astype(out.dtype)
 
 
 class _AtPositions:
