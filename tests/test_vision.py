@@ -46,8 +46,8 @@ def vlm(request, tmp_path_factory):
     """A tiny VLM of each architecture (Gemma 3: SigLIP pooled, sliding-window layers;
     Mistral 3: Pixtral, merged patches with row breaks; SmolVLM: pixel-shuffled patches
     between fake tokens, a llama language model mlx-lm does not read as a VLM's; Qwen2-VL
-    and Qwen2.5-VL: 3 x 2 merged patches at 2-D positions, mRoPE; Qwen3-VL: interleaved
-    mRoPE and deepstack features)."""
+    and Qwen2.5-VL: 3 x 2 merged patches at 2-D positions, mRoPE; Qwen3-VL and its MoE:
+    interleaved mRoPE and deepstack features)."""
     root = tmp_path_factory.mktemp("vlm")
     return str(ensure_vlm(root / f"tiny-{request.param}-vlm", arch=request.param))
 
@@ -442,7 +442,7 @@ def _png_header_only(width: int, height: int) -> bytes:
 
 
 def test_what_mrope_vlms_refuse_by_name(tmp_path):
-    """Qwen3-VL MoE's and GLM-4V's mRoPE are not run: an image on them fails naming why;
+    """GLM-4V's mRoPE is not run: an image on it fails naming why;
     Qwen2-VL's image prefix needs unquantized KV caches (the keys are turned after it on
     plain ones): on quantized ones (``--kv-bits``), a clear 400."""
     from mlx_lm.models.cache import QuantizedKVCache
@@ -456,8 +456,8 @@ def test_what_mrope_vlms_refuse_by_name(tmp_path):
     assert gen.target.vision is not None and prepared.vision is not None
     with pytest.raises(InvalidRequestError, match="unquantized KV caches"):
         gen.target.vision.prefill(gen.target.model, prepared.prompt, prepared.vision, quantized)
-    for kind in ("qwen3_vl_moe", "glm4v"):  # (what a model's load says of its images)
+    for kind in ("glm4v", "glm4v_moe"):  # (what a model's load says of its images)
         why = can_see({"model_type": kind, "vision_config": {}})
         assert why is not None and "mRoPE" in why and kind in why
-    for kind in ("qwen2_5_vl", "qwen3_vl"):
+    for kind in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         assert can_see({"model_type": kind, "vision_config": {}}) is None

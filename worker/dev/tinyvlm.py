@@ -76,7 +76,16 @@ IDEFICS3_SPECIALS = (
 ).split()
 IMAGE_SIZE = 56  # pixels a side: 4 x 4 patches of 14, merged or pooled to 2 x 2 tokens
 #: The architectures: mlx-vlm's model_type, and its tiny text and vision configs.
-ARCHS = ("gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ARCHS = (
+    "gemma3",
+    "mistral3",
+    "idefics3",
+    "smolvlm",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+)
 _TEXT = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -145,6 +154,7 @@ def write_vlm(
         "qwen2_vl": QWEN2VL_SPECIALS,
         "qwen2_5_vl": QWEN2VL_SPECIALS,
         "qwen3_vl": QWEN2VL_SPECIALS,
+        "qwen3_vl_moe": QWEN2VL_SPECIALS,
     }.get(arch, IDEFICS3_SPECIALS)
     ids = _write_tokenizer(path, specials, vocab)
     tokenizer = {
@@ -246,14 +256,14 @@ def write_vlm(
             "resample": 3,
         }
         processor = {"processor_class": processor_name}
-    elif arch == "qwen3_vl":
+    elif arch in ("qwen3_vl", "qwen3_vl_moe"):
         tokenizer |= {
             "pad_token": "<|endoftext|>",
             "eos_token": "<|im_end|>",
             "chat_template": QWEN2VL_TEMPLATE,
         }
         text = text_shape | {
-            "model_type": "qwen3_vl_text",
+            "model_type": f"{arch}_text",
             "vocab_size": vocab,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
@@ -261,8 +271,17 @@ def write_vlm(
             "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]},
             "tie_word_embeddings": False,
         }
+        if arch == "qwen3_vl_moe":  # 4 experts, 2 a token, every layer sparse
+            text |= {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "norm_topk_prob": True,
+            }
         vision = {
-            "model_type": "qwen3_vl",
+            "model_type": arch,
             "depth": vision_shape["num_hidden_layers"],
             "hidden_size": vision_shape["hidden_size"],
             "intermediate_size": vision_shape["intermediate_size"],

@@ -26,8 +26,8 @@ positions (``get_rope_index``); then every key kept is turned back by the shift 
 embedding of one position for all: RoPE's scores depend on differences of positions
 only), so every later token takes its plain index, as on any text model, on every engine
 and path. Qwen3-VL's interleaved layout takes the same turn, and its deepstack features
-are added to the first layers' outputs during that prefill. Other mRoPE architectures
-(Qwen3-VL MoE, GLM-4V) are refused by name.
+are added to the first layers' outputs during that prefill (its MoE alike). GLM-4V's
+mRoPE is refused by name.
 """
 
 from __future__ import annotations
@@ -55,15 +55,16 @@ log = logging.getLogger(__name__)
 #: mlx-vlm's own generation.
 ARCHS = frozenset(
     {"gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+    | {"qwen3_vl_moe"}
 )
 #: VLMs whose checkpoints mlx-lm does not read as text models: their language model is
 #: mlx-lm's ``text_config`` architecture over their language weights (:func:`load_language`).
 TEXT_VIEWS = frozenset({"idefics3", "smolvlm"})
 #: Architectures that position image tokens in 2-D (multimodal RoPE): not on mlx-lm's
 #: language model.
-MROPE = frozenset({"qwen3_vl_moe", "glm4v", "glm4v_moe"})
+MROPE = frozenset({"glm4v", "glm4v_moe"})
 #: Those among :data:`ARCHS` whose image prefix is prefilled at mRoPE positions.
-SHIFTED = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+SHIFTED = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,8 @@ class Vision:
 
         text = self.model.config.text_config
         dims = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kind = Qwen3VLRotaryEmbedding if self.model.config.model_type == "qwen3_vl" else None
+        qwen3 = self.model.config.model_type in ("qwen3_vl", "qwen3_vl_moe")
+        kind = Qwen3VLRotaryEmbedding if qwen3 else None
         rotary = (kind or Qwen2RotaryEmbedding)(
             dims, text.max_position_embeddings, text.rope_theta, text.rope_scaling
         )
