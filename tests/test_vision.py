@@ -1,4 +1,4 @@
-"""Images in chat jobs: tiny Gemma 3, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2-VL /
+"""Images in chat jobs: tiny Gemma 3 and 4, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2-VL /
 Qwen2.5-VL / Qwen3-VL VLMs through the real queue, against mlx-vlm itself.
 
 The models are built with mlx-vlm's own classes (worker.dev.tinyvlm) and loaded by
@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("mlx_vlm")
 pytest.importorskip("PIL")
 
+import mlx.core as mx
 import numpy as np
 from PIL import Image
 
@@ -461,3 +462,35 @@ def test_what_mrope_vlms_refuse_by_name(tmp_path):
         assert why is not None and "mRoPE" in why and kind in why
     for kind in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         assert can_see({"model_type": kind, "vision_config": {}}) is None
+
+
+def test_the_logits_after_an_image_prefix_are_mlx_vlms(vlm):
+    """Stronger than equal greedy text: the first token's log-probabilities, after the
+    image prefix is prefilled here (mlx-lm's language model; mRoPE turned, deepstack added,
+    Gemma 4's ids and scale) and the rest of the prompt runs on the plain path, equal those
+    of mlx-vlm's own generation."""
+    from mlx_vlm import load, stream_generate
+
+    question = "describe the queue"
+    gen = ChatGenerator.get_or_create(vlm, cache=ModelCache(prefix_bytes=0))
+    prepared = gen.prepare(ChatRequest.model_validate(job(vlm, question, png(3))))
+    target = gen.target
+    assert target.vision is not None and prepared.vision is not None
+    cache = target.vision.prefill(
+        target.model, prepared.prompt, prepared.vision, target.new_cache()
+    )
+    rest = mx.array(prepared.prompt[prepared.vision.end :])[None]
+    logits = target.model(rest, cache=cache)[0, -1]
+    ours = logits - mx.logsumexp(logits)
+    model, processor = load(vlm)
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+    ]
+    prompt = processor.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    pil = Image.open(io.BytesIO(png(3))).convert("RGB")
+    first = next(iter(stream_generate(model, processor, prompt, image=[pil], max_tokens=1)))
+    theirs = mx.array(first.logprobs).reshape(-1)
+    assert first.prompt_tokens == len(prepared.prompt)
+    assert mx.abs(ours - theirs).max().item() < 1e-4

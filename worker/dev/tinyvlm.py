@@ -1,6 +1,6 @@
 """Tiny local vision-language models for tests and demos where no model hub is reachable.
 
-Real Gemma 3, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2/2.5/3-VL checkpoints in
+Real Gemma 3 and 4, Mistral 3, SmolVLM (Idefics 3, SmolVLM 2) and Qwen2/2.5/3-VL checkpoints in
 shape (config.json with ``vision_config``, safetensors weights in mlx-vlm's names, a BPE
 tokenizer with the family's image tokens, a chat template that places image parts, the
 image processor's and processor's configs), made with mlx-vlm's own model classes and
@@ -71,6 +71,20 @@ QWEN2VL_SPECIALS = (
     "<unk> <|endoftext|> <|im_start|> <|im_end|> <|vision_start|> <|vision_end|> <|image_pad|> "
     "<|video_pad|>"
 ).split()
+#: Gemma 4's: an image part is its image token, which the processor expands to <|image>
+#: image tokens <image|>. (Plain turns: after Gemma's turn markers this tiny random model
+#: writes only <unk>, which would make equal texts prove nothing.)
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|image|>{% elif p['type'] == 'text' %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}answer:"
+    "{% endif %}"
+)
+GEMMA4_SPECIALS = (
+    "<pad> <eos> <bos> <unk> <start_of_turn> <end_of_turn> <|image> <image|> <|image|> "
+    "<|audio> <audio|> <|audio|>"
+).split()
 IDEFICS3_SPECIALS = (
     "<unk> <s> </s> <pad> <fake_token_around_image> <image> <end_of_utterance> <global-img>"
 ).split()
@@ -85,6 +99,7 @@ ARCHS = (
     "qwen2_5_vl",
     "qwen3_vl",
     "qwen3_vl_moe",
+    "gemma4",
 )
 _TEXT = {
     "hidden_size": 64,
@@ -155,6 +170,7 @@ def write_vlm(
         "qwen2_5_vl": QWEN2VL_SPECIALS,
         "qwen3_vl": QWEN2VL_SPECIALS,
         "qwen3_vl_moe": QWEN2VL_SPECIALS,
+        "gemma4": GEMMA4_SPECIALS,
     }.get(arch, IDEFICS3_SPECIALS)
     ids = _write_tokenizer(path, specials, vocab)
     tokenizer = {
@@ -256,6 +272,79 @@ def write_vlm(
             "resample": 3,
         }
         processor = {"processor_class": processor_name}
+    elif arch == "gemma4":
+        tokenizer |= {
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "chat_template": GEMMA4_TEMPLATE,
+            "extra_special_tokens": {
+                "boi_token": "<|image>",
+                "eoi_token": "<image|>",
+                "image_token": "<|image|>",
+                "boa_token": "<|audio>",
+                "eoa_token": "<audio|>",
+                "audio_token": "<|audio|>",
+            },
+        }
+        head = text_shape["head_dim"]
+        text = text_shape | {
+            "model_type": "gemma4_text",
+            "vocab_size": vocab,
+            "vocab_size_per_layer_input": vocab,
+            "hidden_size_per_layer_input": 16,
+            "global_head_dim": 2 * head,
+            "num_kv_shared_layers": 0,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "use_double_wide_mlp": False,
+            "tie_word_embeddings": True,
+            # (stated, as real checkpoints do: mlx-lm's and mlx-vlm's defaults differ)
+            "rope_parameters": {
+                "full_attention": {
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                    "rope_type": "proportional",
+                },
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+            },
+        }
+        # Patches of 16 pooled 3 x 3: images resized to at most 16 soft tokens.
+        vision = {
+            "model_type": "gemma4_vision",
+            "hidden_size": vision_shape["hidden_size"],
+            "intermediate_size": vision_shape["intermediate_size"],
+            "num_hidden_layers": vision_shape["num_hidden_layers"],
+            "num_attention_heads": vision_shape["num_attention_heads"],
+            "num_key_value_heads": vision_shape["num_attention_heads"],
+            "head_dim": head,
+            "global_head_dim": head,
+            "patch_size": 16,
+            "pooling_kernel_size": 3,
+            "position_embedding_size": 64,
+            "default_output_length": 16,
+        }
+        config = {
+            "image_token_id": ids["<|image|>"],
+            "boi_token_id": ids["<|image>"],
+            "eoi_token_id": ids["<image|>"],
+            "audio_token_id": ids["<|audio|>"],
+            "boa_token_id": ids["<|audio>"],
+            "eoa_token_id": ids["<audio|>"],
+            "vision_soft_tokens_per_image": 16,
+            "hidden_size": text_shape["hidden_size"],
+            "pad_token_id": ids["<pad>"],
+            "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        }
+        image = {
+            "image_processor_type": "Gemma4ImageProcessor",
+            "processor_class": "Gemma4Processor",
+            "patch_size": 16,
+            "pooling_kernel_size": 3,
+            "max_soft_tokens": 16,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+        }
+        processor = {"processor_class": "Gemma4Processor", "image_processor": image}
     elif arch in ("qwen3_vl", "qwen3_vl_moe"):
         tokenizer |= {
             "pad_token": "<|endoftext|>",
@@ -397,6 +486,8 @@ def write_vlm(
     # Scaled up from mlx's init (as tinymodels does): output that varies with its input.
     scaled = ("proj.weight", "fc1.weight", "fc2.weight", "linear_1.weight", "linear_2.weight")
     weights = {k: v * 4 if k.endswith(scaled) else v for k, v in tree_flatten(model.parameters())}
+    if arch == "gemma4":  # (its images change its text then)
+        weights["embed_vision.embedding_projection.weight"] *= 4
     if gemma:
         weights.pop("language_model.lm_head.weight")  # tied, as Gemma's checkpoints are
     mx.eval(weights)

@@ -27,7 +27,9 @@ embedding of one position for all: RoPE's scores depend on differences of positi
 only), so every later token takes its plain index, as on any text model, on every engine
 and path. Qwen3-VL's interleaved layout takes the same turn, and its deepstack features
 are added to the first layers' outputs during that prefill (its MoE alike). GLM-4V's
-mRoPE is refused by name.
+mRoPE is refused by name. Gemma 4's language model (mlx-lm's) scales the embeddings it is
+given and reads the ids beside them (per-layer inputs): its image prefix gets them
+unscaled, its image tokens as padding, as mlx-vlm's does.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ log = logging.getLogger(__name__)
 #: mlx-vlm's own generation.
 ARCHS = frozenset(
     {"gemma3", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
-    | {"qwen3_vl_moe"}
+    | {"qwen3_vl_moe", "gemma4"}
 )
 #: VLMs whose checkpoints mlx-lm does not read as text models: their language model is
 #: mlx-lm's ``text_config`` architecture over their language weights (:func:`load_language`).
@@ -178,6 +180,12 @@ class Vision:
         features = self.features(prompt, vision)
         embeds = features.inputs_embeds[0]
         tokens = mx.array(list(prompt[: vision.end]))
+        ids = tokens
+        if self.model.config.model_type == "gemma4":
+            # mlx-lm's Gemma 4 scales what it is given (mlx-vlm's are scaled already), and
+            # its per-layer inputs read the ids beside the embeddings: images' as padding.
+            embeds = embeds / self.model.language_model.model.embed_scale
+            ids = mx.where(tokens == self.image_token, 0, tokens)
         shift = 0
         with contextlib.ExitStack() as stack:
             if self.mrope:
@@ -187,7 +195,7 @@ class Vision:
             for i in range(start, vision.end, PREFILL_STEP):
                 j = min(i + PREFILL_STEP, vision.end)
                 # A slice each time: mlx-lm's models scale their input embeddings in place.
-                language(tokens[i:j][None], cache=cache, input_embeddings=embeds[i:j][None])
+                language(ids[i:j][None], cache=cache, input_embeddings=embeds[i:j][None])
                 mx.eval([c.state for c in cache])
         if shift:
             _turn_keys(cache, -shift, self._rotary(language)[1])
