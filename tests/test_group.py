@@ -225,15 +225,17 @@ def test_pipeline_where_the_model_has_no_tensor_split_and_refusals_by_name(
     conn, redis_url, tmp_path, models
 ):
     """qwen3_next has only mlx-lm's pipeline: auto takes it, and its text is the whole
-    model's, n choices too; a model mlx-lm cannot split (gemma3_text) fails by name;
-    the group goes on serving after each."""
+    model's, n choices too (their prompt prefilled once, as a kept prefix every rank
+    holds, then dropped); a model mlx-lm cannot split (gemma3_text) fails by name; the
+    group goes on serving after each."""
     from producer import Client
 
     nxt, gemma = models["qwen3_next"], models["gemma3_text"]
     good = chat(nxt, LONG, max_tokens=20) | {"temperature": 0}
+    longer = chat(nxt, f"{LONG} {LONG} {LONG}", max_tokens=20) | {"temperature": 0}
     jobs = {
         "good": good,
-        "n": good | {"n": 2},
+        "n": longer | {"n": 2},  # (long enough for its choices to share one kept prefill)
         "gemma": chat(gemma, LONG, max_tokens=8),
         "after": chat(nxt, LONG + " again", max_tokens=12) | {"temperature": 0},
     }
@@ -245,7 +247,7 @@ def test_pipeline_where_the_model_has_no_tensor_split_and_refusals_by_name(
         assert got[name].status == "succeeded", got[name].error
         assert got[name].response.choices[0].message.content == _plain_text(nxt, jobs[name])
     choices = got["n"].response.choices  # n choices: each rank runs them all
-    assert [c.message.content for c in choices] == [_plain_text(nxt, good)] * 2
+    assert [c.message.content for c in choices] == [_plain_text(nxt, longer)] * 2
     assert got["gemma"].status == "failed" and "cannot be split" in got["gemma"].error.message
 
 

@@ -148,16 +148,25 @@ class ChatGenerator:
         n = job.request.n if job.request is not None else 1
         group = self.models.group
         engine: Engine = BatchEngine(self.target, n)
-        if group is not None:  # every rank runs the choices (each prefills its prompt)
+        if group is not None:  # every rank runs the choices
             engine = GroupEngine(group, engine, self.target)
         start_at = time.perf_counter()
         try:
-            layers, held, reused = (None, 0, 0) if group is not None else self._shared_prefill(job)
+            if group is not None:
+                starts, transient = self._kept_choices(job, n)
+            else:
+                layers, held, reused = self._shared_prefill(job)
+                starts = [
+                    Start(restore(layers, held), held, reused) if layers else NO_START
+                    for _ in range(n)
+                ]
+                transient = None
             seed = job.params.seed
             for i in range(n):
                 choice = job.with_params(seed=seed + i) if seed is not None else job
-                start = Start(restore(layers, held), held, reused) if layers else NO_START
-                engine.add(i, choice, start)
+                engine.add(i, choice, starts[i])
+            if transient is not None:  # (every choice holds its copy now)
+                self.models.prefixes.forget(self.target.key, transient)
         except BaseException:
             engine.close()
             raise
@@ -190,6 +199,27 @@ class ChatGenerator:
         prefill(self.target.model, prompt, cache, cached, held)
         layers = snapshot(cache, held)
         return (layers, held, start.reused) if layers is not None else (None, 0, 0)
+
+    def _kept_choices(self, job: Prepared, n: int) -> tuple[list[Start], tuple[int, ...] | None]:
+        """A worker group's shared prefill of ``n`` choices: all of the prompt but its last
+        token kept as a prefix entry (a told prefill: every rank runs it once), each choice
+        starting from its own copy; and the entry to drop once they hold it (None: it was
+        kept before, or is another job's). Each from nothing where it cannot be kept."""
+        store, prompt = self.models.prefixes, job.prompt
+        held = len(prompt) - 1
+        if not store.enabled or job.request is None or held < MIN_TOKENS:
+            return [NO_START] * n, None
+        key, mine = self.target.key, tuple(prompt[:held])
+        known = store.layers(key, mine) is not None
+        first = self._kept_start(job, prompt, held, boundary=held)
+        layers = store.layers(key, first.source) if first.cache is not None else None
+        if layers is None:
+            return [NO_START] * n, None
+        copies = [
+            Start(restore(layers, first.cached), first.cached, first.reused, first.source)
+            for _ in range(n - 1)
+        ]
+        return [first, *copies], None if known or first.source != mine else mine
 
     def shares(self, job: Prepared) -> bool:
         """Whether ``job``'s prompt has a prefix worth keeping that is known already: kept,
@@ -235,19 +265,22 @@ class ChatGenerator:
         limit: int,
         draft: LoadedModel | None = None,
         company: Sequence[Sequence[int]] = (),
+        boundary: int | None = None,
     ) -> Start:
         """:meth:`starting_cache` on token ids: ``prompt`` (the job's, or the text before
-        its first image and that image's first token)."""
+        its first image and that image's first token); ``boundary``: what to keep, if the
+        caller knows (else what other jobs share)."""
         if not self.models.prefixes.enabled or job.request is None:
             return NO_START
         store = self.models.prefixes
         # What other jobs' prompts share with it (on tokens: recent ones and its company),
         # or its last message boundary (a hint).
-        boundary = max(
-            store.shared(self.target.key, prompt),
-            message_boundary(self.target.tokenizer, job.request, prompt),
-            *(common_prefix(prompt, other) for other in company),
-        )
+        if boundary is None:
+            boundary = max(
+                store.shared(self.target.key, prompt),
+                message_boundary(self.target.tokenizer, job.request, prompt),
+                *(common_prefix(prompt, other) for other in company),
+            )
         store.remember(self.target.key, prompt)
         pairs = [(m.key, m) for m in (self.target, draft) if m is not None]
         cache, cached, reused, source = starting_cache(

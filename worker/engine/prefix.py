@@ -262,6 +262,16 @@ class PrefixCache:
             self.disk.save(identity, key[1], layers)
         return True
 
+    def layers(self, model: Hashable, tokens: Sequence[int]) -> Cache | None:
+        """The layers of ``model``'s entry of exactly ``tokens``, if it is kept."""
+        entry = self._entries.get((model, tuple(tokens)))
+        return entry.layers if entry is not None else None
+
+    def forget(self, model: Hashable, tokens: Sequence[int]) -> None:
+        """Drop ``model``'s entry of exactly ``tokens``, if it is kept."""
+        if (model, tuple(tokens)) in self._entries:
+            self._remove((model, tuple(tokens)))
+
     def _remove(self, key: tuple[Hashable, tuple[int, ...]]) -> int:
         entry = self._entries.pop(key)
         self._nbytes -= entry.nbytes
