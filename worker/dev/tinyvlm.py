@@ -252,13 +252,7 @@ def write_vlm(
                 "window_size": 56,
                 "fullatt_block_indexes": [vision_shape["num_hidden_layers"] - 1],
             }
-        config = text | {
-            "image_token_id": ids["<|image_pad|>"],
-            "video_token_id": ids["<|video_pad|>"],
-            "vision_start_token_id": ids["<|vision_start|>"],
-            "vision_end_token_id": ids["<|vision_end|>"],
-            "eos_token_id": ids["<|im_end|>"],
-        }
+        config = text | _qwen_ids(ids)
         # Images resized to multiples of 28 within these: 56 x 84 (6 x 4 patches of 14,
         # 3 x 2 tokens once merged: rows and columns differ, as 2-D positions must).
         image = _IMAGE | {
@@ -382,14 +376,8 @@ def write_vlm(
             "num_position_embeddings": 16,
             "deepstack_visual_indexes": [0],  # (the tower's first block, added after layer 0)
         }
-        config = {
-            "image_token_id": ids["<|image_pad|>"],
-            "video_token_id": ids["<|video_pad|>"],
-            "vision_start_token_id": ids["<|vision_start|>"],
-            "vision_end_token_id": ids["<|vision_end|>"],
-            "eos_token_id": ids["<|im_end|>"],
-        }
-        # Patches of 16 merged 2 x 2: images resized to 96 x 64, 3 x 2 tokens.
+        config = _qwen_ids(ids)
+        # Patches of 16 merged 2 x 2: the tests' images resized to 64 x 64, 2 x 2 tokens.
         image = _IMAGE | {
             "image_processor_type": "Qwen3VLImageProcessor",
             "processor_class": "Qwen3VLProcessor",
@@ -493,6 +481,17 @@ def write_vlm(
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     return path
+
+
+def _qwen_ids(ids: dict[str, int]) -> dict[str, int]:
+    """A Qwen VLM config's token ids."""
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"],
+    }
 
 
 def _write_tokenizer(path: Path, specials: list[str], vocab: int) -> dict[str, int]:

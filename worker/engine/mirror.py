@@ -229,9 +229,7 @@ class Verifier(SpecBatchEngine):
         return msg
 
     def step(self) -> Step:
-        joined = bool(self.joining)
-        if joined:
-            self._join()
+        joined = self._joined()
         rows = self.rows
         if not rows:
             return Step(0, [], joined, decoding=0)

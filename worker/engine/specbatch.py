@@ -267,9 +267,7 @@ class SpecBatchEngine:
     def step(self) -> Step:
         """One speculative round for every row: draft, verify, accept, rewind (after
         prefilling the rows that joined since the last round)."""
-        joined = bool(self.joining)
-        if joined:
-            self._join()
+        joined = self._joined()
         rows = self.rows
         if not rows:
             return Step(0, [], joined, decoding=0)
@@ -339,6 +337,13 @@ class SpecBatchEngine:
             times = (drafted - now, verified - drafted, total)
             self.planner.observe(tags, accepts, ks, kr, times, emitted)
         return Step(emitted, done, joined, decoding=len(rows))
+
+    def _joined(self) -> bool:
+        """Prefill the rows that joined since the last round; whether any did."""
+        joined = bool(self.joining)
+        if joined:
+            self._join()
+        return joined
 
     def _finish(self, row: _Row, reason: str) -> Any:
         if self.give_up is not None:  # what it measured while speculating
