@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -49,7 +49,7 @@ def post(port: int, body: dict, attempts: int = 30) -> dict:
 def mlx_lm_server(model: str, *extra: str) -> Iterator[int]:
     """``mlx_lm.server --model MODEL`` (its defaults, plus ``extra`` flags) on a free
     port, answered a first request; yields the port."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port), *extra],
         stdout=subprocess.DEVNULL,

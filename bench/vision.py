@@ -134,9 +134,9 @@ def mlx_vlm_server_arm(model_path: str, jobs: list[dict]) -> tuple[list[str] | N
     import subprocess
     import sys
 
-    from bench.peer import _free_port, post
+    from bench.peer import free_port, post
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "mlx_vlm.server", "--model", model_path]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     # (its request log to a file: a pipe could fill and stall it)

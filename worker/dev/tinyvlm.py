@@ -11,8 +11,7 @@ random weights (deterministic for a seed): mlx-vlm's ``load`` reads them as VLMs
 SigLIP, pooled; Mistral: Pixtral, 2 x 2 merged, with its row breaks and end token;
 SmolVLM: pixel-shuffled 2 x 2, between fake tokens after a global-image tag); Qwen's
 resize it to 56 x 84, 3 x 2 merged tokens at 2-D positions (Qwen3: patches of 16, 64 x
-64, 2 x 2, one deepstack layer). Needs mlx-vlm
-(``mlxq[vision]``).
+64, 2 x 2, one deepstack layer). Needs mlx-vlm (``mlxq[vision]``).
 """
 
 from __future__ import annotations
@@ -408,19 +407,17 @@ def write_vlm(
             "scale_factor": 2,
             "eos_token_id": ids["<end_of_utterance>"],
         }
+        family = "Idefics3" if arch == "idefics3" else "SmolVLM"
         image = _IMAGE | {
-            "image_processor_type": "Idefics3ImageProcessor"
-            if arch == "idefics3"
-            else "SmolVLMImageProcessor",
-            "processor_class": "Idefics3Processor" if arch == "idefics3" else "SmolVLMProcessor",
+            "image_processor_type": f"{family}ImageProcessor",
+            "processor_class": f"{family}Processor",
             "size": {"longest_edge": side},
             "max_image_size": {"longest_edge": side},
             "do_image_splitting": False,
             "do_pad": True,
             "resample": 1,
         }
-        name = "Idefics3Processor" if arch == "idefics3" else "SmolVLMProcessor"
-        processor = {"processor_class": name, "image_seq_len": tokens}
+        processor = {"processor_class": f"{family}Processor", "image_seq_len": tokens}
     else:
         tokenizer |= {"bos_token": "<s>", "eos_token": "</s>", "chat_template": MISTRAL3_TEMPLATE}
         text = text_shape | {

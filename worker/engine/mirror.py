@@ -149,7 +149,7 @@ def _obey(group: Group, cache: ModelCache, kept: Kept, msg: dict[str, Any]) -> N
         elif op == "prefix":
             _prefill(cache, kept, msg)
         elif op == "forget":
-            kept.pop(((msg["model"][0], msg["model"][1]), tuple(msg["tokens"])), None)
+            kept.pop((tuple(msg["model"]), tuple(msg["tokens"])), None)
         else:
             raise RuntimeError(f"a worker group follower was told {op!r} outside an engine")
     except Exception as e:  # rank 0 met the same (the same code on the same input)

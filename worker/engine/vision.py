@@ -19,11 +19,11 @@ alone, batched, speculative or as n choices, and the rest of its prompt and ever
 generated token are plain token ids. Greedy text equals mlx-vlm's own ``generate``
 (tests/test_vision.py).
 
-Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image tokens take 2-D positions (multimodal RoPE: time, row,
-column), and the text after them positions shifted from its index. Their image prefix is
-prefilled with each layer's rotary embedding swapped for mlx-vlm's mRoPE at those
-positions (``get_rope_index``); then every key kept is turned back by the shift (a rotary
-embedding of one position for all: RoPE's scores depend on differences of positions
+Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image tokens take 2-D positions (multimodal
+RoPE: time, row, column), and the text after them positions shifted from its index. Their
+image prefix is prefilled with each layer's rotary embedding swapped for mlx-vlm's mRoPE at
+those positions (``get_rope_index``); then every key kept is turned back by the shift (a
+rotary embedding of one position for all: RoPE's scores depend on differences of positions
 only), so every later token takes its plain index, as on any text model, on every engine
 and path. Qwen3-VL's interleaved layout takes the same turn, and its deepstack features
 are added to the first layers' outputs during that prefill (its MoE alike). GLM-4V's
@@ -198,12 +198,12 @@ class Vision:
                 language(ids[i:j][None], cache=cache, input_embeddings=embeds[i:j][None])
                 mx.eval([c.state for c in cache])
         if shift:
-            _turn_keys(cache, -shift, self._rotary(language)[1])
+            _turn_keys(cache, -shift, float(self.model.config.text_config.rope_theta))
         return cache
 
-    def _rotary(self, language: nn.Module) -> tuple[Any, float]:
-        """mlx-vlm's mRoPE for ``language``'s attention (Qwen2's sections in chunks,
-        Qwen3's interleaved), and its base."""
+    def _rotary(self) -> Any:
+        """mlx-vlm's mRoPE for the language model's attention (Qwen2's sections in
+        chunks, Qwen3's interleaved)."""
         from mlx_vlm.models.qwen2_vl.language import Qwen2RotaryEmbedding
         from mlx_vlm.models.qwen3_vl.language import Qwen3VLRotaryEmbedding
 
@@ -211,10 +211,9 @@ class Vision:
         dims = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         qwen3 = self.model.config.model_type in ("qwen3_vl", "qwen3_vl_moe")
         kind = Qwen3VLRotaryEmbedding if qwen3 else None
-        rotary = (kind or Qwen2RotaryEmbedding)(
+        return (kind or Qwen2RotaryEmbedding)(
             dims, text.max_position_embeddings, text.rope_theta, text.rope_scaling
         )
-        return rotary, float(text.rope_theta)
 
     @contextlib.contextmanager
     def _positions(
@@ -228,7 +227,7 @@ class Vision:
             )
         grid = vision.arrays.get("image_grid_thw")
         positions, shift = self.model.language_model.get_rope_index(tokens[None], grid)
-        rotary, _ = self._rotary(language)
+        rotary = self._rotary()
         attentions = [layer.self_attn for layer in language.layers]
         ropes = [a.rope for a in attentions]
         for a in attentions:
@@ -245,7 +244,7 @@ def _deepstack(language: nn.Module, features: Any) -> Iterator[None]:
     """While Qwen3-VL's image prefix is prefilled: layer i's output gets the tower's i-th
     deepstack features added at the image's positions (as mlx-vlm's language model adds
     them), for the tokens each call holds (from its cache's offset)."""
-    where = mx.array(features.visual_pos_masks[0].tolist()).astype(mx.int32)
+    where = features.visual_pos_masks[0].astype(mx.int32)
     index = mx.cumsum(where) - 1  # (which feature row each image position takes)
     layers = language.layers
     kept = list(layers)
