@@ -3,13 +3,14 @@
 A private ``redis-server``; jobs are taken and ended by the worker's own lifecycle (the
 real take and end scripts), no model runs: this measures the queue, not MLX.
 
-1. Cost: ``--jobs`` jobs taken and ended one by one, queued (a) without tenants (the
-   queue's own list, as before fair share), (b) by 1 tenant, (c) spread over 10
+1. Cost: ``--jobs`` jobs taken and ended one by one, queued (a) without tenants, in one
+   batch (the queue's own list, as before fair share), (b) without tenants in 10
+   batches (taking turns: the lane's ring), (c) by 1 tenant, (d) spread over 10
    tenants. Printed: jobs/s and the Redis time per job (take + end scripts, from
    ``INFO commandstats``), and their ratios to (a).
 2. Head-of-line: a ``--big``-job batch, then a 10-job batch, taken until the small one's
-   last job: without tenants (FIFO) vs as two tenants. Printed: big jobs taken before
-   the small batch's last.
+   last job: of one tenant (their batches take turns) and as two tenants. Printed: big
+   jobs taken before the small batch's last (FIFO, as before turns: all of them).
 
     .venv/bin/python -m bench.fairshare [--jobs 20000] [--big 200000] [--skip-cost]
 """
@@ -52,12 +53,14 @@ def _end(lc: Lifecycle, job) -> None:
     lc.end(job, record)
 
 
-def cost(conn: Redis, jobs: int, tenants: int | None) -> tuple[float, float]:
-    """Jobs/s and Redis microseconds per job (scripts) taking and ending ``jobs``."""
+def cost(conn: Redis, jobs: int, tenants: int | None, batches: int = 1) -> tuple[float, float]:
+    """Jobs/s and Redis microseconds per job (scripts) taking and ending ``jobs``, in
+    ``batches`` batches per tenant (None: the default tenant only)."""
     conn.flushall()
     for t in range(tenants or 1):
         name = keys.DEFAULT_TENANT if tenants is None else f"t{t}"
-        _submit(conn, jobs // (tenants or 1), f"b{t}", name)
+        for b in range(batches):
+            _submit(conn, jobs // (tenants or 1) // batches, f"b{t}-{b}", name)
     lc = _lifecycle(conn)
     conn.config_resetstat()
     start = time.perf_counter()
@@ -71,19 +74,14 @@ def cost(conn: Redis, jobs: int, tenants: int | None) -> tuple[float, float]:
     return n / wall, usec / n
 
 
-def head_of_line(conn: Redis, big: int, tenants: bool, most: int) -> tuple[int, float]:
+def head_of_line(conn: Redis, big: int, tenants: bool) -> tuple[int, float]:
     """Big-batch jobs taken before the small batch's last one, and seconds submitting
-    both. Past ``most`` takes, the small batch's last job's place in its list (jobs
-    ahead of it: FIFO takes every one of them first) stands in for taking them all."""
+    both."""
     conn.flushall()
     start = time.perf_counter()
     _submit(conn, big, "big", "big-team" if tenants else keys.DEFAULT_TENANT)
-    small_ids = _submit(conn, 10, "small", "small-team" if tenants else keys.DEFAULT_TENANT)
+    _submit(conn, 10, "small", "small-team" if tenants else keys.DEFAULT_TENANT)
     submitted = time.perf_counter() - start
-    if not tenants and big > most:
-        ahead = conn.lpos(keys.rq_queue_key("mlxq"), small_ids[-1])
-        assert ahead is not None
-        return int(ahead) - 9, submitted
     lc = _lifecycle(conn)
     bigs = smalls = 0
     pipe = conn.pipeline(transaction=False)
@@ -108,22 +106,21 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=20_000)
     ap.add_argument("--big", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument(
-        "--most-takes",
-        type=int,
-        default=200_000,
-        help="a FIFO head-of-line arm past this many jobs counts the jobs ahead instead",
-    )
     ap.add_argument("--skip-cost", action="store_true", help="only the head-of-line part")
     args = ap.parse_args()
     with LocalRedis() as server:
         conn = Redis.from_url(server.url)
         print(f"1. take + end of {args.jobs} jobs, one by one (the real scripts), alternated")
-        rows = [("no tenants", None), ("1 tenant", 1), ("10 tenants", 10)]
-        runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in rows}
+        rows = [
+            ("no tenants", None, 1),
+            ("10 batches", None, 10),
+            ("1 tenant", 1, 1),
+            ("10 tenants", 10, 1),
+        ]
+        runs: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in rows}
         for r in range(0 if args.skip_cost else args.rounds):
-            for label, tenants in rows:
-                runs[label].append(cost(conn, args.jobs, tenants))
+            for label, tenants, batches in rows:
+                runs[label].append(cost(conn, args.jobs, tenants, batches))
                 rate, usec = runs[label][-1]
                 print(f"   round {r + 1} {label:<12} {rate:6.0f} jobs/s  Redis {usec:6.1f} us/job")
         med = {k: (_median([x[0] for x in v]), _median([x[1] for x in v])) for k, v in runs.items()}
@@ -136,11 +133,10 @@ def main() -> None:
         print(
             f"2. a {args.big}-job batch, then a 10-job batch: big jobs taken before the last small"
         )
-        fifo, fifo_s = head_of_line(conn, args.big, False, args.most_takes)
-        fair, fair_s = head_of_line(conn, args.big, True, args.most_takes)
-        how = " (jobs ahead of it in the list)" if args.big > args.most_takes else ""
-        print(f"   without tenants (FIFO): {fifo}{how}; submitted in {fifo_s:.1f} s")
-        print(f"   as two tenants:         {fair}; submitted in {fair_s:.1f} s")
+        turns, turns_s = head_of_line(conn, args.big, False)
+        fair, fair_s = head_of_line(conn, args.big, True)
+        print(f"   one tenant (turns): {turns} (FIFO: {args.big}); submitted in {turns_s:.1f} s")
+        print(f"   as two tenants:     {fair}; submitted in {fair_s:.1f} s")
         print(f"   Redis memory: {conn.info('memory')['used_memory_human']}")
 
 

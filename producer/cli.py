@@ -46,6 +46,7 @@ from schemas.settings import (
     DEFAULT_REDIS_URL,
     ENV_QUEUE,
     ENV_REDIS_URL,
+    check_queue,
     redact_url,
     wait_replicas_option,
 )
@@ -132,6 +133,7 @@ def main() -> None:
     envvar=ENV_QUEUE,
     default=keys.DEFAULT_QUEUE,
     show_default=True,
+    callback=check_queue,
     help="RQ queue to put the jobs on.",
 )
 @click.option(
@@ -830,12 +832,14 @@ def tail(job_id: str, redis_url: str, timeout: float | None, as_json: bool) -> N
     envvar=ENV_QUEUE,
     default=keys.DEFAULT_QUEUE,
     show_default=True,
+    callback=check_queue,
     help="Queue of Batch API jobs.",
 )
 @click.option(
     "--interactive-queue",
     default=keys.INTERACTIVE_QUEUE,
     show_default=True,
+    callback=check_queue,
     help="Queue of chat completions (workers serve it first by default).",
 )
 @click.option(

@@ -88,10 +88,13 @@ def enqueue_call(
     job_timeout: int,
     most: int = 0,
     notify: str = "",
+    turns: bool = False,
 ) -> tuple[list[str], list[object]]:
     """The keys and arguments of :data:`ENQUEUE_LUA` for ``jobs`` of ``batch_id``; with
     ``most`` > 0 the script writes nothing (-1) while that many jobs wait on the queue;
-    ``notify``: the list record writers announce the batch's ended jobs on."""
+    ``notify``: the list record writers announce the batch's ended jobs on; ``turns``:
+    the batch takes turns with its tenant's other batches (on its own list when its
+    queue's list already holds work)."""
     queues: dict[str, int] = {}
     per_job: list[object] = []
     for j in jobs:
@@ -103,7 +106,8 @@ def enqueue_call(
         keys.RQ_QUEUES,
     ]
     args = [keys.rq_job_key(""), keys.rq_queue_key(""), result_ttl, keys.rq_time(), job_timeout]
-    return script_keys, [*args, len(queues), *queues, *per_job, most, notify]
+    own = batch_id if turns else ""
+    return script_keys, [*args, len(queues), *queues, *per_job, own, most, notify]
 
 
 class Enqueuer:
@@ -197,7 +201,7 @@ class Enqueuer:
                 pipe.execute()
         if fresh:
             script_keys, args = enqueue_call(
-                self.batch_id, fresh, self.result_ttl, self.job_timeout
+                self.batch_id, fresh, self.result_ttl, self.job_timeout, turns=True
             )
             if self.wait_replicas:
                 self._enqueue_and_wait(script_keys, args)

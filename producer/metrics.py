@@ -1,10 +1,11 @@
 """Prometheus metrics for the fleet, read from Redis at each scrape (no key scans).
 
 Served by the gateway (``GET /metrics``) and by ``producer metrics --port`` alone.
-Each scrape costs four pipelined round trips whatever the number of jobs: queue
-lengths and RQ's registry sizes per queue, the fleet registry (one ``MGET``), the
-lease table, and the :data:`RECENT_BATCHES` newest batches' counters; then the
-shared figures' index and its scopes (``producer.figures``). Names follow
+Each scrape costs six pipelined round trips whatever the number of jobs: queue
+lengths (a lane's batches' own lists too: ``schemas.lanes``) and RQ's registry sizes
+per queue, the fleet registry (one ``MGET``), the lease table, and the
+:data:`RECENT_BATCHES` newest batches' counters; then the shared figures' index and
+its scopes (``producer.figures``). Names follow
 rq-exporter where they mean the same thing (``rq_jobs``, ``rq_workers``) and
 OpenTelemetry's GenAI conventions for latency (``gen_ai_server_*``); the rest are
 ``mlxq_*``. Per-worker counters and histograms are the worker's own totals since it
@@ -31,7 +32,7 @@ from redis import Redis
 from producer.batches import status_of
 from producer.figures import Belief, beliefs
 from producer.tenants import USAGE_TENANTS, parse_usage
-from schemas import keys
+from schemas import keys, lanes
 from schemas.figures import measurements
 from schemas.fleet import WorkerInfo
 
@@ -75,7 +76,7 @@ class FleetCollector(Collector):
         return []  # collected live: no fixed description (and no scrape at registration)
 
     def read(self) -> dict[str, Any]:
-        """Everything one scrape reports, in two pipelined round trips."""
+        """Everything one scrape reports, in four pipelined round trips."""
         pipe = self.conn.pipeline(transaction=False)
         pipe.smembers(keys.RQ_QUEUES)
         pipe.zrange(keys.WORKERS, 0, -1)
@@ -92,7 +93,6 @@ class FleetCollector(Collector):
         batches = [_text(b) for b in batches]
         pipe = self.conn.pipeline(transaction=False)
         for q in queues:
-            pipe.llen(keys.rq_queue_key(q))
             pipe.zcard(keys.rq_started_key(q))
             pipe.zcard(keys.rq_finished_key(q))
             pipe.zcard(keys.rq_failed_key(q))
@@ -101,8 +101,9 @@ class FleetCollector(Collector):
         for b in batches:
             pipe.hgetall(keys.batch_key(b))
         replies = pipe.execute()
-        depth = {q: replies[4 * i : 4 * i + 4] for i, q in enumerate(queues)}
-        rest = replies[4 * len(queues) :]
+        waiting = lanes.depths(self.conn, queues)  # (a lane's batches' own lists too)
+        depth = {q: [waiting[i], *replies[3 * i : 3 * i + 3]] for i, q in enumerate(queues)}
+        rest = replies[3 * len(queues) :]
         raws = rest.pop(0) if names else []
         workers = [WorkerInfo.model_validate_json(r) for r in raws if r is not None]
         now_ms = int(now[0]) * 1000 + int(now[1]) // 1000

@@ -1,4 +1,4 @@
-"""The fleet at a glance: recent batches, live workers and queue depths, read in three
+"""The fleet at a glance: recent batches, live workers and queue depths, read in five
 pipelined round trips whose commands are bounded by how many batches, workers and queues
 are shown, never by how many jobs wait (what the gateway's ``/ui`` page polls)."""
 
@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from redis import Redis
 
 from producer.batches import status_of
-from schemas import ResultRecord, keys
+from schemas import ResultRecord, keys, lanes
 from schemas.fleet import WorkerInfo
 
 #: The newest batches shown, the first errors shown per batch, and the queues shown.
@@ -36,10 +36,10 @@ def overview(
         ids_raw, running_raw, names_raw, queues_raw = pipe.execute()
     ids = [b.decode() for b in ids_raw]
     names = [n.decode() for n in names_raw]
-    queue_keys = sorted(q.decode() for q in queues_raw)
+    prefix = keys.rq_queue_key("")
+    queue_names = sorted(q.decode().removeprefix(prefix) for q in queues_raw)
     if tenant is not None:
-        prefix = keys.rq_queue_key("")
-        queue_keys = [q for q in queue_keys if keys.tenant_of(q.removeprefix(prefix)) == tenant]
+        queue_names = [q for q in queue_names if keys.tenant_of(q) == tenant]
     with conn.pipeline(transaction=False) as pipe:
         for batch_id in ids:
             pipe.hgetall(keys.batch_key(batch_id))
@@ -47,13 +47,11 @@ def overview(
             pipe.lrange(keys.batch_errors_key(batch_id), 0, keys.BATCH_ERRORS_KEPT - 1)
         if names:
             pipe.mget([keys.worker_key(n) for n in names])
-        for q in queue_keys:
-            pipe.llen(q)
         replies = pipe.execute()
     per_batch = [replies[3 * i : 3 * i + 3] for i in range(len(ids))]
     rest = replies[3 * len(ids) :]
     worker_raws = rest.pop(0) if names else []
-    depths = rest
+    depths = lanes.depths(conn, queue_names)  # (a lane's batches' own lists too)
     firsts = [done.decode() if done else None for _, done, _ in per_batch]
     errors = [list(dict.fromkeys(e.decode() for e in errs)) for _, _, errs in per_batch]
     wanted = [j for j in firsts if j] + [j for errs in errors for j in errs]
@@ -85,10 +83,7 @@ def overview(
         "tenant": tenant,
         "batches": out_batches,
         "workers": [_worker(r) for r in worker_raws if r is not None],
-        "queues": [
-            {"name": q.removeprefix(keys.rq_queue_key("")), "depth": int(d)}
-            for q, d in zip(queue_keys, depths, strict=True)
-        ],
+        "queues": [{"name": q, "depth": d} for q, d in zip(queue_names, depths, strict=True)],
     }
 
 

@@ -12,7 +12,7 @@ import time
 
 from redis import Redis
 
-from schemas import keys
+from schemas import keys, lanes
 
 MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
 
@@ -70,14 +70,12 @@ def weights(conn: Redis) -> dict[str, float]:
 
 
 def queued(conn: Redis) -> dict[str, dict[str, int]]:
-    """Per tenant, per queue: the jobs waiting (the lists RQ's queue set names)."""
+    """Per tenant, per queue: the jobs waiting (the lists RQ's queue set names, and
+    their batches' own lists)."""
     names = sorted(
         k.decode().removeprefix(keys.rq_queue_key("")) for k in conn.smembers(keys.RQ_QUEUES)
     )
-    with conn.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.llen(keys.rq_queue_key(name))
-        depths = pipe.execute()
+    depths = lanes.depths(conn, names)
     out: dict[str, dict[str, int]] = {}
     for name, depth in zip(names, depths, strict=True):
         if depth:

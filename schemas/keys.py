@@ -55,6 +55,27 @@ def webhook_log_key(batch_id: str) -> str:
 #: lists of priority != 0 in the sorted set.
 FAIR_PREFIX = f"{PREFIX}:fair:"
 
+#: Lists ``mlxq:ring:<lane>``: a tenant's batches of one priority with work, taken from in
+#: turn (``schemas/lua/fair.lua``). A lane is a list of :func:`tenant_queue`; a batch
+#: submitted while its lane holds work waits on its own list ``<lane>#<batch id>``
+#: (``producer.enqueue``), which the ring names, as it names the lane itself then.
+RING_PREFIX = f"{PREFIX}:ring:"
+
+#: Rings a depth count reads at most per lane (:func:`schemas.lanes.depths`).
+RING_COUNTED = 100
+
+
+def ring_key(lane: str) -> str:
+    """List: the lists of ``lane`` (its own and its batches') with work, in turn order."""
+    return f"{RING_PREFIX}{lane_of(lane)}"
+
+
+def lane_of(queue: str) -> str:
+    """The lane the list ``queue`` belongs to: itself, or the lane of a batch's own list.
+    RQ's registries and queue set are the lane's (a batch's list has none of its own)."""
+    return queue.split("#", 1)[0]
+
+
 #: Lists ``mlxq:wake:<queue>``: a token per job put on one of the queue's lists (at most
 #: 64, 30 s), which idle workers block on (a hint to take; ``schemas/lua/fair.lua``).
 WAKE_PREFIX = f"{PREFIX}:wake:"
@@ -111,33 +132,47 @@ def validate_priority(priority: int) -> int:
     return priority
 
 
+_QUEUE_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def validate_queue(queue: str) -> str:
+    """Return ``queue`` if it is 1-128 letters, digits, '.', '_', ':' or '-'; else raise
+    ValueError ('@', '^' and '#' name a queue's tenant, priority and batch lists)."""
+    if not _QUEUE_RE.fullmatch(queue):
+        raise ValueError(
+            f"invalid queue {queue!r}: use 1-128 letters, digits, '.', '_', ':' or '-' "
+            "('@', '^' and '#' are kept for a queue's tenant, priority and batch lists)"
+        )
+    return queue
+
+
 def tenant_queue(queue: str, tenant: str, priority: int = 0) -> str:
     """The list a tenant's jobs of ``queue`` wait on: ``queue@tenant`` (the default
     tenant's: ``queue`` itself), ``queue@tenant^P`` for its batches of priority P != 0.
     Workers serve ``queue``; its take shares it fairly between tenants and, within a
     tenant, takes from its highest priority first."""
+    validate_queue(queue)
     if not validate_priority(priority) and tenant == DEFAULT_TENANT:
         return queue
-    if "@" in queue or "^" in queue:
-        raise ValueError(f"queue {queue!r} already names a tenant; name the queue alone")
     validate_tenant(tenant)
     return f"{queue}@{tenant}^{priority}" if priority else f"{queue}@{tenant}"
 
 
 def base_queue(queue: str) -> str:
-    """The queue workers serve that the list ``queue`` (maybe ``queue@tenant[^P]``) is
-    part of."""
-    return queue.split("@", 1)[0]
+    """The queue workers serve that the list ``queue`` (maybe ``queue@tenant[^P][#batch]``)
+    is part of."""
+    return lane_of(queue).split("@", 1)[0]
 
 
 def tenant_of(queue: str) -> str:
     """The tenant whose jobs wait on the list ``queue``."""
-    return queue.split("@", 1)[1].split("^", 1)[0] if "@" in queue else DEFAULT_TENANT
+    lane = lane_of(queue)
+    return lane.split("@", 1)[1].split("^", 1)[0] if "@" in lane else DEFAULT_TENANT
 
 
 def priority_of(queue: str) -> int:
     """The priority of the batches whose jobs wait on the list ``queue`` (0 if none)."""
-    _, _, priority = queue.partition("@")[2].partition("^")
+    _, _, priority = lane_of(queue).partition("@")[2].partition("^")
     try:
         return int(priority) if priority else 0
     except ValueError:
@@ -351,17 +386,17 @@ def rq_started_key(queue: str) -> str:
     mlxq scores its entries ``+inf``: leases live in :data:`LEASES`, so RQ's own
     cleanup of this registry never fails an mlxq job behind mlxq's back.
     """
-    return f"rq:wip:{queue}"
+    return f"rq:wip:{lane_of(queue)}"
 
 
 def rq_finished_key(queue: str) -> str:
     """Sorted set: RQ's finished registry (job ids scored by expiry, unix seconds)."""
-    return f"rq:finished:{queue}"
+    return f"rq:finished:{lane_of(queue)}"
 
 
 def rq_failed_key(queue: str) -> str:
     """Sorted set: RQ's failed registry (job ids scored by expiry, unix seconds)."""
-    return f"rq:failed:{queue}"
+    return f"rq:failed:{lane_of(queue)}"
 
 
 def rq_results_key(job_id: str) -> str:

@@ -26,6 +26,7 @@ CONSTANTS = {
     "ERRORS_KEPT": str(keys.BATCH_ERRORS_KEPT),
     "FAIR_PREFIX": f"'{keys.FAIR_PREFIX}'",
     "FAIR_SCAN": "64",  # lists found empty per take, at most (each leaves the set)
+    "RING_PREFIX": f"'{keys.RING_PREFIX}'",
     "WAKE_PREFIX": f"'{keys.WAKE_PREFIX}'",
     "WAKE_MAX": "64",  # idle workers one push wakes, at most
     "WAKE_TTL": "30",

@@ -42,3 +42,16 @@ def wait_replicas_option(after: str) -> Callable[[Callable[..., Any]], Callable[
         help=f"After {after}, WAIT until this many replicas have the writes (1 s at most; a "
         "shortfall is logged and counted).",
     )
+
+
+def check_queue(_ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """A click callback: each queue a ``--queue`` option names is a valid queue name
+    (:func:`schemas.keys.validate_queue`), or the option is refused naming it."""
+    from schemas.keys import validate_queue
+
+    try:
+        for name in (value,) if isinstance(value, str) else value:
+            validate_queue(name)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param=param) from None
+    return value

@@ -301,7 +301,8 @@ def test_cancel_of_a_queue_no_worker_serves_sweeps_it(conn):
     client.submit({f"b{i}": chat("m") for i in range(10)}, batch_id="b")
     cancelled, running = cancel_batch(conn, "a")
     assert (cancelled, running) == (5000, 0)
-    queued = [j.decode() for j in conn.lrange(keys.rq_queue_key("mlxq"), 0, -1)]
+    assert conn.llen(keys.rq_queue_key("mlxq")) == 0  # a's list, swept
+    queued = [j.decode() for j in conn.lrange(keys.rq_queue_key("mlxq#b"), 0, -1)]
     assert queued == [keys.job_id_for("b", f"b{i}") for i in range(10)]  # b's jobs untouched
     hashed = conn.hgetall(keys.rq_job_key(keys.job_id_for("a", "a42")))
     assert hashed == {b"status": b"canceled", b"description": b"a42"}  # shrunk, kept for results

@@ -8,7 +8,7 @@ import pytest
 from producer import Client
 from producer.batches import batch_status
 from producer.tenants import queued, set_weight
-from schemas import keys
+from schemas import GenerationError, ResultRecord, keys
 from tests.conftest import chat, run_worker
 from tests.test_lifecycle import expire, lifecycle, succeeded
 from tests.test_producer_cli import invoke
@@ -184,6 +184,25 @@ def test_hostile_tenant_names_are_refused_by_name(conn, redis_url, tmp_path, bad
     assert result.exit_code == 2 and "invalid tenant" in result.output
 
 
+@pytest.mark.parametrize("bad", ["q#b", "q@t", "q^1", "", "a b", "x" * 129, "q\n"])
+def test_hostile_queue_names_are_refused_by_name_everywhere(conn, redis_url, tmp_path, bad):
+    from click.testing import CliRunner
+
+    from worker.cli import main as worker_main
+
+    with pytest.raises(ValueError, match="invalid queue"):
+        Client(connection=conn, queue=bad).submit([chat("m", "x")])
+    path = tmp_path / "jobs.jsonl"
+    path.write_text('{"model": "m", "messages": [{"role": "user", "content": "x"}]}\n')
+    result = invoke("submit", path, "--queue", bad, "--redis-url", redis_url)
+    assert result.exit_code == 2 and "invalid queue" in result.output
+    result = invoke("serve", "--queue", bad, "--no-auth", "--redis-url", redis_url)
+    assert result.exit_code == 2 and "invalid queue" in result.output
+    result = CliRunner().invoke(worker_main, ["--queue", "mlxq", "--queue", bad])
+    assert result.exit_code == 2 and "invalid queue" in result.output
+    assert conn.dbsize() == 0
+
+
 def test_weights_out_of_range_are_refused(redis_url):
     for w in ("0", "-1", "1000", "nan"):
         result = invoke("tenant", "set", "team", "--weight", w, "--redis-url", redis_url)
@@ -350,3 +369,91 @@ def test_a_keys_requests_through_the_gateway_are_its_tenants(
     assert totals["team-a"]["jobs"] == 1 and totals[keys.DEFAULT_TENANT]["jobs"] == 1
     lists = {q.decode() for q in conn.smembers(keys.RQ_QUEUES)}
     assert keys.rq_queue_key(f"{keys.INTERACTIVE_QUEUE}@team-a") in lists
+
+
+def _lists(conn, lane: str = "mlxq") -> list[str]:
+    """The lane's ring: its lists with work, in turn order."""
+    return [m.decode() for m in conn.lrange(keys.ring_key(lane), 0, -1)]
+
+
+def test_a_tenants_batches_of_one_priority_take_turns(conn):
+    # The default tenant (no fair set at all) and a named one (its lane in the fair set).
+    for tenant, lane in ((keys.DEFAULT_TENANT, "mlxq"), ("team", "mlxq@team")):
+        _submit(conn, tenant, 300, f"{tenant}-big")  # chunks of 32, 64, 128, 76
+        assert _lists(conn, lane) == []  # one batch: the lane's own list, FIFO, no ring
+        _submit(conn, tenant, 10, f"{tenant}-small")
+        _submit(conn, tenant, 100, f"{tenant}-mid")
+        own = [f"{lane}#{tenant}-small", f"{lane}#{tenant}-mid"]
+        assert _lists(conn, lane) == [lane, *own]
+        # every chunk of a batch went where its first did
+        assert [conn.llen(keys.rq_queue_key(n)) for n in [lane, *own]] == [300, 10, 100]
+        assert conn.hget(keys.batch_key(f"{tenant}-mid"), f"list:{lane}") == own[1].encode()
+        assert queued(conn)[tenant] == {"mlxq": 410}  # a lane counts its batches' lists
+        order = _takes(lifecycle(conn, tenant), 411)  # the last take finds all empty
+        assert len(order) == 410
+        assert order[:6] == [f"{tenant}-big", f"{tenant}-small", f"{tenant}-mid"] * 2
+        last_small = max(i for i, b in enumerate(order) if b == f"{tenant}-small")
+        assert last_small == 28  # its 10th turn, not after the big batch's 300 jobs
+        assert order[30:210] == [f"{tenant}-big", f"{tenant}-mid"] * 90
+        assert order[210:] == [f"{tenant}-big"] * 200
+        assert not conn.exists(keys.ring_key(lane), keys.fair_key("mlxq"))
+        assert keys.tenant_of(own[0]) == tenant and keys.base_queue(own[0]) == "mlxq"
+
+
+def test_turns_hold_under_requeue_recovery_retry_cancel_and_other_tenants(conn):
+    from producer.batches import cancel_batch
+
+    _submit(conn, "a", 4, "a1")
+    (first, *_) = _submit(conn, "a", 4, "a2")
+    _submit(conn, "a", 4, "a3")
+    _submit(conn, "b", 6, "b1")
+    lc = lifecycle(conn)
+    assert lc.take().queue == "mlxq@a"  # a1: the lane's own list
+    job = lc.take()  # b's turn: tenants first, then a's batches in turn
+    assert job.queue == "mlxq@b"
+    lc.end(job, succeeded(job))
+    job = lc.take()
+    assert (job.id, job.queue) == (first, "mlxq@a#a2")
+    assert conn.zscore(keys.rq_started_key("mlxq@a"), f"{first}:{lc.token}")  # the lane's
+    assert lc.requeue(job)  # handed back: a's turn again, and a2's within a
+    assert lc.take().id == first
+    expire(conn, lc)
+    other = lifecycle(conn, "other")  # recovers a1's and a2's jobs to their lists' fronts
+    assert _lists(conn, "mlxq@a")[0] in ("mlxq@a", "mlxq@a#a2")
+    assert conn.lindex(keys.rq_queue_key("mlxq@a#a2"), 0) == first.encode()
+    assert cancel_batch(conn, "a3") == (4, 0)  # its own list swept whole
+    assert conn.llen(keys.rq_queue_key("mlxq@a#a3")) == 0
+    job = None
+    for _ in range(20):  # fail a2's first job; the rest succeed
+        job = other.take()
+        if job is None:
+            break
+        if job.id == first:
+            failed = ResultRecord.failed(job.id, "a2", job.envelope.custom_id, GenerationError("x"))
+            assert other.end(job, failed)
+        else:
+            other.end(job, succeeded(job))
+    assert job is None and not conn.exists(keys.ring_key("mlxq@a"))
+    assert Client(connection=conn).retry("a2").queued == 1  # back on a2's own list
+    assert conn.lrange(keys.rq_queue_key("mlxq@a#a2"), 0, -1) == [first.encode()]
+    assert _lists(conn, "mlxq@a") == ["mlxq@a#a2"]
+    assert other.take().id == first
+    assert [batch_status(conn, b).succeeded for b in ("a1", "a2", "a3", "b1")] == [4, 3, 0, 6]
+
+
+def test_a_batchs_own_list_is_waiting_work_to_every_reader(conn):
+    from producer.metrics import FleetCollector
+    from producer.overview import overview
+
+    _submit(conn, keys.DEFAULT_TENANT, 1, "first")
+    _submit(conn, keys.DEFAULT_TENANT, 3, "second")  # first's job waits: its own list
+    lc = lifecycle(conn)
+    assert keys.batch_of(lc.take().id) == "first"
+    # The queue's own list is empty now, and no fair set exists: only the ring says.
+    assert conn.llen(keys.rq_queue_key("mlxq")) == 0 and not conn.exists(keys.fair_key("mlxq"))
+    assert lc.waiting("mlxq") == 3
+    assert lc.first_waiting(["mlxq.interactive", "mlxq"]) == "mlxq"
+    assert FleetCollector(conn).read()["queues"]["mlxq"][0] == 3
+    assert {"name": "mlxq", "depth": 3} in overview(conn)["queues"]
+    assert queued(conn) == {keys.DEFAULT_TENANT: {"mlxq": 3}}
+    assert lc.take().queue == "mlxq#second"

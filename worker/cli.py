@@ -18,6 +18,7 @@ from schemas.settings import (
     DEFAULT_REDIS_URL,
     ENV_QUEUE,
     ENV_REDIS_URL,
+    check_queue,
     redact_url,
     wait_replicas_option,
 )
@@ -90,6 +91,7 @@ class _Commands(click.Group):
     multiple=True,
     default=[keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE],
     show_default=True,
+    callback=check_queue,
     help="Queue to serve, first ones first (repeatable; env var: space-separated). The "
     "default serves the gateway's chat completions before batch jobs.",
 )

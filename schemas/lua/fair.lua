@@ -10,8 +10,17 @@
 -- run by every script that puts an id on a list, brings the list (back) in at its
 -- tenant's virtual time, or the least present: a tenant that was idle banks no credit.
 -- The set ``mlxq:fair:Q@<tenant>:ranked`` names the tenant's lists of priority != 0.
+-- Within one tenant's list of one priority (a lane), batches take turns: a batch submitted while its lane
+-- holds work waits on its own list ``<lane>#<batch>`` (``enqueue.lua``), and the ring
+-- ``mlxq:ring:<lane>`` names the lane's lists with work (the lane's own among them then),
+-- in turn order: each take from the lane takes from the ring's first list and moves it
+-- last. A lane with no ring is one list, FIFO.
 local FAIR_EPS = 1e-4  -- priorities apart (|P| <= 9: under a take's step, >= 1/100)
+local function fair_lane(name)  -- the lane of a batch's own list (or of a lane: itself)
+  return string.match(name, '^([^#]*)')
+end
 local function fair_parts(name)  -- base queue, tenant, priority
+  name = fair_lane(name)
   local base, rest = string.match(name, '^(.-)@(.+)$')
   if not base then return name, {{DEFAULT_TENANT}}, 0 end
   local tenant, p = string.match(rest, '^(.-)%^(%-?%d+)$')
@@ -64,8 +73,40 @@ local function fair_wake(name, n)
   redis.call('LTRIM', key, -{{WAKE_MAX}}, -1)
   redis.call('EXPIRE', key, {{WAKE_TTL}})
 end
-local function fair_join(name)
+-- Bring the list ``name`` into its lane's ring (last, or ``front``: its turn next) when
+-- the lane has one or ``name`` is a batch's own list; the lane's own list comes in
+-- first when it holds work and the ring is new.
+local function lane_join(name, front)
+  local lane = fair_lane(name)
+  local ring = {{RING_PREFIX}} .. lane
+  local fresh = redis.call('EXISTS', ring) == 0
+  if name == lane and fresh then return end
+  if front then redis.call('LREM', ring, 1, name)
+  elseif redis.call('LPOS', ring, name) then return end
+  if name ~= lane and fresh and redis.call('LLEN', {{QUEUE_PREFIX}} .. lane) > 0 then
+    redis.call('RPUSH', ring, lane)
+  end
+  redis.call(front and 'LPUSH' or 'RPUSH', ring, name)
+end
+-- The next job of the lane, from the list whose turn it is, and that list (a list found
+-- empty leaves the ring); with no ring, the lane's own list's first.
+local function lane_pop(lane)
+  local ring = {{RING_PREFIX}} .. lane
+  for _ = 1, {{FAIR_SCAN}} do
+    local name = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
+    if not name then break end
+    local id = redis.call('LPOP', {{QUEUE_PREFIX}} .. name)
+    if id then return id, name end
+    redis.call('LREM', ring, -1, name)
+  end
+  return redis.call('LPOP', {{QUEUE_PREFIX}} .. lane), lane
+end
+-- ``front``: a job went back to the front of its list (handed back, recovered): that
+-- list's turn comes next within its lane.
+local function fair_join(name, front)
   fair_wake(name, 1)
+  lane_join(name, front)
+  name = fair_lane(name)
   local base = fair_parts(name)
   local fair = {{FAIR_PREFIX}} .. base
   if name == base and redis.call('EXISTS', fair) == 0 then return end
@@ -91,6 +132,8 @@ end
 -- A job handed back unstarted (``requeue.lua``) gives its take back: its list's turn
 -- comes again next, as the job is first on it.
 local function fair_give_back(name)
+  lane_join(name, true)
+  name = fair_lane(name)
   local base, tenant = fair_parts(name)
   local fair = {{FAIR_PREFIX}} .. base
   local score = redis.call('ZSCORE', fair, name)
@@ -116,21 +159,21 @@ local function fair_full(member, held)
   end
   return n >= limit
 end
-local function fair_pop(list, name)
+local function fair_pop(name)
   local fair = {{FAIR_PREFIX}} .. name
   local members = redis.call('ZRANGE', fair, 0, {{FAIR_SCAN}} - 1, 'WITHSCORES')
   local held = {}
   for j = 1, #members, 2 do
     local member = members[j]
     if not fair_full(member, held) then
-      local id = redis.call('LPOP', {{QUEUE_PREFIX}} .. member)
+      local id, from = lane_pop(member)
       if id then
         local _, tenant = fair_parts(member)
         fair_move(fair, member, fair_time(member, members[j + 1]) + 1 / fair_weight(tenant))
-        return id, member
+        return id, from
       end
       fair_leave(fair, member)
     end
   end
-  return redis.call('LPOP', list), name
+  return lane_pop(name)
 end

@@ -26,7 +26,7 @@ for i = 1, #entries, 2 do
   local id = entries[i]
   local tok, queue = string.match(entries[i + 1], '^(%S+) (.*)$')
   if tok and dead[tok] then
-    redis.call('ZREM', ARGV[6] .. queue, id .. ':' .. tok)
+    redis.call('ZREM', ARGV[6] .. fair_lane(queue), id .. ':' .. tok)
     local job = ARGV[4] .. id
     local retrying = redis.call('HEXISTS', job, 'retrying') == 1  -- producer retry
     if not retrying and redis.call('EXISTS', ARGV[5] .. id) == 1 then
@@ -41,13 +41,13 @@ for i = 1, #entries, 2 do
       redis.call('EXPIRE', ARGV[8] .. id, ARGV[3])
       if crashes >= tonumber(ARGV[2]) then
         redis.call('HSET', KEYS[1], id, ARGV[1] .. ' ' .. queue)
-        redis.call('ZADD', ARGV[6] .. queue, '+inf', id .. ':' .. ARGV[1])
+        redis.call('ZADD', ARGV[6] .. fair_lane(queue), '+inf', id .. ':' .. ARGV[1])
         table.insert(out, {'poison', id, queue, tostring(crashes)})
       else
         redis.call('HDEL', KEYS[1], id)
         redis.call('HSET', job, 'status', 'queued')
         redis.call('LPUSH', ARGV[7] .. queue, id)
-        fair_join(queue)
+        fair_join(queue, true)
         table.insert(out, {'requeued', id, queue, tostring(crashes)})
       end
     end
@@ -62,7 +62,7 @@ for tok, _ in pairs(dead) do
     while queue do
       local id = redis.call('LMOVE', inbox, ARGV[7] .. queue, 'RIGHT', 'LEFT')
       if not id then break end
-      fair_join(queue)
+      fair_join(queue, true)
       table.insert(out, {'inbox', id, queue, '0'})
     end
   end

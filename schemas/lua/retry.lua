@@ -28,10 +28,10 @@ for i = 7, #ARGV, 2 do
       redis.call('HINCRBY', job, 'retries', 1)
       redis.call('HDEL', job, 'started_at', 'ended_at', 'worker_name')
       redis.call('DEL', cp .. id)
-      redis.call('ZREM', fp .. origin, id)
+      redis.call('ZREM', fp .. fair_lane(origin), id)
       redis.call('RPUSH', qp .. origin, id)
       fair_join(origin)
-      redis.call('SADD', KEYS[2], qp .. origin)
+      redis.call('SADD', KEYS[2], qp .. fair_lane(origin))
       queued = queued + 1
     end
   end

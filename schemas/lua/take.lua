@@ -25,7 +25,7 @@ while dropped < 1000 do
   queue = ARGV[9]
   if not id then
     for i = 6, #KEYS do
-      id, queue = fair_pop(KEYS[i], ARGV[i + 4])
+      id, queue = fair_pop(ARGV[i + 4])
       if id then break end
     end
   end
@@ -56,7 +56,7 @@ if #fields == 0 then return {'missing', id, queue} end
 redis.call('HSET', KEYS[1], id, ARGV[1] .. ' ' .. queue)
 redis.call('HSET', job, 'status', 'started', 'started_at', ARGV[4], 'last_heartbeat', ARGV[4],
   'worker_name', ARGV[3])
-redis.call('ZADD', ARGV[7] .. queue, '+inf', id .. ':' .. ARGV[1])
+redis.call('ZADD', ARGV[7] .. fair_lane(queue), '+inf', id .. ':' .. ARGV[1])
 if redis.call('EXISTS', KEYS[4]) == 1 then
   redis.call('HSET', KEYS[4], 'state', 'busy', 'current_job', id)
 end

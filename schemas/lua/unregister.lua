@@ -9,12 +9,12 @@ for i = 1, #entries, 2 do
   local tok, queue = string.match(entries[i + 1], '^(%S+) (.*)$')
   if tok == ARGV[1] then
     redis.call('HDEL', KEYS[1], id)
-    redis.call('ZREM', ARGV[3] .. queue, id .. ':' .. tok)
+    redis.call('ZREM', ARGV[3] .. fair_lane(queue), id .. ':' .. tok)
     if redis.call('EXISTS', ARGV[2] .. id) == 1 then
       redis.call('HSET', ARGV[2] .. id, 'status', 'queued')
     end
     redis.call('LPUSH', ARGV[4] .. queue, id)
-    fair_join(queue)
+    fair_join(queue, true)
     table.insert(out, id)
   end
 end

@@ -45,6 +45,7 @@ from schemas import (
     ResultRecord,
     UnsafeJobError,
     keys,
+    lanes,
     read_job_hash,
 )
 from schemas.connect import WAIT_TIMEOUT_MS, wait_for_replicas
@@ -439,24 +440,22 @@ class Lifecycle(Upkeep):
         return out
 
     def waiting(self, queue: str) -> int:
-        """How many jobs wait in ``queue`` now, its tenants' lists included (at most 100
-        of them counted)."""
+        """How many jobs wait in ``queue`` now, its tenants' lists and their batches' own
+        lists included (at most 100 lists of each counted)."""
         base = keys.base_queue(queue)
         lists = {base, *(m.decode() for m in self.conn.zrange(keys.fair_key(base), 0, 99))}
-        with self.conn.pipeline(transaction=False) as pipe:
-            for name in lists:
-                pipe.llen(keys.rq_queue_key(name))
-            return sum(int(n) for n in pipe.execute())
+        return sum(lanes.depths(self.conn, sorted(lists)))
 
     def first_waiting(self, queues: list[str]) -> str | None:
-        """The first of ``queues`` that holds a job now, on its own list or a tenant's
-        (its fair set names the lists with work; one round trip), or None."""
+        """The first of ``queues`` that holds a job now, on its own list, a tenant's or a
+        batch's (its fair set and ring name the lists with work; one round trip), or None."""
         pipe = self.conn.pipeline(transaction=False)
         for q in queues:
             pipe.llen(keys.rq_queue_key(q))
             pipe.zcard(keys.fair_key(q))
+            pipe.llen(keys.ring_key(q))
         found = pipe.execute()
-        return next((q for i, q in enumerate(queues) if found[2 * i] or found[2 * i + 1]), None)
+        return next((q for i, q in enumerate(queues) if any(found[3 * i : 3 * i + 3])), None)
 
     def requeue(self, job: Job) -> bool:
         """Give a held job back to the front of its queue, unstarted."""
