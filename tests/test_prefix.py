@@ -282,6 +282,27 @@ def test_what_jobs_share_is_reused_whatever_the_template(conn, redis_url, tiny, 
         assert len(rt.cache.prefixes) == 1
 
 
+@pytest.mark.parametrize("where", ["a tenant's list", "a batch's own list"])
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_a_batch_off_the_queues_own_list_still_prefills_its_shared_part_once(
+    conn, redis_url, tiny, where, max_batch
+):
+    """The first job sees the next ones where they wait (its own list), whether that is a
+    tenant's list or the batch's own (it came while the queue's list held work)."""
+    client = Client(connection=conn)
+    if where == "a batch's own list":
+        client.submit([chat(tiny.target, "unrelated first", max_tokens=2)], batch_id="first")
+    bodies = [_shaped(tiny.target, i, "document") for i in range(4)]
+    tenant = "team" if where == "a tenant's list" else "default"
+    s = client.submit(bodies, batch_id="docs", tenant=tenant)
+    rt = runtime.WorkerRuntime(cache=ModelCache(prefix_bytes=10**9))
+    run_worker(redis_url, runtime=rt, max_batch=max_batch)
+    records = [read_result(conn, j) for j in s.job_ids]
+    assert {r.status for r in records} == {"succeeded"}
+    cached = [r.response.usage.prompt_tokens_details.cached_tokens for r in records]
+    assert cached[0] == 0 and all(c >= MIN_TOKENS for c in cached[1:]), (where, cached)
+
+
 @pytest.mark.parametrize("max_batch", [1, 4])
 def test_jobs_that_share_nothing_keep_nothing(conn, redis_url, tiny, max_batch):
     bodies = [

@@ -417,7 +417,7 @@ class ContinuousBatch:
             )
             if not self._room_for(job, prepared):
                 return False
-            upcoming = functools.partial(self.host.lifecycle.peek, self.queue, PEEK)
+            upcoming = functools.partial(self.host.lifecycle.peek, job.queue, PEEK)
             others = company(self.generator, prepared, upcoming, self.rt.scout)
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
                 draft = self.generator.draft if self.key.draft else None

@@ -220,7 +220,7 @@ class Worker:
         """Run ``job`` alone as routed and end it (also between a batch's steps)."""
         try:
             with self.computing():
-                upcoming = functools.partial(self.lifecycle.peek, keys.base_queue(job.queue), PEEK)
+                upcoming = functools.partial(self.lifecycle.peek, job.queue, PEEK)  # its mates
                 record, after = run_alone(job, r, self.rt, self.conn, upcoming)
         except BaseException:
             self.lifecycle.requeue(job)
