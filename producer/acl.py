@@ -56,6 +56,7 @@ _READS = [
     ["llen", _KEY],
     ["lrange", _KEY, "0", "-1"],
     ["lindex", _KEY, "0"],
+    ["lpos", _KEY, "x"],  # (in scripts: a lane's ring, when its batches take turns)
     ["smembers", _KEY],
     ["scard", _KEY],
     ["zrange", _KEY, "0", "-1"],

@@ -74,6 +74,8 @@ def test_each_role_works_with_its_own_user_and_sends_what_acl_check_checks(
 
     admin.config_resetstat()
     batch = cli("submit", str(path), "--redis-url", acl_redis.url("producer")).strip()
+    # a second batch while the first waits: it takes turns (its own list, the lane's ring)
+    cli("submit", str(path), "--redis-url", acl_redis.url("producer"))
     cli("status", batch, "--redis-url", acl_redis.url("producer"))
     sent["producer"] = commands_sent(admin)
 
