@@ -3,7 +3,7 @@
 Counts what the promise is about: every job ends with exactly one result record.
 
     .venv/bin/python -m bench.soak [--jobs 300] [--workers 3] [--seconds 240] [--max-batch 8]
-        [--tenants N]
+        [--tenants N] [--batches N]
 
 ``--max-batch 1`` runs every job on the one-at-a-time path; the default runs them
 in continuous batches (one kill hands back several jobs).
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-batch", type=int, default=8, help="the workers' --max-batch")
     ap.add_argument("--tenants", type=int, default=0, help="split the jobs over N tenants")
+    ap.add_argument("--batches", type=int, default=1, help="N batches per tenant (they take turns)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     OUT.mkdir(exist_ok=True)
@@ -75,12 +76,13 @@ def main() -> None:
             for i in range(args.jobs)
         }
         # --tenants N: N tenants' batches sharing the queue fairly (fair.lua on every take,
-        # requeue and recovery)
+        # requeue and recovery); --batches N: each tenant's batches taking turns (a ring)
         names = [f"t{i}" for i in range(args.tenants)] or [keys.DEFAULT_TENANT]
+        parts = [name for name in names for _ in range(args.batches)]
         items = list(requests.items())
         summaries = [
-            Client(connection=conn).submit(dict(items[i :: len(names)]), tenant=name)
-            for i, name in enumerate(names)
+            Client(connection=conn).submit(dict(items[i :: len(parts)]), tenant=name)
+            for i, name in enumerate(parts)
         ]
         batch_keys = [keys.batch_key(s.batch_id) for s in summaries]
         procs = {
@@ -125,6 +127,7 @@ def main() -> None:
         report = {
             "jobs_submitted": args.jobs,
             "tenants": args.tenants,
+            "batches_per_tenant": args.batches,
             "workers": args.workers,
             "max_batch": args.max_batch,
             "kills_sigkill": kills,
