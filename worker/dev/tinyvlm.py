@@ -146,14 +146,30 @@ _SMALL_VISION = _VISION | {
 }
 
 
+#: ``wide``: the tiny VLM with heads of 32 (quantized KV caches group at least 32 values).
+_WIDE_TEXT = _TEXT | {"hidden_size": 128, "head_dim": 32}
+
+
 def write_vlm(
-    path: Path, seed: int = 0, arch: str = "gemma3", vocab: int = 512, small: bool = False
+    path: Path,
+    seed: int = 0,
+    arch: str = "gemma3",
+    vocab: int = 512,
+    small: bool = False,
+    wide: bool = False,
 ) -> Path:
     """Write a tiny random VLM of ``arch`` (:data:`ARCHS`) to ``path`` (``small``: the
-    bench-sized one)."""
+    bench-sized one; ``wide``: heads of 32)."""
     import importlib
 
     text_shape, vision_shape = (_SMALL_TEXT, _SMALL_VISION) if small else (_TEXT, _VISION)
+    if wide:
+        text_shape = _WIDE_TEXT
+    # mRoPE's sections (temporal, height, width) over a head's frequencies: [2, 3, 3] of 8
+    half = text_shape["hidden_size"] // text_shape["num_attention_heads"] // 2
+    if "head_dim" in text_shape and arch not in ("qwen2_vl", "qwen2_5_vl"):
+        half = text_shape["head_dim"] // 2
+    sections = [half // 4, 3 * half // 8, 3 * half // 8]
     side = vision_shape["image_size"]
     tokens = (side // 14 // 2) ** 2  # patches of 14, pooled or merged 2 x 2
     head = vision_shape["hidden_size"] // vision_shape["num_attention_heads"]
@@ -228,7 +244,7 @@ def write_vlm(
             "vocab_size": vocab,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # (head_dim / 2)
+            "rope_scaling": {"type": "mrope", "mrope_section": sections},
             "tie_word_embeddings": False,
         }
         text.pop("head_dim")  # (hidden / heads)
@@ -349,8 +365,8 @@ def write_vlm(
             "vocab_size": vocab,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
-            # interleaved sections over head_dim / 2 = 8 frequencies
-            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+            # interleaved sections over head_dim / 2 frequencies
+            "rope_scaling": {"rope_type": "default", "mrope_section": sections},
             "tie_word_embeddings": False,
         }
         if arch == "qwen3_vl_moe":  # 4 experts, 2 a token, every layer sparse
@@ -498,9 +514,12 @@ def _write_tokenizer(path: Path, specials: list[str], vocab: int) -> dict[str, i
     return dict(tok.get_vocab())
 
 
-def ensure_vlm(path: Path, seed: int = 0, arch: str = "gemma3", small: bool = False) -> Path:
-    """``path`` holding the tiny (or ``small``) VLM of ``arch`` and ``seed`` (written once)."""
+def ensure_vlm(
+    path: Path, seed: int = 0, arch: str = "gemma3", small: bool = False, wide: bool = False
+) -> Path:
+    """``path`` holding the tiny (or ``small``, or ``wide``) VLM of ``arch`` and ``seed``
+    (written once)."""
     path = Path(path)
     if not (path / "model.safetensors").exists():
-        write_vlm(path, seed, arch, small=small)
+        write_vlm(path, seed, arch, small=small, wide=wide)
     return path

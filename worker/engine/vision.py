@@ -49,6 +49,7 @@ from mlx_lm.models.cache import KVCache
 
 from schemas import InvalidRequestError
 from worker.engine.images import Image, ImageCache
+from worker.engine.kvquant import QuantizedKV
 from worker.engine.prefill import PREFILL_STEP
 
 log = logging.getLogger(__name__)
@@ -221,9 +222,9 @@ class Vision:
     ) -> Iterator[int]:
         """While the image prefix is prefilled: every layer's rotary embedding at mRoPE
         positions. Yields how far the text after it is shifted from its index."""
-        if any(type(c) is not KVCache for c in cache):
+        if any(type(c) is not KVCache and not isinstance(c, QuantizedKV) for c in cache):
             raise InvalidRequestError(
-                f"{self.model.config.model_type} images need unquantized KV caches (--kv-bits)"
+                f"{self.model.config.model_type} images need full-attention KV caches"
             )
         grid = vision.arrays.get("image_grid_thw")
         positions, shift = self.model.language_model.get_rope_index(tokens[None], grid)
@@ -282,14 +283,27 @@ class _AtPositions:
 
 
 def _turn_keys(cache: list[Any], by: int, base: float) -> None:
-    """Every key each layer holds turned by ``by`` positions (rotary, all alike)."""
+    """Every key each layer holds turned by ``by`` positions (rotary, all alike). Quantized
+    keys (``--kv-bits``) are turned dequantized and quantized again in their groups."""
     for c in cache:
-        keys = c.keys[..., : c.offset, :]
+        quantized = isinstance(c, QuantizedKV)
+        if quantized:
+            held = [x[..., : c.offset, :] for x in c.keys]
+            keys = mx.dequantize(*held, group_size=c.group_size, bits=c.quant_bits)
+        else:
+            keys = c.keys[..., : c.offset, :]
         b, h, n, d = keys.shape
         turned = mx.fast.rope(
             keys.reshape(b * h * n, 1, d), d, traditional=False, base=base, scale=1.0, offset=by
-        )
-        c.keys[..., : c.offset, :] = turned.reshape(b, h, n, d)
+        ).reshape(b, h, n, d)
+        if quantized:
+            again = mx.quantize(
+                turned.astype(held[1].dtype), group_size=c.group_size, bits=c.quant_bits
+            )
+            for x, y in zip(c.keys, again, strict=True):
+                x[..., : c.offset, :] = y
+        else:
+            c.keys[..., : c.offset, :] = turned
     mx.eval([c.state for c in cache])
 
 
