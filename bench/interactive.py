@@ -9,6 +9,9 @@ Arms, in one run:
 - batch: the queued batch jobs alone (their tokens/s, first submit to last record);
 - batch + requests: both at once (requests p50 / p99 over idle; batch tokens/s
   over the batch arm);
+- one step between: the same with no credit banked for jobs run alone between the
+  batch's steps (``URGENT_BANK_S = 0``: the batch steps once between two of them, the
+  rule before the bank);
 - before: the same with the running batch not looking at the interactive queue
   (how it was: requests waited for the batch to end).
 
@@ -152,13 +155,20 @@ def main() -> None:
                     time.sleep(0.2)
                 alone = batch_rate(conn, ids, t0)
                 report["arms"][f"batch{suffix}"] = {"tok_s": alone}
-                for arm, look in (("batch + requests", True), ("before (no look)", False)):
+                bank = continuous.URGENT_BANK_S
+                arms = (
+                    ("batch + requests", True, bank),
+                    ("one step between (bank 0)", True, 0.0),
+                    ("before (no look)", False, bank),
+                )
+                for i, (arm, look, banked) in enumerate(arms):
                     saved = continuous.ContinuousBatch._urgent
+                    continuous.URGENT_BANK_S = banked
                     if not look:
                         continuous.ContinuousBatch._urgent = lambda self: None  # type: ignore[method-assign]
                     try:
                         t0 = time.time()
-                        tag = f"{'b' if look else 'c'}{prompt}"
+                        tag = f"{'bdc'[i]}{prompt}"
                         ids = submit_batch(conn, target, jobs, args.batch_tokens, prompt, tag)
                         while not conn.hlen(keys.RUNNING):  # until the batch runs
                             time.sleep(0.05)
@@ -170,6 +180,7 @@ def main() -> None:
                         rate = batch_rate(conn, ids, t0)
                     finally:
                         continuous.ContinuousBatch._urgent = saved  # type: ignore[method-assign]
+                        continuous.URGENT_BANK_S = bank
                     row = {
                         "p50_s": pct(lat, 0.5),
                         "p99_s": pct(lat, 0.99),

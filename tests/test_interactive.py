@@ -164,6 +164,38 @@ def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(conn, redis_url, tiny
     assert _ended(conn, flood) == 60 and _ended(conn, batch) == 40
 
 
+def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
+    conn, redis_url, tiny, monkeypatch
+):
+    """Jobs the batch cannot hold run alone one after another while the batch has banked
+    step time (each owes a third of what it took); they wait for a step only once they
+    have used it up."""
+    from worker.engine.batch import BatchEngine
+    from worker.runner.loop import Worker
+
+    events: list[str] = []
+    step, alone = BatchEngine.step, Worker.run_alone
+
+    def stepped(self):
+        events.append("s")
+        return step(self)
+
+    def ran(self, job, r):
+        events.append("a")
+        return alone(self, job, r)
+
+    monkeypatch.setattr(BatchEngine, "step", stepped)
+    monkeypatch.setattr(Worker, "run_alone", ran)
+    batch = _batch(conn, tiny.target, 12, 160)
+    worker = _serve(redis_url, _rt(), max_batch=4)
+    _wait(lambda: _ended(conn, batch) >= 1)  # a batch job's 160 steps: the bank is full
+    asked = _interactive(conn, tiny.target, 3, stream=True)  # streamed: each runs alone
+    _wait(lambda: _ended(conn, asked) == 3)
+    worker.join(120)
+    runs = "".join(events)
+    assert runs.count("a") == 3 and "aaa" in runs, runs[-40:]
+
+
 def test_sigkill_while_preempting_loses_nothing(conn, redis_url, tiny, workers):
     batch = _batch(conn, tiny.slow, 8, 200)
     a = workers("--lease-seconds", "2", "--max-batch", "4", "--speculative", "never", name="a")

@@ -43,9 +43,11 @@ round trip; none in between). A job waiting there does not wait for the batch:
 - one it cannot hold (streamed, another model, seeded sampling, ``n``) runs alone
   between two steps while the batch waits, its KV cache held, if every model it
   needs is loaded already and its KV cache fits beside the batch's; otherwise it
-  waits for the batch to end. The batch steps at least once between two jobs run
-  alone this way, and they take at most :data:`URGENT_SHARE` of the time: after
-  one, the batch steps for a third of what it took before the next look.
+  waits for the batch to end. Jobs run alone this way take at most
+  :data:`URGENT_SHARE` of the time: each one owes the batch a third of what it took,
+  which the batch's steps pay back; while nothing is owed the next one runs at once
+  (the batch banks at most :data:`URGENT_BANK_S` of credit while none wait), else
+  after the steps that pay it.
 
 Jobs are taken, refused, ended and given back through the same lifecycle as
 jobs run alone (``worker.lifecycle.held``).
@@ -105,6 +107,9 @@ LOOK_EVERY_S = 0.1
 OWN_FLOOR = 0.25
 #: The most of the wall time jobs run alone between a batch's steps may take.
 URGENT_SHARE = 0.75
+#: The most step seconds a batch banks for jobs run alone between its steps (they may
+#: run back to back until it is spent: up to 3x this while none had waited).
+URGENT_BANK_S = 2.0
 #: An interactive job joins the batch while a step of it takes at most this many times a
 #: step at the smallest batch size measured; above, it runs alone between two steps
 #: (a compute-bound device, where a large batch's step costs many single steps).
@@ -165,6 +170,7 @@ class ContinuousBatch:
         before = host.queues.index(queue) if queue in host.queues else 0
         self.ahead = host.queues[:before]
         self._look_at = 0.0
+        self._owed = 0.0  # step seconds the batch is owed by jobs run alone (< 0: banked)
         self._step_s: float | None = None  # steps' seconds, prefills too (running average)
 
     @property
@@ -202,6 +208,7 @@ class ContinuousBatch:
                 self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
                 # what a token of a job in this batch waits, prefill chunks included
                 self._step_s = ewma(self._step_s, seconds)
+                self._owed = max(self._owed - seconds, -URGENT_BANK_S)
                 self._urgent()
                 self._fill()
                 self._publish(kv_bytes)
@@ -279,6 +286,8 @@ class ContinuousBatch:
         between two steps, or (neither possible) wait for the batch to end."""
         if not self.ahead or time.monotonic() < self._look_at or not self.host.may_take():
             return  # a stopping worker takes nothing, so looks at nothing
+        if self._owed > 0:
+            return  # the batch steps first: jobs run alone took their share
         self._look_at = time.monotonic() + LOOK_EVERY_S
         while (queue := self._first_waiting()) is not None:
             job = self.host.take_from(queue)
@@ -294,9 +303,13 @@ class ContinuousBatch:
             return False
         t = time.monotonic()
         self.host.run_embeddings(job)
-        took = time.monotonic() - t
-        self._look_at = time.monotonic() + took * (1 - URGENT_SHARE) / URGENT_SHARE
-        return False
+        return self._ran_alone(time.monotonic() - t)
+
+    def _ran_alone(self, took: float) -> bool:
+        """A job ran alone between two steps for ``took`` seconds: the batch is owed its
+        share of that. Whether the next one may run at once (nothing owed)."""
+        self._owed += took * (1 - URGENT_SHARE) / URGENT_SHARE
+        return self._owed <= 0
 
     def _first_waiting(self) -> str | None:
         """The first queue ahead that holds a job; None too when Redis does not answer (the
@@ -309,8 +322,9 @@ class ContinuousBatch:
             return None
 
     def _urgent_one(self, job: Job) -> bool:
-        """Run ``job`` from a queue ahead of the batch's: True when it joined (or ended at
-        once), False when it ran alone or went back to wait (looks pause a while)."""
+        """Run ``job`` from a queue ahead of the batch's: True when the next may come now
+        (it joined, ended at once, or ran alone with the batch owed nothing), False when
+        the batch steps first (it went back to wait, or the batch is owed its share)."""
         if self._again(job):
             return True
         if is_embedding(job):
@@ -337,9 +351,7 @@ class ContinuousBatch:
             return False
         t = time.monotonic()
         self.host.run_alone(job, alone)
-        took = time.monotonic() - t
-        self._look_at = time.monotonic() + took * (1 - URGENT_SHARE) / URGENT_SHARE
-        return False
+        return self._ran_alone(time.monotonic() - t)
 
     def _join_pays(self) -> bool:
         """Whether a step of this batch costs at most :data:`JOIN_SLOWDOWN` steps at the
