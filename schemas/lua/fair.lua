@@ -10,11 +10,11 @@
 -- run by every script that puts an id on a list, brings the list (back) in at its
 -- tenant's virtual time, or the least present: a tenant that was idle banks no credit.
 -- The set ``mlxq:fair:Q@<tenant>:ranked`` names the tenant's lists of priority != 0.
--- Within one tenant's list of one priority (a lane), batches take turns: a batch submitted while its lane
--- holds work waits on its own list ``<lane>#<batch>`` (``enqueue.lua``), and the ring
--- ``mlxq:ring:<lane>`` names the lane's lists with work (the lane's own among them then),
--- in turn order: each take from the lane takes from the ring's first list and moves it
--- last. A lane with no ring is one list, FIFO.
+-- Within one tenant's list of one priority (a lane), batches take turns: a batch
+-- submitted while its lane holds work waits on its own list ``<lane>#<batch>``
+-- (``enqueue.lua``), and the ring ``mlxq:ring:<lane>`` names the lane's lists with work
+-- (the lane's own among them then), in turn order: each take from the lane takes from
+-- the ring's first list and moves it last. A lane with no ring is one list, FIFO.
 local FAIR_EPS = 1e-4  -- priorities apart (|P| <= 9: under a take's step, >= 1/100)
 local function fair_lane(name)  -- the lane of a batch's own list (or of a lane: itself)
   return string.match(name, '^([^#]*)')
