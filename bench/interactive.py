@@ -74,12 +74,24 @@ def requests(base: str, target: str, n: int, every: float, tokens: int) -> list[
     return out
 
 
+def filler(target: str, tokens: int) -> str:
+    """Words making about ``tokens`` tokens of ``target``'s tokenizer ("" for 0)."""
+    if not tokens:
+        return ""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    sample = " ".join(f"w{i % 97}" for i in range(200))
+    per_word = len(tokenizer(sample)["input_ids"]) / 200
+    return " ".join(f"w{i % 97}" for i in range(round(tokens / per_word)))
+
+
 def submit_batch(conn: Redis, target: str, n: int, tokens: int, prompt: int, tag: str) -> list[str]:
-    filler = " ".join(f"w{i % 97}" for i in range(prompt))
+    text = filler(target, prompt)
     jobs = {
         f"{tag}{i}": {
             "model": target,
-            "messages": [{"role": "user", "content": f"batch job {i}. {filler}"}],
+            "messages": [{"role": "user", "content": f"batch job {i}. {text}"}],
             "max_tokens": tokens,
             "temperature": 0,
         }
@@ -111,6 +123,9 @@ def serve(
 
 def batch_rate(conn: Redis, ids: list[str], started: float) -> float:
     records = [read_result(conn, j) for j in ids]
+    failed = [r.error for r in records if r.response is None]
+    if failed:
+        raise SystemExit(f"{len(failed)} batch job(s) failed, e.g. {failed[0]}")
     tokens = sum(r.response.usage.completion_tokens for r in records if r.response)
     return tokens / (max(r.finished_at for r in records) - started)
 
