@@ -166,9 +166,8 @@ def write_vlm(
     if wide:
         text_shape = _WIDE_TEXT
     # mRoPE's sections (temporal, height, width) over a head's frequencies: [2, 3, 3] of 8
-    half = text_shape["hidden_size"] // text_shape["num_attention_heads"] // 2
-    if "head_dim" in text_shape and arch not in ("qwen2_vl", "qwen2_5_vl"):
-        half = text_shape["head_dim"] // 2
+    # (every shape here has head_dim = hidden / heads, as Qwen2-VL's configs imply)
+    half = text_shape["head_dim"] // 2
     sections = [half // 4, 3 * half // 8, 3 * half // 8]
     side = vision_shape["image_size"]
     tokens = (side // 14 // 2) ** 2  # patches of 14, pooled or merged 2 x 2
