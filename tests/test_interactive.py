@@ -9,6 +9,7 @@ jobs cannot stop the batch.
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 import time
@@ -286,3 +287,66 @@ def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(
     waited = read_result(conn, other[0])
     assert waited.status == "succeeded"  # not lost: it ran once the batch had ended
     assert waited.finished_at >= max(read_result(conn, j).finished_at for j in batch)
+
+
+def _prefill_steps(gen: ChatGenerator, budget: float | None) -> tuple[int, int, list[int], list]:
+    """Three ~300-token prompts in one engine under ``budget``: the steps that prefilled,
+    the engine's estimate of them before the first, the tokens left to prefill after
+    each step, and the greedy texts."""
+    engine = BatchEngine(gen.target, 8, prefill_budget_s=budget)
+    for i in range(3):
+        prompt = f"{i} " + "tell me about queues and workers " * 20
+        req = ChatRequest.model_validate(chat(gen.target.name, prompt, max_tokens=6, temperature=0))
+        engine.add(i, gen.prepare(req))
+    prefills, left, texts = 0, [engine.prefilling], {}
+    estimate = engine.prefill_steps
+    while len(engine):
+        step = engine.step()
+        prefills += step.prefilled
+        left.append(engine.prefilling)
+        texts.update({tag: out.text for tag, out in step.done})
+    engine.close()
+    return prefills, estimate, left, [texts[i] for i in range(3)]
+
+
+def test_a_prefill_budget_cuts_prompts_into_short_steps_with_the_same_text(tiny):
+    """Under a budget a CPU cannot meet, each step prefills the least chunk per sequence
+    (so a job waiting for the next step waits one short step); a budget any device meets
+    keeps whole chunks once the speed is measured. The greedy text is the same."""
+    from worker.engine.batch import MIN_CHUNK
+
+    gen = ChatGenerator.get_or_create(tiny.target, cache=ModelCache())
+    whole, whole_estimate, whole_left, whole_texts = _prefill_steps(gen, None)
+    cut, cut_estimate, cut_left, cut_texts = _prefill_steps(gen, 1e-9)
+    roomy, _, _, roomy_texts = _prefill_steps(gen, 1e9)
+    prompt = whole_left[0] // 3
+    assert prompt > 250 and whole <= 2 and roomy <= 3  # (the first step: the least chunk)
+    assert cut >= prompt // MIN_CHUNK  # every step MIN_CHUNK tokens a sequence
+    # what a joiner is judged by (+1: the step that feeds each prompt's last token)
+    assert whole == whole_estimate + 1 and abs(cut - cut_estimate - 1) <= 1
+    drops = [a - b for a, b in itertools.pairwise(cut_left) if a > b]
+    assert max(drops) <= 3 * MIN_CHUNK and cut_left[-1] == 0
+    assert cut_texts == whole_texts == roomy_texts
+
+
+def test_an_interactive_job_runs_alone_while_batch_prompts_prefill(
+    conn, redis_url, tiny, monkeypatch
+):
+    """It does not join a batch whose steps carry other prompts' chunks: each of its
+    tokens would wait for them (seen on a CPU: 94 s to a first token)."""
+    from worker.runner import continuous
+
+    monkeypatch.setattr(continuous, "PREFILL_BUDGET_S", 1e-9)  # chunks of MIN_CHUNK
+    long = "tell me about queues and workers " * 60
+    jobs = {f"b{i}": chat(tiny.slow, f"{i} {long}", max_tokens=8, temperature=0) for i in range(4)}
+    batch = Client(connection=conn).submit(jobs, batch_id="b").job_ids
+    rt = _rt()
+    worker = _serve(redis_url, rt, max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    asked = _interactive(conn, tiny.slow, 1)
+    _wait(lambda: _ended(conn, asked) == 1)
+    assert _ended(conn, batch) == 0  # the batch's prompts were still prefilling
+    worker.join(180)
+    assert read_result(conn, asked[0]).metrics.batch_size == 1  # it ran alone
+    assert rt.stats.preemptions == 0
+    assert _ended(conn, batch) == 4

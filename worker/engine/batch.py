@@ -4,6 +4,15 @@ Pure MLX and mlx-lm (``BatchGenerator``); knows nothing of Redis or jobs. Each
 sequence has its own sampler, logits processors, stop strings and max_tokens;
 sequences join between steps and leave as they finish. Which jobs may share a
 batch, and taking them off the queue, is the runner's business.
+
+Prefill goes in chunks of :data:`~worker.engine.prefill.PREFILL_STEP` tokens per
+sequence, up to :data:`PREFILL_BATCH` sequences a step. With ``prefill_budget_s`` set
+(the runner sets it when someone may be waiting on a step: an interactive queue is
+served before the batch's), the chunks shrink so that a step's prefill takes about that
+long at the prefill speed measured in this batch (never under :data:`MIN_CHUNK` tokens
+a sequence): on a device where 8 chunks of 512 tokens take a minute (a CPU), a step
+then takes a second or two, so a job waiting for the next step does not wait for
+minutes of other prompts. Where prefill is fast (a GPU), the chunks stay whole.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ PREFILL_BATCH = 8
 #: update ignores ``ArraysCache.lengths``, so the padding enters the state): their
 #: sequences are prefilled one at a time (they still decode together).
 UNPADDED_PREFILL = frozenset({"nemotron_h"})
+#: The fewest prompt tokens a sequence prefills in a step under a prefill budget (a CPU
+#: prefills 8 rows of 8 tokens at about the speed of 8 of 512: measured here).
+MIN_CHUNK = 8
 
 
 class BatchEngine:
@@ -35,9 +47,16 @@ class BatchEngine:
     """
 
     def __init__(
-        self, target: LoadedModel, max_batch: int, prefill_step: int = PREFILL_STEP
+        self,
+        target: LoadedModel,
+        max_batch: int,
+        prefill_step: int = PREFILL_STEP,
+        prefill_budget_s: float | None = None,
     ) -> None:
         self.target, self.max_batch = target, max_batch
+        self.prefill_step = prefill_step
+        #: Seconds of prefill one step may take (None: whole chunks, however long).
+        self.prefill_budget_s = prefill_budget_s
         self.models = (target,)
         tok = target.tokenizer
         together = 1 if target.config.get("model_type") in UNPADDED_PREFILL else PREFILL_BATCH
@@ -49,6 +68,20 @@ class BatchEngine:
             prefill_step_size=prefill_step,
         )
         self._seqs: dict[int, Sequence] = {}
+        self._left: dict[int, int] = {}  # prompt tokens still to prefill, by uid
+        self._prefill_rate: float | None = None  # prompt tokens/s measured (running)
+
+    @property
+    def prefilling(self) -> int:
+        """Prompt tokens still to prefill."""
+        return sum(self._left.values())
+
+    @property
+    def prefill_steps(self) -> int:
+        if not self._left:
+            return 0
+        together = min(len(self._left), self.gen.prefill_batch_size)
+        return -(-self.prefilling // (together * self._chunk()))
 
     @property
     def kv_bytes(self) -> int:
@@ -92,6 +125,7 @@ class BatchEngine:
             waiting.appendleft(waiting.pop())
         detok = self.target.tokenizer.detokenizer  # a fresh one per access
         self._seqs[uid] = Sequence(tag, len(prompt), params, detok, start.reused, on_text)
+        self._left[uid] = len(prompt) - cached
 
     def lengths(self) -> list[tuple[int, int]]:
         return [s.length() for s in self._seqs.values()]
@@ -104,10 +138,23 @@ class BatchEngine:
             if seq.tag == tag:
                 self.gen.remove([uid])
                 del self._seqs[uid]
+                self._left.pop(uid, None)
 
     def step(self) -> Step:
         """One decoding step (and a chunk of prefill for sequences joining)."""
-        prompts, responses = self.gen.next()
+        self._size_chunks()
+        with self.gen.stats() as work:
+            prompts, responses = self.gen.next()
+        for p in prompts:
+            done_tokens, total = p.progress
+            if p.end_of_prompt:
+                self._left.pop(p.uid, None)
+            elif p.uid in self._left:
+                self._left[p.uid] = total - done_tokens
+        if work.prompt_tokens and work.prompt_time > 0:
+            rate = work.prompt_tokens / work.prompt_time
+            old = self._prefill_rate
+            self._prefill_rate = rate if old is None else (old + rate) / 2
         done: list[Finished] = []
         for r in responses:
             seq = self._seqs.get(r.uid)
@@ -118,8 +165,23 @@ class BatchEngine:
                 if finish == "stop" and r.finish_reason is None:
                     self.gen.remove([r.uid])  # a stop string: the generator would go on
                 del self._seqs[r.uid]
+                self._left.pop(r.uid, None)
                 done.append((seq.tag, seq.finish(finish)))
         return Step(len(responses), done, bool(prompts))
+
+    def _size_chunks(self) -> None:
+        self.gen.prefill_step_size = self._chunk()
+
+    def _chunk(self) -> int:
+        """The next step's chunk per prefilling sequence: whole, or under a budget what
+        fits it at the speed measured (shared by the sequences prefilled together; the
+        least before any is measured)."""
+        chunk = self.prefill_step
+        if self.prefill_budget_s is not None and self._left:
+            together = min(len(self._left), self.gen.prefill_batch_size)
+            rate = self._prefill_rate or 0.0
+            chunk = max(MIN_CHUNK, min(chunk, int(rate * self.prefill_budget_s / together)))
+        return chunk
 
     def close(self) -> None:
         self.gen.close()

@@ -66,6 +66,10 @@ class GroupEngine:
     def kv_bytes(self) -> int:
         return self.inner.kv_bytes
 
+    @property
+    def prefill_steps(self) -> int:
+        return self.inner.prefill_steps
+
     def add(
         self,
         tag: Hashable,

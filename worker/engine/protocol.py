@@ -98,6 +98,12 @@ class Engine(Protocol):
         """Bytes the sequences' KV caches hold now."""
         ...
 
+    @property
+    def prefill_steps(self) -> int:
+        """Steps still to carry prompt chunks of the sequences held, about (0: the next
+        steps only decode): what a sequence joining now waits for at each token."""
+        ...
+
     def add(
         self,
         tag: Hashable,

@@ -49,6 +49,11 @@ class SingleEngine:
     def kv_bytes(self) -> int:
         return nbytes(self._cache) if self._seq is not None else 0
 
+    @property
+    def prefill_steps(self) -> int:
+        seq = self._seq
+        return int(seq is not None and seq.first_token_at is None)
+
     def add(
         self,
         tag: Hashable,

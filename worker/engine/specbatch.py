@@ -152,6 +152,10 @@ class SpecBatchEngine:
     def kv_bytes(self) -> int:
         return nbytes((self.t_cache or []) + (self.d_cache or []))
 
+    @property
+    def prefill_steps(self) -> int:
+        return int(bool(self.joining))  # (joiners prefill whole at the next step)
+
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)
 

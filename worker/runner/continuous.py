@@ -32,8 +32,11 @@ first) are looked at between steps, every :data:`LOOK_EVERY_S` (one ``LLEN``
 round trip; none in between). A job waiting there does not wait for the batch:
 
 - one the batch can hold joins it at once while a step of the batch costs at most
-  :data:`JOIN_SLOWDOWN` steps at the smallest batch size measured (else it runs
-  alone between steps, as below, when it can), ahead of the batch's own queue (under
+  :data:`JOIN_SLOWDOWN` steps at the smallest batch size measured, and while other
+  prompts prefill for more than the next step only then (its every token would wait
+  for steps that carry their chunks); else it runs alone between steps, as below, when
+  it can. It
+  joins ahead of the batch's own queue (under
   ``--max-batch auto`` also above the size measured fastest, memory permitting);
   at the cap (``--max-batch N``) it takes the place of the batch job that joined
   last (the least work lost), which goes back to the front of its queue,
@@ -48,6 +51,11 @@ round trip; none in between). A job waiting there does not wait for the batch:
   which the batch's steps pay back; while nothing is owed the next one runs at once
   (the batch banks at most :data:`URGENT_BANK_S` of credit while none wait), else
   after the steps that pay it.
+
+While the worker serves such queues, a step prefills about :data:`PREFILL_BUDGET_S` of
+prompt chunks at most (``worker.engine.batch``: smaller chunks where prefill is slow,
+whole ones where it is fast; not in a worker group, whose ranks step alike), so a job
+from them waits about a step, not minutes of other prompts' prefill, before its turn.
 
 Jobs are taken, refused, ended and given back through the same lifecycle as
 jobs run alone (``worker.lifecycle.held``).
@@ -114,6 +122,9 @@ URGENT_BANK_S = 2.0
 #: step at the smallest batch size measured; above, it runs alone between two steps
 #: (a compute-bound device, where a large batch's step costs many single steps).
 JOIN_SLOWDOWN = 2.0
+#: Seconds of prompt prefill one step of a plain batch takes at most, about, while the
+#: worker serves queues before the batch's (someone may be waiting for the next step).
+PREFILL_BUDGET_S = 0.5
 
 
 class Host(Protocol):
@@ -172,6 +183,7 @@ class ContinuousBatch:
         self._look_at = 0.0
         self._owed = 0.0  # step seconds the batch is owed by jobs run alone (< 0: banked)
         self._step_s: float | None = None  # steps' seconds, prefills too (running average)
+        self._decode_s: float | None = None  # steps' seconds that only decoded (running)
 
     @property
     def peak_size(self) -> int:
@@ -208,6 +220,8 @@ class ContinuousBatch:
                 self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
                 # what a token of a job in this batch waits, prefill chunks included
                 self._step_s = ewma(self._step_s, seconds)
+                if not step.prefilled:
+                    self._decode_s = ewma(self._decode_s, seconds)
                 self._owed = max(self._owed - seconds, -URGENT_BANK_S)
                 self._urgent()
                 self._fill()
@@ -355,12 +369,19 @@ class ContinuousBatch:
 
     def _join_pays(self) -> bool:
         """Whether a step of this batch costs at most :data:`JOIN_SLOWDOWN` steps at the
-        smallest size measured (unknown: yes). On a GPU a batch step costs little more
-        than one sequence's; on a CPU a large batch's costs many."""
+        smallest size measured. On a GPU a batch step costs little more than one
+        sequence's; on a CPU a large batch's costs many. While other prompts prefill for
+        more than the next step, a joiner's tokens wait for steps that carry their
+        chunks: the steps measured with them count, and with nothing to compare them to
+        it does not join. Otherwise the steps that only decoded count (none measured, or
+        no size: it joins)."""
+        assert self.engine is not None
         smallest = self.rt.policy.sizes.smallest_step_s(*self.key)
-        if smallest is None or self._step_s is None:
+        if self.engine.prefill_steps > 1:
+            return smallest is not None and (self._step_s or 0.0) <= JOIN_SLOWDOWN * smallest
+        if smallest is None or self._decode_s is None:
             return True
-        return self._step_s <= JOIN_SLOWDOWN * smallest
+        return self._decode_s <= JOIN_SLOWDOWN * smallest
 
     def _place_for_one(self) -> bool:
         """Whether an interactive job may join now. Under ``--max-batch auto`` it joins
@@ -515,7 +536,9 @@ class ContinuousBatch:
                     planner = Goodput(k, self.rt.policy.acceptance(model, draft))
                 self.engine = SpecBatchEngine(target, draft_model, k, planner)
             else:
-                self.engine = BatchEngine(self.generator.target, self.cap)
+                group = self.rt.cache.group
+                budget = PREFILL_BUDGET_S if self.ahead and group is None else None
+                self.engine = BatchEngine(self.generator.target, self.cap, prefill_budget_s=budget)
             if (group := self.rt.cache.group) is not None:  # mirrored on every rank
                 self.engine = GroupEngine(group, self.engine, self.generator.target)
         return self.engine
