@@ -15,7 +15,10 @@ Arms, in one run:
 - before: the same with the running batch not looking at the interactive queue
   (how it was: requests waited for the batch to end).
 
-``--long N``: the batch arms again with prompts of about N tokens (long prefills).
+``--long N``: the batch arms again with prompts of about N tokens (long prefills), where
+the arms are *batch + requests* and *whole chunks (before)*: steps prefill whole
+512-token chunks of 8 prompts and a request joins the batch whatever it is prefilling
+(the rule before ``PREFILL_BUDGET_S``). ``--only-long``: idle and the long arms only.
 
     .venv/bin/python -m bench.interactive [--batch-jobs 96] [--requests 12] [--long 2000]
 """
@@ -130,6 +133,15 @@ def batch_rate(conn: Redis, ids: list[str], started: float) -> float:
     return tokens / (max(r.finished_at for r in records) - started)
 
 
+def joined_whatever_prefilled(self: continuous.ContinuousBatch) -> bool:
+    """The join rule before ``PREFILL_BUDGET_S``: every step counted, prefill or not, and
+    a join paid while no size-1 step was measured."""
+    smallest = self.rt.policy.sizes.smallest_step_s(*self.key)
+    if smallest is None or self._step_s is None:
+        return True
+    return self._step_s <= continuous.JOIN_SLOWDOWN * smallest
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
@@ -145,6 +157,7 @@ def main() -> None:
     ap.add_argument("--max-batch", default="auto", help="auto (the default) or N")
     ap.add_argument("--long", type=int, default=0, help="also with batch prompts this long")
     ap.add_argument("--long-jobs", type=int, default=12, help="batch jobs with long prompts")
+    ap.add_argument("--only-long", action="store_true", help="idle and the long arms only")
     ap.add_argument("--target", default=None)
     args = ap.parse_args()
     target = args.target or model("wide")
@@ -160,7 +173,7 @@ def main() -> None:
             idle = requests(base, target, args.requests, args.every, args.request_tokens)
             report["arms"]["idle"] = {"p50_s": pct(idle, 0.5), "p99_s": pct(idle, 0.99)}
             print("idle", report["arms"]["idle"], flush=True)
-            prompts = [0] + ([args.long] if args.long else [])
+            prompts = ([] if args.only_long else [0]) + ([args.long] if args.long else [])
             for prompt in prompts:
                 suffix = f", {prompt}-token prompts" if prompt else ""
                 jobs = args.long_jobs if prompt else args.batch_jobs
@@ -170,17 +183,27 @@ def main() -> None:
                     time.sleep(0.2)
                 alone = batch_rate(conn, ids, t0)
                 report["arms"][f"batch{suffix}"] = {"tok_s": alone}
-                bank = continuous.URGENT_BANK_S
+                bank, budget = continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S
                 arms = (
-                    ("batch + requests", True, bank),
-                    ("one step between (bank 0)", True, 0.0),
-                    ("before (no look)", False, bank),
+                    (("batch + requests", "now"), ("whole chunks (before)", "whole"))
+                    if prompt
+                    else (
+                        ("batch + requests", "now"),
+                        ("one step between (bank 0)", "bank0"),
+                        ("before (no look)", "no look"),
+                    )
                 )
-                for i, (arm, look, banked) in enumerate(arms):
-                    saved = continuous.ContinuousBatch._urgent
-                    continuous.URGENT_BANK_S = banked
-                    if not look:
+                for i, (arm, how) in enumerate(arms):
+                    saved = (
+                        continuous.ContinuousBatch._urgent,
+                        continuous.ContinuousBatch._join_pays,
+                    )
+                    continuous.URGENT_BANK_S = 0.0 if how == "bank0" else bank
+                    if how == "no look":
                         continuous.ContinuousBatch._urgent = lambda self: None  # type: ignore[method-assign]
+                    if how == "whole":
+                        continuous.PREFILL_BUDGET_S = None  # type: ignore[assignment]
+                        continuous.ContinuousBatch._join_pays = joined_whatever_prefilled  # type: ignore[method-assign]
                     try:
                         t0 = time.time()
                         tag = f"{'bdc'[i]}{prompt}"
@@ -194,8 +217,11 @@ def main() -> None:
                             time.sleep(0.2)
                         rate = batch_rate(conn, ids, t0)
                     finally:
-                        continuous.ContinuousBatch._urgent = saved  # type: ignore[method-assign]
-                        continuous.URGENT_BANK_S = bank
+                        (
+                            continuous.ContinuousBatch._urgent,
+                            continuous.ContinuousBatch._join_pays,
+                        ) = saved  # type: ignore[method-assign]
+                        continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S = bank, budget
                     row = {
                         "p50_s": pct(lat, 0.5),
                         "p99_s": pct(lat, 0.99),

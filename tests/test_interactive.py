@@ -350,3 +350,55 @@ def test_an_interactive_job_runs_alone_while_batch_prompts_prefill(
     assert read_result(conn, asked[0]).metrics.batch_size == 1  # it ran alone
     assert rt.stats.preemptions == 0
     assert _ended(conn, batch) == 4
+
+
+def test_jobs_run_alone_between_chunks_of_a_shared_prefix_prefilled_to_keep(
+    conn, redis_url, tiny, monkeypatch
+):
+    """A batch whose jobs share a long prefix prefills it once, to keep, as its first job
+    joins (seen on a CPU: a minute for 2,000 tokens): a job waiting on the interactive
+    queue meanwhile runs alone between two of its chunks, not after it."""
+    from worker.engine import prefill
+    from worker.runner import continuous
+    from worker.runner.loop import Worker
+
+    monkeypatch.setattr(prefill, "PREFILL_STEP", 16)  # the shared prefix: ~40 chunks
+    events: list[str] = []
+    asked_now = threading.Event()
+    add, alone = BatchEngine.add, Worker.run_alone
+    between = continuous.ContinuousBatch._between_chunks
+
+    def added(self, tag, *args, **kw):
+        events.append("add")
+        return add(self, tag, *args, **kw)
+
+    def ran(self, job, r):
+        events.append("alone")
+        return alone(self, job, r)
+
+    def chunked(self):
+        events.append("chunk")
+        asked_now.wait(30)  # (the test's clock: the interactive job is queued by now)
+        return between(self)
+
+    monkeypatch.setattr(BatchEngine, "add", added)
+    monkeypatch.setattr(Worker, "run_alone", ran)
+    monkeypatch.setattr(continuous.ContinuousBatch, "_between_chunks", chunked)
+    shared = "tell me about queues and workers " * 100
+    jobs = {
+        f"b{i}": chat(tiny.slow, f"{shared} question {i}", max_tokens=4, temperature=0)
+        for i in range(4)
+    }
+    batch = Client(connection=conn).submit(jobs, batch_id="b").job_ids
+    worker = _serve(redis_url, _rt(), max_batch=4)
+    _wait(lambda: "chunk" in events or "add" in events)  # the first job joins
+    asked = _interactive(conn, tiny.slow, 1)
+    asked_now.set()
+    _wait(lambda: _ended(conn, asked + batch) == 5)
+    worker.join(120)
+    assert events.index("alone") < events.index("add"), events[:8]  # before the batch began
+    assert read_result(conn, asked[0]).metrics.batch_size == 1
+    records = [read_result(conn, j) for j in batch]
+    assert all(r.status == "succeeded" for r in records)
+    # the prefix was still kept once and reused by the rest
+    assert all(r.response.usage.prompt_tokens_details.cached_tokens > 400 for r in records[1:])

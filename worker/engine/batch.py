@@ -142,7 +142,7 @@ class BatchEngine:
 
     def step(self) -> Step:
         """One decoding step (and a chunk of prefill for sequences joining)."""
-        self._size_chunks()
+        self.gen.prefill_step_size = self._chunk()
         with self.gen.stats() as work:
             prompts, responses = self.gen.next()
         for p in prompts:
@@ -168,9 +168,6 @@ class BatchEngine:
                 self._left.pop(r.uid, None)
                 done.append((seq.tag, seq.finish(finish)))
         return Step(len(responses), done, bool(prompts))
-
-    def _size_chunks(self) -> None:
-        self.gen.prefill_step_size = self._chunk()
 
     def _chunk(self) -> int:
         """The next step's chunk per prefilling sequence: whole, or under a budget what

@@ -9,7 +9,7 @@ same way (``worker.engine.request.prepare``); the runner reserves its KV memory.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -250,13 +250,15 @@ class ChatGenerator:
         limit: int,
         draft: LoadedModel | None = None,
         company: Sequence[Sequence[int]] = (),
+        between: Callable[[], None] | None = None,
     ) -> Start:
         """Where ``job``'s prompt starts (see :func:`worker.engine.prefix.starting_cache`):
         the target's layers, then ``draft``'s; tokens they hold; tokens reused. Its first
-        ``limit`` tokens at most. ``company``: prompts of jobs queued after it."""
+        ``limit`` tokens at most. ``company``: prompts of jobs queued after it;
+        ``between``: called between two chunks of a shared prefix prefilled to keep."""
         if job.vision is not None:
             return self._image_start(job, draft)
-        return self._kept_start(job, job.prompt, limit, draft, company)
+        return self._kept_start(job, job.prompt, limit, draft, company, between=between)
 
     def _kept_start(
         self,
@@ -266,6 +268,7 @@ class ChatGenerator:
         draft: LoadedModel | None = None,
         company: Sequence[Sequence[int]] = (),
         boundary: int | None = None,
+        between: Callable[[], None] | None = None,
     ) -> Start:
         """:meth:`starting_cache` on token ids: ``prompt`` (the job's, or the text before
         its first image and that image's first token); ``boundary``: what to keep, if the
@@ -284,7 +287,7 @@ class ChatGenerator:
         store.remember(self.target.key, prompt)
         pairs = [(m.key, m) for m in (self.target, draft) if m is not None]
         cache, cached, reused, source = starting_cache(
-            store, self.models.prefix_room, pairs, prompt, boundary, limit
+            store, self.models.prefix_room, pairs, prompt, boundary, limit, between
         )
         return Start(cache, cached, reused, source) if cache is not None else NO_START
 

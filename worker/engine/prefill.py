@@ -10,7 +10,7 @@ and the CPU's unfused attention is faster in smaller chunks too).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -29,15 +29,19 @@ def prefill(
     cache: Cache | None = None,
     start: int = 0,
     end: int | None = None,
+    between: Callable[[], None] | None = None,
 ) -> Cache:
     """``cache`` (a fresh one when None) holding the KV state of ``tokens[:end]``, given
     that it holds the first ``start`` already: the model runs over the rest in chunks of
     :data:`PREFILL_STEP`. ``tokens`` is one sequence (a list) or rows of equal width (a
-    2-D array, each chunk one batched pass)."""
+    2-D array, each chunk one batched pass). ``between`` is called between two chunks
+    (a running batch looks at its interactive queue there)."""
     cache = make_prompt_cache(model) if cache is None else cache
     rows = isinstance(tokens, mx.array) and tokens.ndim == 2
     end = (tokens.shape[1] if rows else len(tokens)) if end is None else end
     for i in range(start, end, PREFILL_STEP):
+        if between is not None and i > start:
+            between()
         j = min(i + PREFILL_STEP, end)
         chunk = tokens[:, i:j] if rows else mx.array(tokens[i:j])[None]
         model(chunk, cache=cache)

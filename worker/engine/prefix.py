@@ -319,6 +319,7 @@ def starting_cache(
     prompt: Sequence[int],
     boundary: int,
     limit: int,
+    between: Callable[[], None] | None = None,
 ) -> tuple[Cache | None, int, int, tuple[int, ...]]:
     """Where a job's prompt starts: (cache, tokens it holds, tokens reused from entries kept
     before this job, the tokens of the target's entry it starts from), or (None, 0, 0, ()).
@@ -329,7 +330,7 @@ def starting_cache(
     tokens) for a model, that part is prefilled on its own (from the entry covering the
     most of it) and kept first (``room()``: bytes the model cache can spare). This job
     takes at most ``limit`` tokens of it, and always leaves at least one token to
-    prefill.
+    prefill. ``between``: called between two chunks of that prefill.
     """
     if not store.enabled:
         return None, 0, 0, ()
@@ -352,7 +353,8 @@ def starting_cache(
             tokens = tuple(prompt[:boundary])
             told = store.mirror.prefilling(key, tokens, since, held) if store.mirror else None
             with told or contextlib.nullcontext():
-                layers = snapshot(prefill(model.model, prompt, base, held, boundary), boundary)
+                filled = prefill(model.model, prompt, base, held, boundary, between)
+                layers = snapshot(filled, boundary)
             if layers is None:
                 return None, 0, 0, ()
             if not store.put(key, tokens, layers, room()) and store.mirror is not None:

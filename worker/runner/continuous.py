@@ -54,8 +54,12 @@ round trip; none in between). A job waiting there does not wait for the batch:
 
 While the worker serves such queues, a step prefills about :data:`PREFILL_BUDGET_S` of
 prompt chunks at most (``worker.engine.batch``: smaller chunks where prefill is slow,
-whole ones where it is fast; not in a worker group, whose ranks step alike), so a job
-from them waits about a step, not minutes of other prompts' prefill, before its turn.
+whole ones where it is fast), and a shared prefix prefilled to keep as a job joins (its
+company's, ``worker.runner.company``) looks at them between its chunks, where jobs may
+run alone as between steps (never join: the batch is mid-join), the prefill counting
+as the batch's steps for their share. So a job from them waits about a step, not
+minutes of other prompts' prefill, before its turn. Not in a worker group: its ranks
+step alike.
 
 Jobs are taken, refused, ended and given back through the same lifecycle as
 jobs run alone (``worker.lifecycle.held``).
@@ -184,6 +188,10 @@ class ContinuousBatch:
         self._owed = 0.0  # step seconds the batch is owed by jobs run alone (< 0: banked)
         self._step_s: float | None = None  # steps' seconds, prefills too (running average)
         self._decode_s: float | None = None  # steps' seconds that only decoded (running)
+        # someone may wait for the next step: prefill is cut to fit (not in a group)
+        self._budgeted = bool(self.ahead) and self.rt.cache.group is None
+        self._joining = False  # inside a join (a kept prefix prefilling): none may join now
+        self._chunk_at = 0.0  # when the last chunk of such a prefill ended
 
     @property
     def peak_size(self) -> int:
@@ -295,6 +303,18 @@ class ContinuousBatch:
                 return
 
     # -- interactive jobs -------------------------------------------------
+    def _between_chunks(self) -> None:
+        """Between two chunks of a shared prefix prefilled as a job joins: that prefill is
+        the batch's work, paid to it as a step's, and waiting jobs may run alone."""
+        now = time.perf_counter()
+        self._owed = max(self._owed - (now - self._chunk_at), -URGENT_BANK_S)
+        self._joining = True
+        try:
+            self._urgent()
+        finally:
+            self._joining = False
+            self._chunk_at = time.perf_counter()
+
     def _urgent(self) -> None:
         """Jobs waiting in the queues served before the batch's: they join it, or run alone
         between two steps, or (neither possible) wait for the batch to end."""
@@ -349,7 +369,7 @@ class ContinuousBatch:
         r = route(req, self.rt.policy, depth, decide_alone=False)
         if r.batch != self.key and self._same_kind(job, r):
             r = dataclasses.replace(r, batch=self.key, decision=self.decision)
-        joinable = r.batch == self.key
+        joinable = r.batch == self.key and not self._joining
         if joinable and self._join_pays() and self._place_for_one():
             self._admit(job, r, first=True)
             return True
@@ -455,7 +475,9 @@ class ContinuousBatch:
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
                 draft = self.generator.draft if self.key.draft else None
                 held = len(prepared.prompt) - 1
-                start = self.generator.starting_cache(prepared, held, draft, others)
+                between = self._between_chunks if self._budgeted and not first else None
+                self._chunk_at = time.perf_counter()
+                start = self.generator.starting_cache(prepared, held, draft, others, between)
             with self.host.computing():
                 engine.add(job.id, prepared, start, first=first)
         except CannotTake as e:
@@ -536,8 +558,7 @@ class ContinuousBatch:
                     planner = Goodput(k, self.rt.policy.acceptance(model, draft))
                 self.engine = SpecBatchEngine(target, draft_model, k, planner)
             else:
-                group = self.rt.cache.group
-                budget = PREFILL_BUDGET_S if self.ahead and group is None else None
+                budget = PREFILL_BUDGET_S if self._budgeted else None
                 self.engine = BatchEngine(self.generator.target, self.cap, prefill_budget_s=budget)
             if (group := self.rt.cache.group) is not None:  # mirrored on every rank
                 self.engine = GroupEngine(group, self.engine, self.generator.target)

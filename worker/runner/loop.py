@@ -265,14 +265,15 @@ class Worker:
 
     @contextmanager
     def computing(self) -> Iterator[None]:
-        """Model loading and generation: a second stop signal interrupts it (ColdShutdown)."""
-        self._computing = True
+        """Model loading and generation: a second stop signal interrupts it (ColdShutdown).
+        Nests (a job run alone between two chunks of a batch's prefill)."""
+        outer, self._computing = self._computing, True
         try:
             if self._cold:
                 raise ColdShutdown("second stop signal")
             yield
         finally:
-            self._computing = False
+            self._computing = outer
 
     # -- signals ----------------------------------------------------------
     def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
