@@ -17,8 +17,9 @@ Arms, in one run:
 
 ``--long N``: the batch arms again with prompts of about N tokens (long prefills), where
 the arms are *batch + requests* and *whole chunks (before)*: steps prefill whole
-512-token chunks of 8 prompts and a request joins the batch whatever it is prefilling
-(the rule before ``PREFILL_BUDGET_S``). ``--only-long``: idle and the long arms only.
+512-token chunks of 8 prompts, a request joins the batch whatever it is prefilling, and
+a prefix prefilled to keep as a job joins does not look at the interactive queue (the
+rules before ``PREFILL_BUDGET_S``). ``--only-long``: idle and the long arms only.
 
     .venv/bin/python -m bench.interactive [--batch-jobs 96] [--requests 12] [--long 2000]
 """
@@ -77,8 +78,10 @@ def requests(base: str, target: str, n: int, every: float, tokens: int) -> list[
     return out
 
 
-def filler(target: str, tokens: int) -> str:
-    """Words making about ``tokens`` tokens of ``target``'s tokenizer ("" for 0)."""
+def filler(target: str, tokens: int, shift: int = 0) -> str:
+    """Words making about ``tokens`` tokens of ``target``'s tokenizer ("" for 0); each
+    ``shift`` its own words (arms do not share prompts: a prompt seen before whole is
+    kept in the prefix cache as it joins, not prefilled in the batch)."""
     if not tokens:
         return ""
     from transformers import AutoTokenizer
@@ -86,11 +89,11 @@ def filler(target: str, tokens: int) -> str:
     tokenizer = AutoTokenizer.from_pretrained(target)
     sample = " ".join(f"w{i % 97}" for i in range(200))
     per_word = len(tokenizer(sample)["input_ids"]) / 200
-    return " ".join(f"w{i % 97}" for i in range(round(tokens / per_word)))
+    return " ".join(f"w{(i + shift) % 97}" for i in range(round(tokens / per_word)))
 
 
 def submit_batch(conn: Redis, target: str, n: int, tokens: int, prompt: int, tag: str) -> list[str]:
-    text = filler(target, prompt)
+    text = filler(target, prompt, sum(map(ord, tag)))
     jobs = {
         f"{tag}{i}": {
             "model": target,
@@ -197,12 +200,14 @@ def main() -> None:
                     saved = (
                         continuous.ContinuousBatch._urgent,
                         continuous.ContinuousBatch._join_pays,
+                        continuous.ContinuousBatch._between_chunks,
                     )
                     continuous.URGENT_BANK_S = 0.0 if how == "bank0" else bank
                     if how == "no look":
                         continuous.ContinuousBatch._urgent = lambda self: None  # type: ignore[method-assign]
                     if how == "whole":
                         continuous.PREFILL_BUDGET_S = None  # type: ignore[assignment]
+                        continuous.ContinuousBatch._between_chunks = lambda self: None  # type: ignore[method-assign]
                         continuous.ContinuousBatch._join_pays = joined_whatever_prefilled  # type: ignore[method-assign]
                     try:
                         t0 = time.time()
@@ -220,6 +225,7 @@ def main() -> None:
                         (
                             continuous.ContinuousBatch._urgent,
                             continuous.ContinuousBatch._join_pays,
+                            continuous.ContinuousBatch._between_chunks,
                         ) = saved  # type: ignore[method-assign]
                         continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S = bank, budget
                     row = {

@@ -35,9 +35,8 @@ round trip; none in between). A job waiting there does not wait for the batch:
   :data:`JOIN_SLOWDOWN` steps at the smallest batch size measured, and while other
   prompts prefill for more than the next step only then (its every token would wait
   for steps that carry their chunks); else it runs alone between steps, as below, when
-  it can. It
-  joins ahead of the batch's own queue (under
-  ``--max-batch auto`` also above the size measured fastest, memory permitting);
+  it can. It joins ahead of the batch's own queue (under ``--max-batch auto`` also
+  above the size measured fastest, memory permitting);
   at the cap (``--max-batch N``) it takes the place of the batch job that joined
   last (the least work lost), which goes back to the front of its queue,
   unstarted and without a crash counted, and runs again from its start later
