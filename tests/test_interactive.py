@@ -309,13 +309,14 @@ def _prefill_steps(gen: ChatGenerator, budget: float | None) -> tuple[int, int, 
     return prefills, estimate, left, [texts[i] for i in range(3)]
 
 
-def test_a_prefill_budget_cuts_prompts_into_short_steps_with_the_same_text(tiny):
+@pytest.mark.parametrize("kind", ["plain", "sliding", "hybrid"])
+def test_a_prefill_budget_cuts_prompts_into_short_steps_with_the_same_text(tiny, archs, kind):
     """Under a budget a CPU cannot meet, each step prefills the least chunk per sequence
     (so a job waiting for the next step waits one short step); a budget any device meets
     keeps whole chunks once the speed is measured. The greedy text is the same."""
     from worker.engine.batch import MIN_CHUNK
 
-    gen = ChatGenerator.get_or_create(tiny.target, cache=ModelCache())
+    gen = ChatGenerator.get_or_create(archs.get(kind, tiny.target), cache=ModelCache())
     whole, whole_estimate, whole_left, whole_texts = _prefill_steps(gen, None)
     cut, cut_estimate, cut_left, cut_texts = _prefill_steps(gen, 1e-9)
     roomy, _, _, roomy_texts = _prefill_steps(gen, 1e9)
