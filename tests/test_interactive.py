@@ -151,11 +151,20 @@ def test_a_full_batch_preempts_a_batch_job_which_ends_once_unchanged(
     assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 12
 
 
-def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(conn, redis_url, tiny):
-    batch = _batch(conn, tiny.target, 40, 48)
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(
+    conn, redis_url, tiny, stream, monkeypatch
+):
+    """(``stream``: each runs alone; else they join, or run in a side batch beside it.)
+    The floor is of time (a quarter of it, once the bank the batch saved while none
+    waited is spent: made small here, or this tiny model's flood would run on it)."""
+    from worker.runner import continuous
+
+    monkeypatch.setattr(continuous, "URGENT_BANK_S", 0.05)
+    batch = _batch(conn, tiny.target, 40, 12)
     worker = _serve(redis_url, _rt(), max_batch=4)
     _wait(lambda: _ended(conn, batch) >= 1)
-    flood = _interactive(conn, tiny.target, 60, stream=True)  # streamed: each runs alone
+    flood = _interactive(conn, tiny.target, 60, stream=stream)
     _wait(lambda: _ended(conn, flood) >= 10)
     early = _ended(conn, batch)
     assert early < 40  # the flood did not wait for the batch
@@ -254,7 +263,7 @@ def test_an_interactive_prompt_prefills_before_batch_prompts_still_waiting(tiny,
     engine.close()
 
 
-def test_when_a_batch_step_costs_many_single_steps_interactive_jobs_run_alone(
+def test_when_a_batch_step_costs_many_single_steps_interactive_jobs_run_beside_it(
     conn, redis_url, tiny
 ):
     rt = _rt()
@@ -263,13 +272,54 @@ def test_when_a_batch_step_costs_many_single_steps_interactive_jobs_run_alone(
     rt.policy.sizes.record(tiny.target, None, 1, 1000, 1e-3)
     batch = _batch(conn, tiny.target, 12, 160)
     worker = _serve(redis_url, rt, max_batch=4)
-    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    # the batch's steps of 4 are measured (16 of them): a join is judged on them
+    _wait(lambda: 4 in rt.policy.sizes.plain[(tiny.target, None)].by_size)
     asked = _interactive(conn, tiny.target, 3)
     _wait(lambda: _ended(conn, asked) == 3)
     assert _ended(conn, batch) < 12  # they did not wait for the batch
     worker.join(120)
-    assert rt.stats.preemptions == 0  # nor joined it: each ran alone between two steps
-    assert [read_result(conn, j).metrics.batch_size for j in asked] == [1, 1, 1]
+    assert rt.stats.preemptions == 0  # nor joined it: they ran beside it, together
+    assert [read_result(conn, j).metrics.batch_size for j in asked] == [3, 3, 3]
+
+
+def _texts(conn, ids: list[str]) -> list[str]:
+    return [read_result(conn, j).response.choices[0].message.content for j in ids]
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft", "lookup", "sliding", "hybrid"])
+def test_interactive_jobs_batched_beside_the_batch_end_with_their_text_alone(
+    conn, redis_url, tiny, archs, kind, monkeypatch
+):
+    """Jobs that cannot join run together in a side batch stepped between the batch's
+    steps (its own engine and KV caches): every job's greedy text is its text alone."""
+    from worker.runner import continuous
+
+    monkeypatch.setattr(continuous.ContinuousBatch, "_join_pays", lambda self: False)
+    model = archs.get(kind, tiny.target)
+    fields = {
+        "draft": {"draft_model": tiny.draft, "num_draft_tokens": 3},
+        "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
+    }.get(kind, {})
+    policy = SpeculationPolicy("always" if kind in ("draft", "lookup") else "never")
+    batch = _batch(conn, model, 8, 96, **fields)
+    rt = _rt(policy)
+    worker = _serve(redis_url, rt, max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    asked = _interactive(conn, model, 3, **fields)
+    _wait(lambda: _ended(conn, asked) == 3)
+    assert _ended(conn, batch) < 8
+    worker.join(120)
+    assert [read_result(conn, j).metrics.batch_size for j in asked] == [3, 3, 3]
+    assert rt.stats.preemptions == 0
+    side, texts = _texts(conn, asked), _texts(conn, batch)
+    ref = {
+        f"r{i}": chat(model, f"question {i}", max_tokens=8, temperature=0, **fields)
+        for i in range(3)
+    }
+    alone = Client(connection=conn).submit(ref, batch_id="r").job_ids
+    run_worker(redis_url, runtime=_rt(), max_batch=1)
+    assert side == _texts(conn, alone)
+    assert texts == _alone_texts(conn, redis_url, model, 8, 96, **fields)
 
 
 def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(
@@ -330,7 +380,7 @@ def test_a_prefill_budget_cuts_prompts_into_short_steps_with_the_same_text(tiny,
     assert cut_texts == whole_texts == roomy_texts
 
 
-def test_an_interactive_job_runs_alone_while_batch_prompts_prefill(
+def test_an_interactive_job_does_not_join_while_batch_prompts_prefill(
     conn, redis_url, tiny, monkeypatch
 ):
     """It does not join a batch whose steps carry other prompts' chunks: each of its
@@ -348,17 +398,17 @@ def test_an_interactive_job_runs_alone_while_batch_prompts_prefill(
     _wait(lambda: _ended(conn, asked) == 1)
     assert _ended(conn, batch) == 0  # the batch's prompts were still prefilling
     worker.join(180)
-    assert read_result(conn, asked[0]).metrics.batch_size == 1  # it ran alone
+    assert read_result(conn, asked[0]).metrics.batch_size == 1  # beside the batch, alone
     assert rt.stats.preemptions == 0
     assert _ended(conn, batch) == 4
 
 
-def test_jobs_run_alone_between_chunks_of_a_shared_prefix_prefilled_to_keep(
+def test_jobs_run_between_chunks_of_a_shared_prefix_prefilled_to_keep(
     conn, redis_url, tiny, monkeypatch
 ):
     """A batch whose jobs share a long prefix prefills it once, to keep, as its first job
     joins (seen on a CPU: a minute for 2,000 tokens): a job waiting on the interactive
-    queue meanwhile runs alone between two of its chunks, not after it."""
+    queue meanwhile runs (in a side batch) between two of its chunks, not after it."""
     from worker.engine import prefill
     from worker.runner import continuous
     from worker.runner.loop import Worker
@@ -366,16 +416,16 @@ def test_jobs_run_alone_between_chunks_of_a_shared_prefix_prefilled_to_keep(
     monkeypatch.setattr(prefill, "PREFILL_STEP", 16)  # the shared prefix: ~40 chunks
     events: list[str] = []
     asked_now = threading.Event()
-    add, alone = BatchEngine.add, Worker.run_alone
+    add, finish = BatchEngine.add, Worker.finish
     between = continuous.ContinuousBatch._between_chunks
 
     def added(self, tag, *args, **kw):
-        events.append("add")
+        events.append(f"add {tag}")
         return add(self, tag, *args, **kw)
 
-    def ran(self, job, r):
-        events.append("alone")
-        return alone(self, job, r)
+    def ended(self, jobs):
+        events.extend(f"end {job.id}" for job, _ in jobs)
+        return finish(self, jobs)
 
     def chunked(self):
         events.append("chunk")
@@ -383,7 +433,7 @@ def test_jobs_run_alone_between_chunks_of_a_shared_prefix_prefilled_to_keep(
         return between(self)
 
     monkeypatch.setattr(BatchEngine, "add", added)
-    monkeypatch.setattr(Worker, "run_alone", ran)
+    monkeypatch.setattr(Worker, "finish", ended)
     monkeypatch.setattr(continuous.ContinuousBatch, "_between_chunks", chunked)
     shared = "tell me about queues and workers " * 100
     jobs = {
@@ -392,12 +442,14 @@ def test_jobs_run_alone_between_chunks_of_a_shared_prefix_prefilled_to_keep(
     }
     batch = Client(connection=conn).submit(jobs, batch_id="b").job_ids
     worker = _serve(redis_url, _rt(), max_batch=4)
-    _wait(lambda: "chunk" in events or "add" in events)  # the first job joins
+    _wait(lambda: "chunk" in events)  # the first job joins
     asked = _interactive(conn, tiny.slow, 1)
     asked_now.set()
     _wait(lambda: _ended(conn, asked + batch) == 5)
     worker.join(120)
-    assert events.index("alone") < events.index("add"), events[:8]  # before the batch began
+    # it ended before the batch began (its first job still prefilling its prefix)
+    assert events.index(f"end {asked[0]}") < events.index(f"add {batch[0]}"), events[:8]
+    assert events.index(f"end {asked[0]}") < len(events) - events[::-1].index("chunk") - 1
     assert read_result(conn, asked[0]).metrics.batch_size == 1
     records = [read_result(conn, j) for j in batch]
     assert all(r.status == "succeeded" for r in records)

@@ -42,20 +42,27 @@ round trip; none in between). A job waiting there does not wait for the batch:
   unstarted and without a crash counted, and runs again from its start later
   (greedy text unchanged). The batch's own jobs keep at least :data:`OWN_FLOOR`
   of its slots (at least one), so a flood of interactive jobs cannot stop it;
-- one it cannot hold (streamed, another model, seeded sampling, ``n``) runs alone
-  between two steps while the batch waits, its KV cache held, if every model it
-  needs is loaded already and its KV cache fits beside the batch's; otherwise it
-  waits for the batch to end. Jobs run alone this way take at most
-  :data:`URGENT_SHARE` of the time: each one owes the batch a third of what it took,
-  which the batch's steps pay back; while nothing is owed the next one runs at once
-  (the batch banks at most :data:`URGENT_BANK_S` of credit while none wait), else
-  after the steps that pay it.
+- one that does not join but could be batched (the batch's steps cost too much, its
+  prompts prefill, another loaded model) runs in the *side batch*: a second
+  continuous batch with its own engine and KV caches, stepped between the batch's
+  steps, which jobs like it join as they come (from its queue too), so requests that
+  arrive together decode together instead of one after another. One side batch at a
+  time; a job for another key runs alone;
+- one that cannot be batched (streamed, seeded sampling, ``n``) runs alone between two
+  steps while the batch waits, its KV cache held;
+- either way only if every model it needs is loaded already and its KV cache fits
+  beside the batch's (and the side batch's); otherwise it waits for the batch to end.
+  Side steps and jobs run alone take at most :data:`URGENT_SHARE` of the time: each
+  owes the batch a third of what it took, which the batch's steps pay back; while
+  nothing is owed the next runs at once (the batch banks at most
+  :data:`URGENT_BANK_S` of credit while none wait), else after the steps that pay it.
+  ``--max-batch N`` caps each of the two batches; memory is counted for both.
 
 While the worker serves such queues, a step prefills about :data:`PREFILL_BUDGET_S` of
 prompt chunks at most (``worker.engine.batch``: smaller chunks where prefill is slow,
 whole ones where it is fast), and a shared prefix prefilled to keep as a job joins (its
 company's, ``worker.runner.company``) looks at them between its chunks, where jobs may
-run alone as between steps (never join: the batch is mid-join), the prefill counting
+run beside or alone as between steps (never join: the batch is mid-join), the prefill counting
 as the batch's steps for their share. So a job from them waits about a step, not
 minutes of other prompts' prefill, before its turn. Not in a worker group: its ranks
 step alike.
@@ -163,8 +170,19 @@ class _Slot:
 class ContinuousBatch:
     """One continuous batch for (model, adapter), run on behalf of a worker."""
 
-    def __init__(self, host: Host, queue: str, key: BatchKey, depth: int = 1) -> None:
+    def __init__(
+        self,
+        host: Host,
+        queue: str,
+        key: BatchKey,
+        depth: int = 1,
+        main: ContinuousBatch | None = None,
+    ) -> None:
         self.host, self.queue, self.key, self.depth = host, queue, key, depth
+        #: A side batch's: the batch it runs beside, which steps it (None: a batch).
+        self.main = main
+        #: The side batch of jobs from queues ahead that runs beside this one, if any.
+        self.side: ContinuousBatch | None = None
         self.rt = host.rt
         self.cap = host.max_batch or AUTO_CAP
         self.slots: dict[str, _Slot] = {}
@@ -177,12 +195,13 @@ class ContinuousBatch:
         self._held: Length | None = None  # (prompt, max_tokens) waiting for memory
         self._reason = QUEUE_EMPTY
         self._projected = 0  # the most the batch's KV caches can grow to (bytes)
-        self.peak_kv_bytes = 0  # measured, after each step
+        self._kv_bytes = 0  # measured, after the last step
+        self.peak_kv_bytes = 0
         self.peak_projected_bytes = 0
         self._published_at = -PUBLISH_EVERY_S
         # the queues served before this batch's, and when to look at them next
         before = host.queues.index(queue) if queue in host.queues else 0
-        self.ahead = host.queues[:before]
+        self.ahead = host.queues[:before] if main is None else []  # (the batch looks)
         self._look_at = 0.0
         self._owed = 0.0  # step seconds the batch is owed by jobs run alone (< 0: banked)
         self._step_s: float | None = None  # steps' seconds, prefills too (running average)
@@ -198,41 +217,23 @@ class ContinuousBatch:
 
     def run(self, first: Job, first_route: Route) -> None:
         """Decode ``first`` (routed to this batch) and every job that joins until the batch
-        is empty.
+        is empty (and the side batch beside it, if one opened).
 
         A BaseException (a cold shutdown) gives every job still in the batch back
         to its queue; an unexpected error fails them.
         """
-        self.decision = first_route.decision
-        # jobs like the first join on its terms when the policy (not the job) chose them
-        fixed = first_route.fixed_k is not None
-        self.draft_named = first_route.proposer if not fixed else None
+        self._start(first_route)
         try:
             self._admit(first, first_route)
             self._fill()  # the queued companions join before the first step
-            while self.slots:
-                assert self.engine is not None
-                size = len(self.slots)
-                self.meter.held(size)
-                for slot in self.slots.values():
-                    slot.peak = max(slot.peak, size)
-                t = time.perf_counter()
-                with self.host.computing():
-                    step = self.engine.step()
-                seconds = time.perf_counter() - t
-                kv_bytes = self.engine.kv_bytes
-                self.peak_kv_bytes = max(self.peak_kv_bytes, kv_bytes)
-                self._finish_outputs(step.done)
-                self._expire()
-                self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
-                # what a token of a job in this batch waits, prefill chunks included
-                self._step_s = ewma(self._step_s, seconds)
-                if not step.prefilled:
-                    self._decode_s = ewma(self._decode_s, seconds)
-                self._owed = max(self._owed - seconds, -URGENT_BANK_S)
+            while self.slots or self.side is not None:
+                if self.slots:
+                    seconds = self._step()
+                    self._owed = max(self._owed - seconds, -URGENT_BANK_S)
                 self._urgent()
+                self._step_side()
                 self._fill()
-                self._publish(kv_bytes)
+                self._publish()
             self.meter.close()
         except Exception as e:
             log.exception("batch on %s failed; failing its %d job(s)", self.key[0], len(self.slots))
@@ -243,18 +244,62 @@ class ContinuousBatch:
                 self.host.lifecycle.requeue(slot.job)
             raise
         finally:
+            if self.side is not None:  # (the batch failed beside it: its jobs run later)
+                self.side._close(requeue=True)
             self.host.batch = None
+            self._close()
+
+    def _start(self, first_route: Route) -> None:
+        """The terms the first job sets: how the policy batched it, the draft it named."""
+        self.decision = first_route.decision
+        # jobs like the first join on its terms when the policy (not the job) chose them
+        fixed = first_route.fixed_k is not None
+        self.draft_named = first_route.proposer if not fixed else None
+
+    def _step(self) -> float:
+        """One step of the engine: jobs that end are ended. Returns its seconds."""
+        assert self.engine is not None
+        size = len(self.slots)
+        self.meter.held(size)
+        for slot in self.slots.values():
+            slot.peak = max(slot.peak, size)
+        t = time.perf_counter()
+        with self.host.computing():
+            step = self.engine.step()
+        seconds = time.perf_counter() - t
+        self._kv_bytes = self.engine.kv_bytes
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self._kv_bytes)
+        self._finish_outputs(step.done)
+        self._expire()
+        self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
+        # what a token of a job in this batch waits, prefill chunks included
+        self._step_s = ewma(self._step_s, seconds)
+        if not step.prefilled:
+            self._decode_s = ewma(self._decode_s, seconds)
+        return seconds
+
+    def _close(self, requeue: bool = False) -> None:
+        """The batch has ended (``requeue``: jobs still in it go back to their queues): its
+        engine closes, its KV room is free, what it measured is counted."""
+        if requeue:
+            for slot in self._drain():
+                self.host.lifecycle.requeue(slot.job)
+        if self.main is not None:  # a side batch: the batch beside it holds its room
+            self.main.side = None
+            self.main._reserve()
+        else:
             self.rt.cache.release()
-            if self.engine is not None:
-                self.engine.close()
-            self.rt.stats.add_batch(self.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
-            log.info(
-                "batch on %s ended: up to %d jobs, KV %.1f MB (projected up to %.1f MB)",
-                self.key[0],
-                self.peak_size,
-                self.peak_kv_bytes / 1e6,
-                self.peak_projected_bytes / 1e6,
-            )
+        if self.engine is not None:
+            self.engine.close()
+        self.rt.stats.add_batch(self.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
+        log.info(
+            "%s on %s ended: up to %d jobs, KV %.1f MB (projected up to %.1f MB)",
+            "batch" if self.main is None else "side batch",
+            self.key[0],
+            self.peak_size,
+            self.peak_kv_bytes / 1e6,
+            self.peak_projected_bytes / 1e6,
+        )
 
     def _drain(self) -> list[_Slot]:
         """Every job still in the batch (the batch is empty afterwards)."""
@@ -310,6 +355,7 @@ class ContinuousBatch:
         self._joining = True
         try:
             self._urgent()
+            self._step_side()
         finally:
             self._joining = False
             self._chunk_at = time.perf_counter()
@@ -358,7 +404,7 @@ class ContinuousBatch:
         """Run ``job`` from a queue ahead of the batch's: True when the next may come now
         (it joined, ended at once, or ran alone with the batch owed nothing), False when
         the batch steps first (it went back to wait, or the batch is owed its share)."""
-        if self._again(job):
+        if self._again(job) or (self.side is not None and self.side._again(job)):
             return True
         if is_embedding(job):
             return self._urgent_embeddings(job)
@@ -374,6 +420,8 @@ class ContinuousBatch:
             return True
         alone = route(req, self.rt.policy, batching=False)
         need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)
+        if need is not None and self._beside_pays(r) and self.rt.cache.fits_beside(need):
+            return self._to_side(job, r)
         if need is None or not self.rt.cache.fits_beside(need):
             if joinable and self._place_for_one():  # slower than alone, sooner than waiting
                 self._admit(job, r, first=True)
@@ -385,6 +433,62 @@ class ContinuousBatch:
         t = time.monotonic()
         self.host.run_alone(job, alone)
         return self._ran_alone(time.monotonic() - t)
+
+    def _beside_pays(self, r: Route) -> bool:
+        """Whether a job routed ``r`` (it could not join) runs in the side batch: it can be
+        batched, and the side batch is for its batch's key (or none runs yet). Not in a
+        worker group, whose ranks mirror one engine."""
+        if r.batch is None or self.rt.cache.group is not None:
+            return False
+        return self.side is None or self.side.key == r.batch
+
+    def _to_side(self, job: Job, r: Route) -> bool:
+        """Put ``job`` into the side batch (opened for it if none runs): True when the next
+        job may come now, False when it went back to wait for room."""
+        assert r.batch is not None
+        if self.side is None:
+            self.side = ContinuousBatch(self.host, keys.base_queue(job.queue), r.batch, main=self)
+            self.side._start(r)
+        side = self.side
+        limit, _ = side._limit()
+        if len(side.slots) < limit and side._admit(job, r, first=True):
+            return True
+        if len(side.slots) >= limit:
+            self.host.lifecycle.requeue(job)  # the side batch takes it when a slot frees
+        if not side.slots:
+            side._close()
+        self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+        return False
+
+    def _step_side(self) -> None:
+        """Steps of the side batch: while the batch is owed nothing (its jobs take at most
+        :data:`URGENT_SHARE` of the time, as jobs run alone), or always while the batch
+        holds no job (one step at a time: it may take jobs again). A side batch that fails
+        fails its own jobs, not the batch's."""
+        while (side := self.side) is not None:
+            if not side.slots:
+                side.meter.close()
+                side._close()
+                return
+            bound = bool(self.slots) or self._joining
+            if bound and self._owed > 0:
+                return
+            t = time.perf_counter()
+            try:
+                side._step()
+                side._fill()
+            except Exception as e:
+                log.exception("side batch on %s failed; failing its job(s)", side.key[0])
+                error = GenerationError(f"{type(e).__name__}: {e}")
+                self._end([(s.job, records.failure(s.job, self.rt, error)) for s in side._drain()])
+                side._close()
+                return
+            except BaseException:
+                side._close(requeue=True)
+                raise
+            if not bound:
+                return  # one step: the batch may take its own jobs again
+            self._ran_alone(time.perf_counter() - t)
 
     def _join_pays(self) -> bool:
         """Whether a step of this batch costs at most :data:`JOIN_SLOWDOWN` steps at the
@@ -514,10 +618,18 @@ class ContinuousBatch:
         not fit, hand it back to the front of its queue to wait."""
         length = prepared.length()
         alone = self._peak([length])
-        if not self.slots:
+        self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
+        beside = self._beside_bytes()
+        if not self.slots and not beside:
             self.rt.cache.make_kv_room(alone, prepared.label)
             return True
-        self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
+        if not self.slots:  # beside another batch: it waits for room there is not
+            if not self.rt.cache.fits_beside(alone):
+                self.host.lifecycle.requeue(job)
+                self._pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+                return False
+            self.rt.cache.make_kv_room(beside + alone, prepared.label)
+            return True
         verdict = self._admission(length)
         if verdict.join:
             return True
@@ -526,7 +638,13 @@ class ContinuousBatch:
         return False
 
     def _room(self) -> int:
-        return self.rt.cache.kv_room()
+        return self.rt.cache.kv_room() - self._beside_bytes()
+
+    def _beside_bytes(self) -> int:
+        """What the batch beside this one (its side batch, or the batch it is beside) can
+        grow its KV caches to."""
+        other = self.side if self.main is None else self.main
+        return other._projected if other is not None else 0
 
     def _admission(self, length: Length) -> Verdict:
         """The scheduler's verdict on a job of ``length`` joining the batch now."""
@@ -543,7 +661,7 @@ class ContinuousBatch:
         assert self.engine is not None
         self._projected = self._peak(self.engine.lengths())
         self.peak_projected_bytes = max(self.peak_projected_bytes, self._projected)
-        self.rt.cache.reserve(self._projected)
+        self.rt.cache.reserve(self._projected + self._beside_bytes())
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -563,7 +681,7 @@ class ContinuousBatch:
                 self.engine = GroupEngine(group, self.engine, self.generator.target)
         return self.engine
 
-    def _publish(self, kv_bytes: int) -> None:
+    def _publish(self) -> None:
         """Show the batch's state to the worker's registry entry (at most every
         :data:`PUBLISH_EVERY_S`; the heartbeat publishes it every 2 s)."""
         now = time.monotonic()
@@ -575,7 +693,7 @@ class ContinuousBatch:
             size=len(self.slots),
             limit=self._limit()[0],
             reason=self._reason,
-            kv_mb=round(kv_bytes / 1e6, 1),
+            kv_mb=round(self._kv_bytes / 1e6, 1),
             kv_projected_mb=round(self._projected / 1e6, 1),
             kv_room_mb=round(self._room() / 1e6, 1),
         )
