@@ -9,17 +9,21 @@ Arms, in one run:
 - batch: the queued batch jobs alone (their tokens/s, first submit to last record);
 - batch + requests: both at once (requests p50 / p99 over idle; batch tokens/s
   over the batch arm);
-- one step between: the same with no credit banked for jobs run alone between the
+- one at a time (before): the same with no side batch: a request that does not join
+  runs alone between the batch's steps, one after another (the rule before it);
+- one step between: no side batch and no credit banked for jobs run alone between the
   batch's steps (``URGENT_BANK_S = 0``: the batch steps once between two of them, the
   rule before the bank);
 - before: the same with the running batch not looking at the interactive queue
   (how it was: requests waited for the batch to end).
 
 ``--long N``: the batch arms again with prompts of about N tokens (long prefills), where
-the arms are *batch + requests* and *whole chunks (before)*: steps prefill whole
+the arms are *batch + requests*, *one at a time (before)* and *whole chunks (before)*
+(no side batch, and): steps prefill whole
 512-token chunks of 8 prompts, a request joins the batch whatever it is prefilling, and
 a prefix prefilled to keep as a job joins does not look at the interactive queue (the
-rules before ``PREFILL_BUDGET_S``). ``--only-long``: idle and the long arms only.
+rules before ``PREFILL_BUDGET_S``). ``--only-long``: idle and the long arms only;
+``--arms now,alone,...``: only those arms (now, alone, bank0, nolook, whole).
 
     .venv/bin/python -m bench.interactive [--batch-jobs 96] [--requests 12] [--long 2000]
 """
@@ -161,8 +165,10 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=0, help="also with batch prompts this long")
     ap.add_argument("--long-jobs", type=int, default=12, help="batch jobs with long prompts")
     ap.add_argument("--only-long", action="store_true", help="idle and the long arms only")
+    ap.add_argument("--arms", default="now,alone,bank0,nolook,whole", help="arms to run")
     ap.add_argument("--target", default=None)
     args = ap.parse_args()
+    chosen = set(args.arms.split(","))
     target = args.target or model("wide")
     rt = WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("never"))
     report: dict = {"args": vars(args) | {"target": target}, "arms": {}}
@@ -187,23 +193,27 @@ def main() -> None:
                 alone = batch_rate(conn, ids, t0)
                 report["arms"][f"batch{suffix}"] = {"tok_s": alone}
                 bank, budget = continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S
-                arms = (
-                    (("batch + requests", "now"), ("whole chunks (before)", "whole"))
-                    if prompt
-                    else (
-                        ("batch + requests", "now"),
-                        ("one step between (bank 0)", "bank0"),
-                        ("before (no look)", "no look"),
-                    )
-                )
+                arms = [
+                    ("batch + requests", "now"),
+                    ("one at a time (before)", "alone"),
+                    *(
+                        [("whole chunks (before)", "whole")]
+                        if prompt
+                        else [
+                            ("one step between (bank 0)", "bank0"),
+                            ("before (no look)", "nolook"),
+                        ]
+                    ),
+                ]
                 for i, (arm, how) in enumerate(arms):
-                    saved = (
-                        continuous.ContinuousBatch._urgent,
-                        continuous.ContinuousBatch._join_pays,
-                        continuous.ContinuousBatch._between_chunks,
-                    )
+                    if how not in chosen:
+                        continue
+                    cls = continuous.ContinuousBatch
+                    saved = (cls._urgent, cls._join_pays, cls._between_chunks, cls._beside_pays)
                     continuous.URGENT_BANK_S = 0.0 if how == "bank0" else bank
-                    if how == "no look":
+                    if how != "now":  # the rules before the side batch
+                        cls._beside_pays = lambda self, r: False  # type: ignore[method-assign]
+                    if how == "nolook":
                         continuous.ContinuousBatch._urgent = lambda self: None  # type: ignore[method-assign]
                     if how == "whole":
                         continuous.PREFILL_BUDGET_S = None  # type: ignore[assignment]
@@ -211,7 +221,7 @@ def main() -> None:
                         continuous.ContinuousBatch._join_pays = joined_whatever_prefilled  # type: ignore[method-assign]
                     try:
                         t0 = time.time()
-                        tag = f"{'bdc'[i]}{prompt}"
+                        tag = f"{'bdce'[i]}{prompt}"
                         ids = submit_batch(conn, target, jobs, args.batch_tokens, prompt, tag)
                         while not conn.hlen(keys.RUNNING):  # until the batch runs
                             time.sleep(0.05)
@@ -223,9 +233,10 @@ def main() -> None:
                         rate = batch_rate(conn, ids, t0)
                     finally:
                         (
-                            continuous.ContinuousBatch._urgent,
-                            continuous.ContinuousBatch._join_pays,
-                            continuous.ContinuousBatch._between_chunks,
+                            cls._urgent,
+                            cls._join_pays,
+                            cls._between_chunks,
+                            cls._beside_pays,
                         ) = saved  # type: ignore[method-assign]
                         continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S = bank, budget
                     row = {
