@@ -28,6 +28,7 @@ from worker.dev.tinymodels import TinySpec, ensure_model
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
+from worker.engine.specbatch import SpecBatchEngine
 from worker.runner import runtime
 from worker.schedule.policy import SpeculationPolicy
 
@@ -339,15 +340,22 @@ def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(
     assert waited.finished_at >= max(read_result(conn, j).finished_at for j in batch)
 
 
-def _prefill_steps(gen: ChatGenerator, budget: float | None) -> tuple[int, int, list[int], list]:
-    """Three ~300-token prompts in one engine under ``budget``: the steps that prefilled,
-    the engine's estimate of them before the first, the tokens left to prefill after
-    each step, and the greedy texts."""
-    engine = BatchEngine(gen.target, 8, prefill_budget_s=budget)
+def _prefill_steps(
+    gen: ChatGenerator, budget: float | None, spec: str | None = None
+) -> tuple[int, int, list[int], list]:
+    """Three ~300-token prompts in one engine under ``budget`` (``spec``: a speculative
+    batch, by "draft" or prompt "lookup"): the steps that prefilled, the engine's estimate
+    of them before the first, the tokens left to prefill after each step, and the greedy
+    texts."""
+    if spec is None:
+        engine: BatchEngine | SpecBatchEngine = BatchEngine(gen.target, 8, prefill_budget_s=budget)
+    else:
+        engine = SpecBatchEngine(gen.target, gen.draft, 3, prefill_budget_s=budget)
+    fields = {"speculation": {"method": "prompt_lookup", "num_tokens": 3}} if spec else {}
     for i in range(3):
         prompt = f"{i} " + "tell me about queues and workers " * 20
-        req = ChatRequest.model_validate(chat(gen.target.name, prompt, max_tokens=6, temperature=0))
-        engine.add(i, gen.prepare(req))
+        body = chat(gen.target.name, prompt, max_tokens=6, temperature=0, **fields)
+        engine.add(i, gen.prepare(ChatRequest.model_validate(body)))
     prefills, left, texts = 0, [engine.prefilling], {}
     estimate = engine.prefill_steps
     while len(engine):
@@ -359,42 +367,65 @@ def _prefill_steps(gen: ChatGenerator, budget: float | None) -> tuple[int, int, 
     return prefills, estimate, left, [texts[i] for i in range(3)]
 
 
-@pytest.mark.parametrize("kind", ["plain", "sliding", "hybrid"])
-def test_a_prefill_budget_cuts_prompts_into_short_steps_with_the_same_text(tiny, archs, kind):
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        *[(kind, None) for kind in ("plain", "sliding", "hybrid")],
+        *[(kind, "draft") for kind in ("plain", "sliding", "hybrid")],
+        ("plain", "lookup"),
+    ],
+)
+def test_a_prefill_budget_cuts_prompts_into_short_steps_with_the_same_text(tiny, archs, kind, spec):
     """Under a budget a CPU cannot meet, each step prefills the least chunk per sequence
     (so a job waiting for the next step waits one short step); a budget any device meets
-    keeps whole chunks once the speed is measured. The greedy text is the same."""
+    keeps whole chunks once the speed is measured. The greedy text is the same. A
+    speculative batch (``spec``) prefills a chunk of each joining row per round."""
     from worker.engine.batch import MIN_CHUNK
 
-    gen = ChatGenerator.get_or_create(archs.get(kind, tiny.target), cache=ModelCache())
-    whole, whole_estimate, whole_left, whole_texts = _prefill_steps(gen, None)
-    cut, cut_estimate, cut_left, cut_texts = _prefill_steps(gen, 1e-9)
-    roomy, _, _, roomy_texts = _prefill_steps(gen, 1e9)
+    model = archs.get(kind, tiny.target)
+    draft = tiny.draft if spec == "draft" and kind == "plain" else None
+    draft = model if spec == "draft" and kind != "plain" else draft  # (itself: same shape)
+    gen = ChatGenerator.get_or_create(model, draft, cache=ModelCache())
+    whole, whole_estimate, whole_left, whole_texts = _prefill_steps(gen, None, spec)
+    cut, cut_estimate, cut_left, cut_texts = _prefill_steps(gen, 1e-9, spec)
+    roomy, _, _, roomy_texts = _prefill_steps(gen, 1e9, spec)
     prompt = whole_left[0] // 3
     assert prompt > 250 and whole <= 2 and roomy <= 3  # (the first step: the least chunk)
     assert cut >= prompt // MIN_CHUNK  # every step MIN_CHUNK tokens a sequence
-    # what a joiner is judged by (+1: the step that feeds each prompt's last token)
-    assert whole == whole_estimate + 1 and abs(cut - cut_estimate - 1) <= 1
+    # what a joiner is judged by (a plain batch: +1, the step that feeds each prompt's
+    # last token; a speculative one feeds it in its first round)
+    last = 0 if spec else 1
+    assert whole == whole_estimate + last and abs(cut - cut_estimate - last) <= 1
     drops = [a - b for a, b in itertools.pairwise(cut_left) if a > b]
     assert max(drops) <= 3 * MIN_CHUNK and cut_left[-1] == 0
     assert cut_texts == whole_texts == roomy_texts
 
 
+@pytest.mark.parametrize("kind", ["plain", "draft", "lookup"])
 def test_an_interactive_job_does_not_join_while_batch_prompts_prefill(
-    conn, redis_url, tiny, monkeypatch
+    conn, redis_url, tiny, monkeypatch, kind
 ):
     """It does not join a batch whose steps carry other prompts' chunks: each of its
-    tokens would wait for them (seen on a CPU: 94 s to a first token)."""
+    tokens would wait for them (seen on a CPU: 94 s to a first token). A speculative
+    batch's joiners prefill in chunks too."""
     from worker.runner import continuous
 
     monkeypatch.setattr(continuous, "PREFILL_BUDGET_S", 1e-9)  # chunks of MIN_CHUNK
-    long = "tell me about queues and workers " * 60
-    jobs = {f"b{i}": chat(tiny.slow, f"{i} {long}", max_tokens=8, temperature=0) for i in range(4)}
+    fields = {
+        "draft": {"draft_model": tiny.draft, "num_draft_tokens": 3},
+        "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
+    }.get(kind, {})
+    # (the draft's tokenizer is the target's, whose context is shorter: ~130 tokens)
+    model = tiny.target if kind == "draft" else tiny.slow
+    long = "tell me about queues and workers " * (20 if kind == "draft" else 60)
+    jobs = {
+        f"b{i}": chat(model, f"{i} {long}", max_tokens=8, temperature=0, **fields) for i in range(4)
+    }
     batch = Client(connection=conn).submit(jobs, batch_id="b").job_ids
-    rt = _rt()
+    rt = _rt(SpeculationPolicy("always" if fields else "never"))
     worker = _serve(redis_url, rt, max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
-    asked = _interactive(conn, tiny.slow, 1)
+    asked = _interactive(conn, model, 1, **fields)
     _wait(lambda: _ended(conn, asked) == 1)
     assert _ended(conn, batch) == 0  # the batch's prompts were still prefilling
     worker.join(180)

@@ -39,6 +39,13 @@ UNPADDED_PREFILL = frozenset({"nemotron_h"})
 MIN_CHUNK = 8
 
 
+def budget_chunk(whole: int, budget_s: float, rate: float | None, together: int) -> int:
+    """Prompt tokens a sequence prefills in a step of ``together`` prefilling sequences,
+    so that the step's prefill takes about ``budget_s`` at ``rate`` tokens/s (measured;
+    None before any: the least): between :data:`MIN_CHUNK` and ``whole``."""
+    return max(MIN_CHUNK, min(whole, int((rate or 0.0) * budget_s / together)))
+
+
 class BatchEngine:
     """A continuous batch on one loaded model: :meth:`add` sequences, :meth:`step` them.
 
@@ -173,12 +180,10 @@ class BatchEngine:
         """The next step's chunk per prefilling sequence: whole, or under a budget what
         fits it at the speed measured (shared by the sequences prefilled together; the
         least before any is measured)."""
-        chunk = self.prefill_step
-        if self.prefill_budget_s is not None and self._left:
-            together = min(len(self._left), self.gen.prefill_batch_size)
-            rate = self._prefill_rate or 0.0
-            chunk = max(MIN_CHUNK, min(chunk, int(rate * self.prefill_budget_s / together)))
-        return chunk
+        if self.prefill_budget_s is None or not self._left:
+            return self.prefill_step
+        together = min(len(self._left), self.gen.prefill_batch_size)
+        return budget_chunk(self.prefill_step, self.prefill_budget_s, self._prefill_rate, together)
 
     def close(self) -> None:
         self.gen.close()

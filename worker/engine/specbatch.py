@@ -9,7 +9,9 @@ row by row uses mlx-lm's own ``BatchKVCache`` left padding: what every row rejec
 is trimmed off the end, and the rest of a row's rejected tail is rolled round to
 the left of its filled part, where the attention mask skips it. Sequences join
 (all that joined since the last round prefilled together, then appended) and
-leave between rounds, as in :class:`worker.engine.batch.BatchEngine`. Without a
+leave between rounds, as in :class:`worker.engine.batch.BatchEngine`; under a prefill
+budget (``prefill_budget_s``, as there) each joining row prefills a chunk per round on
+its own caches, sized to the budget, and is appended once its prompt is in. Without a
 draft model, each row proposes from its own text (prompt lookup,
 ``worker.engine.lookup``): rows with no match this round propose nothing (their
 verify positions past their proposals are padding, dropped as rejected). A model with
@@ -34,13 +36,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import dynamic_roll
 
 from worker.engine import rewind
-from worker.engine.batch import UNPADDED_PREFILL
+from worker.engine.batch import UNPADDED_PREFILL, budget_chunk
 from worker.engine.kvquant import positions
 from worker.engine.layers import count as cache_count
 from worker.engine.layers import nbytes
 from worker.engine.lookup import NgramIndex
 from worker.engine.models import LoadedModel
-from worker.engine.prefill import prefill
+from worker.engine.prefill import PREFILL_STEP, prefill
 from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished, Start, Step
 from worker.engine.request import Prepared
 from worker.engine.sampling import logits_processors, pick, sampler_for
@@ -122,8 +124,12 @@ class SpecBatchEngine:
         *,
         solo: bool = False,
         give_up_below: float | None = None,
+        prefill_budget_s: float | None = None,
     ) -> None:
         self.target, self.draft, self.k, self.solo = target, draft, k, solo
+        #: Seconds of prefill one round may take (None: joiners prefill whole).
+        self.prefill_budget_s = None if solo else prefill_budget_s
+        self._prefill_rate: float | None = None  # prompt tokens/s, both models (running)
         self.models = (target,) if draft is None else (target, draft)
         self.give_up = None
         if give_up_below is not None:
@@ -153,8 +159,23 @@ class SpecBatchEngine:
         return nbytes((self.t_cache or []) + (self.d_cache or []))
 
     @property
+    def prefilling(self) -> int:
+        """Prompt tokens of joining rows still to prefill."""
+        return sum(len(j.rest) for j in self.joining)
+
+    @property
     def prefill_steps(self) -> int:
-        return int(bool(self.joining))  # (joiners prefill whole at the next step)
+        if not self.joining:
+            return 0
+        if self.prefill_budget_s is None:
+            return 1  # (joiners prefill whole at the next step)
+        return max(1, -(-max(len(j.rest) for j in self.joining) // self._chunk()))
+
+    def _chunk(self) -> int:
+        """Prompt tokens each joining row prefills at the next round under the budget."""
+        assert self.prefill_budget_s is not None
+        together = max(1, len(self.joining))
+        return budget_chunk(PREFILL_STEP, self.prefill_budget_s, self._prefill_rate, together)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)
@@ -223,10 +244,9 @@ class SpecBatchEngine:
         not: it verifies what rank 0 proposed)."""
         return self.draft is None and params.lookup is not None
 
-    def _join(self) -> None:
-        """Prefill every joining row (right-padded, one batched pass per chunk on each
-        model) and append them to the batch; a solo row on its own caches."""
-        joiners, self.joining = self.joining, []
+    def _join(self, joiners: list[_Joiner]) -> None:
+        """Prefill what is left of ``joiners``' prompts (right-padded, one batched pass per
+        chunk on each model) and append them to the batch; a solo row on its own caches."""
         if self.solo:
             (j,) = joiners
             prefill(self.target.model, j.rest, j.target)
@@ -238,15 +258,15 @@ class SpecBatchEngine:
             return
         rests = [j.rest for j in joiners]
         width = max(len(r) for r in rests)
-        tokens = mx.array([r + [0] * (width - len(r)) for r in rests])
         pad = [width - len(r) for r in rests]
+        tokens = mx.array([r + [0] * (width - len(r)) for r in rests]) if width else None
         batches: list[Cache] = []
         models = [(self.target.model, [j.target for j in joiners])]
         if self.draft is not None:  # (the same model may be both)
             models.append((self.draft.model, [j.draft for j in joiners]))
         for model, layers in models:
             batch = [first.merge([row[i] for row in layers]) for i, first in enumerate(layers[0])]
-            if width:
+            if tokens is not None:
                 for c in batch:
                     c.prepare(lengths=[len(r) for r in rests], right_padding=pad)
                 prefill(model, tokens, batch)
@@ -343,11 +363,30 @@ class SpecBatchEngine:
         return Step(emitted, done, joined, decoding=len(rows))
 
     def _joined(self) -> bool:
-        """Prefill the rows that joined since the last round; whether any did."""
-        joined = bool(self.joining)
-        if joined:
-            self._join()
-        return joined
+        """Prefill the rows that joined since the last round (under a budget, a chunk of
+        each; those whose prompt is in are appended); whether any prefilled."""
+        if not self.joining:
+            return False
+        if self.prefill_budget_s is None:
+            joiners, self.joining = self.joining, []
+            self._join(joiners)
+            return True
+        chunk, fed, t = self._chunk(), 0, time.perf_counter()
+        for j in self.joining:
+            n = min(chunk, len(j.rest))
+            if n:
+                prefill(self.target.model, j.rest[:n], j.target)
+                if self.draft is not None:
+                    prefill(self.draft.model, j.rest[:n], j.draft)
+                j.rest, fed = j.rest[n:], fed + n
+        if fed:
+            rate, old = fed / max(time.perf_counter() - t, 1e-9), self._prefill_rate
+            self._prefill_rate = rate if old is None else (old + rate) / 2
+        ready = [j for j in self.joining if not j.rest]
+        if ready:
+            self.joining = [j for j in self.joining if j.rest]
+            self._join(ready)
+        return True
 
     def _finish(self, row: _Row, reason: str) -> Any:
         if self.give_up is not None:  # what it measured while speculating

@@ -60,12 +60,12 @@ round trip; none in between). A job waiting there does not wait for the batch:
 
 While the worker serves such queues, a step prefills about :data:`PREFILL_BUDGET_S` of
 prompt chunks at most (``worker.engine.batch``: smaller chunks where prefill is slow,
-whole ones where it is fast), and a shared prefix prefilled to keep as a job joins (its
-company's, ``worker.runner.company``) looks at them between its chunks, where jobs may
-run beside or alone as between steps (never join: the batch is mid-join), the prefill counting
-as the batch's steps for their share. So a job from them waits about a step, not
-minutes of other prompts' prefill, before its turn. Not in a worker group: its ranks
-step alike.
+whole ones where it is fast; a speculative batch's joining rows alike), and a shared
+prefix prefilled to keep as a job joins (its company's, ``worker.runner.company``) looks
+at them between its chunks, where jobs may run beside or alone as between steps (never
+join: the batch is mid-join), the prefill counting as the batch's steps for their share.
+So a job from them waits about a step, not minutes of other prompts' prefill, before its
+turn. Not in a worker group: its ranks step alike.
 
 Jobs are taken, refused, ended and given back through the same lifecycle as
 jobs run alone (``worker.lifecycle.held``).
@@ -668,14 +668,16 @@ class ContinuousBatch:
             model, adapter, draft, k, adaptive = self.key
             named = draft if draft != LOOKUP else None  # a draft model to load
             self.generator = ChatGenerator.get_or_create(model, named, adapter, cache=self.rt.cache)
+            budget = PREFILL_BUDGET_S if self._budgeted else None
             if draft is not None:
                 target, draft_model = self.generator.target, self.generator.draft
                 planner = None
                 if adaptive:
                     planner = Goodput(k, self.rt.policy.acceptance(model, draft))
-                self.engine = SpecBatchEngine(target, draft_model, k, planner)
+                self.engine = SpecBatchEngine(
+                    target, draft_model, k, planner, prefill_budget_s=budget
+                )
             else:
-                budget = PREFILL_BUDGET_S if self._budgeted else None
                 self.engine = BatchEngine(self.generator.target, self.cap, prefill_budget_s=budget)
             if (group := self.rt.cache.group) is not None:  # mirrored on every rank
                 self.engine = GroupEngine(group, self.engine, self.generator.target)
