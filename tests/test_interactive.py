@@ -152,6 +152,36 @@ def test_a_full_batch_preempts_a_batch_job_which_ends_once_unchanged(
     assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 12
 
 
+def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tiny, monkeypatch):
+    """While a side batch runs, the model cache holds room for both batches' KV caches
+    (kept prefixes keep out of it); once it ends, the batch's alone again."""
+    from worker.runner import continuous
+
+    monkeypatch.setattr(continuous.ContinuousBatch, "_join_pays", lambda self: False)
+    seen: list[tuple[str, int, int, int]] = []  # (batch, reserved, the batch's, the side's)
+    step = continuous.ContinuousBatch._step
+
+    def stepped(self):
+        main = self.main or self
+        side = main.side._projected if main.side is not None else 0
+        kind = "side" if self.main else "main"
+        seen.append((kind, self.rt.cache.kv_reserved, main._projected, side))
+        return step(self)
+
+    monkeypatch.setattr(continuous.ContinuousBatch, "_step", stepped)
+    batch = _batch(conn, tiny.target, 8, 96)
+    worker = _serve(redis_url, _rt(), max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    asked = _interactive(conn, tiny.target, 2)
+    _wait(lambda: _ended(conn, asked) == 2)
+    worker.join(120)
+    assert _ended(conn, batch) == 8
+    assert all(reserved == mine + side for _, reserved, mine, side in seen)
+    sides = [side for kind, _, _, side in seen if kind == "side"]
+    assert sides and min(sides) > 0  # the side's room was reserved
+    assert seen[-1][0] == "main" and seen[-1][3] == 0  # and given back once it ended
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(
     conn, redis_url, tiny, stream, monkeypatch
