@@ -17,6 +17,10 @@ Arms, in one run:
 - before: the same with the running batch not looking at the interactive queue
   (how it was: requests waited for the batch to end).
 
+Each arm starts with nothing measured (``--max-batch auto`` learns its size afresh):
+arms that inherit the sizes an earlier arm measured ran up to 1.6x faster than it, an
+order effect seen in runs before this reset.
+
 ``--long N``: the batch arms again with prompts of about N tokens (long prefills), where
 the arms are *batch + requests*, *one at a time (before)* and *whole chunks (before)*
 (no side batch, and): steps prefill whole
@@ -50,6 +54,7 @@ from worker.engine.models import ModelCache
 from worker.runner import continuous
 from worker.runner.loop import Worker
 from worker.runner.runtime import WorkerRuntime
+from worker.schedule.batchsize import BatchMemory
 from worker.schedule.policy import SpeculationPolicy
 
 OUT = Path(__file__).parent / "out"
@@ -186,6 +191,7 @@ def main() -> None:
             for prompt in prompts:
                 suffix = f", {prompt}-token prompts" if prompt else ""
                 jobs = args.long_jobs if prompt else args.batch_jobs
+                rt.policy.sizes = BatchMemory()  # each arm learns its batch size afresh
                 t0 = time.time()
                 ids = submit_batch(conn, target, jobs, args.batch_tokens, prompt, f"a{prompt}")
                 while conn.llen(keys.rq_queue_key(keys.DEFAULT_QUEUE)) or conn.hlen(keys.RUNNING):
@@ -220,6 +226,7 @@ def main() -> None:
                         continuous.ContinuousBatch._between_chunks = lambda self: None  # type: ignore[method-assign]
                         continuous.ContinuousBatch._join_pays = joined_whatever_prefilled  # type: ignore[method-assign]
                     try:
+                        rt.policy.sizes = BatchMemory()
                         t0 = time.time()
                         tag = f"{'bdce'[i]}{prompt}"
                         ids = submit_batch(conn, target, jobs, args.batch_tokens, prompt, tag)
