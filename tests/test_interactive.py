@@ -128,13 +128,17 @@ def archs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("kind", ["plain", "draft", "lookup", "sliding", "hybrid"])
 def test_a_full_batch_preempts_a_batch_job_which_ends_once_unchanged(
-    conn, redis_url, tiny, archs, kind
+    conn, redis_url, tiny, archs, kind, monkeypatch
 ):
     model = archs.get(kind, tiny.target)
     fields = {
         "draft": {"draft_model": tiny.draft, "num_draft_tokens": 3},
         "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
     }.get(kind, {})
+    from worker.runner import continuous
+
+    # a step of the batch costs little more than one sequence's (a GPU): they join
+    monkeypatch.setattr(continuous.ContinuousBatch, "_join_pays", lambda self: True)
     policy = SpeculationPolicy("always" if kind in ("draft", "lookup") else "never")
     batch = _batch(conn, model, 12, 160, **fields)
     rt = _rt(policy)
@@ -311,6 +315,26 @@ def test_when_a_batch_step_costs_many_single_steps_interactive_jobs_run_beside_i
     worker.join(120)
     assert rt.stats.preemptions == 0  # nor joined it: they ran beside it, together
     assert [read_result(conn, j).metrics.batch_size for j in asked] == [3, 3, 3]
+
+
+@pytest.mark.parametrize("measured", ["cheap", "nothing"])
+def test_interactive_jobs_join_where_a_step_measured_cheap_else_run_beside(
+    conn, redis_url, tiny, measured
+):
+    """A batch step measured at most twice a single one (a GPU): they join the batch.
+    Nothing measured yet: they run beside it, where the side batch measures small sizes."""
+    rt = _rt()
+    if measured == "cheap":  # one sequence alone measured slower than any real step
+        rt.policy.sizes.record(tiny.target, None, 1, 1, 100.0)
+    batch = _batch(conn, tiny.target, 4, 160)
+    worker = _serve(redis_url, rt, max_batch=8)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    asked = _interactive(conn, tiny.target, 2)
+    _wait(lambda: _ended(conn, asked) == 2)
+    assert _ended(conn, batch) < 4
+    worker.join(120)
+    sizes = [read_result(conn, j).metrics.batch_size for j in asked]
+    assert min(sizes) >= 5 if measured == "cheap" else sizes == [2, 2], sizes
 
 
 def _texts(conn, ids: list[str]) -> list[str]:

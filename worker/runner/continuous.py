@@ -129,9 +129,11 @@ URGENT_SHARE = 0.75
 #: run back to back until it is spent: up to 3x this while none had waited).
 URGENT_BANK_S = 2.0
 #: An interactive job joins the batch while a step of it takes at most this many times a
-#: step at the smallest batch size measured; above, it runs alone between two steps
-#: (a compute-bound device, where a large batch's step costs many single steps).
+#: step at the smallest batch size measured (at most :data:`SMALL_SIZE`); above, it runs
+#: beside it (a compute-bound device, where a large batch's step costs many single steps).
 JOIN_SLOWDOWN = 2.0
+#: The largest batch size whose measured step stands for one sequence's in that rule.
+SMALL_SIZE = 2
 #: Seconds of prompt prefill one step of a plain batch takes at most, about, while the
 #: worker serves queues before the batch's (someone may be waiting for the next step).
 PREFILL_BUDGET_S = 0.5
@@ -496,13 +498,18 @@ class ContinuousBatch:
         sequence's; on a CPU a large batch's costs many. While other prompts prefill for
         more than the next step, a joiner's tokens wait for steps that carry their
         chunks: the steps measured with them count, and with nothing to compare them to
-        it does not join. Otherwise the steps that only decoded count (none measured, or
-        no size: it joins)."""
+        it does not join. Otherwise the steps that only decoded count (none measured: it
+        joins). The smallest size counts only up to :data:`SMALL_SIZE`: with none that
+        small measured it runs beside the batch, whose side batch's steps measure small
+        sizes (seen on a CPU: requests that joined a batch of 96, the only size measured,
+        took 9 s, 3x the others); it joins in a worker group, which has no side batch."""
         assert self.engine is not None
-        smallest = self.rt.policy.sizes.smallest_step_s(*self.key)
+        smallest = self.rt.policy.sizes.smallest_step_s(*self.key, most=SMALL_SIZE)
         if self.engine.prefill_steps > 1:
             return smallest is not None and (self._step_s or 0.0) <= JOIN_SLOWDOWN * smallest
-        if smallest is None or self._decode_s is None:
+        if smallest is None:
+            return self.rt.cache.group is not None
+        if self._decode_s is None:
             return True
         return self._decode_s <= JOIN_SLOWDOWN * smallest
 

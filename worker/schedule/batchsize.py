@@ -45,10 +45,11 @@ class BatchRates:
         nearest = min(self.by_size, key=lambda n: (abs(n - size), n))
         return self.by_size[nearest].value
 
-    def smallest_step_s(self) -> float | None:
+    def smallest_step_s(self, most: int | None = None) -> float | None:
         """Seconds of one step at the smallest size measured (size / its tokens/s): what a
-        sequence's token costs at best, as far as measured; None before any."""
-        if not self.by_size:
+        sequence's token costs at best, as far as measured; None before any, or when that
+        size is above ``most``."""
+        if not self.by_size or (most is not None and min(self.by_size) > most):
             return None
         n = min(self.by_size)
         rate = self.by_size[n].value
@@ -181,9 +182,12 @@ class BatchMemory:
         draft: str | None = None,
         k: int = PLAIN,
         adaptive: bool = False,
+        most: int | None = None,
     ) -> float | None:
         """:meth:`BatchRates.smallest_step_s` of this kind of batch."""
-        return self._ask(BatchRates.smallest_step_s, target, adapter, draft, k, adaptive)
+        return self._ask(
+            lambda rates: rates.smallest_step_s(most), target, adapter, draft, k, adaptive
+        )
 
     def _ask(
         self,
