@@ -242,8 +242,14 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
 
 
 def test_sigkill_while_preempting_loses_nothing(conn, redis_url, tiny, workers):
-    batch = _batch(conn, tiny.slow, 8, 200)
     a = workers("--lease-seconds", "2", "--max-batch", "4", "--speculative", "never", name="a")
+    # two requests first, on the idle worker: it measures a step of two (the join rule's
+    # reference), so the requests that come during the batch join it
+    warm = {f"w{i}": chat(tiny.slow, f"warm {i}", max_tokens=48, temperature=0) for i in range(2)}
+    client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
+    warmed = client.submit(warm, batch_id="w").job_ids
+    _wait(lambda: _ended(conn, warmed) == 2)
+    batch = _batch(conn, tiny.slow, 8, 200)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
     asked = _interactive(conn, tiny.slow, 4)
 
