@@ -477,7 +477,7 @@ def test_an_interactive_job_does_not_join_while_batch_prompts_prefill(
     }.get(kind, {})
     # (the draft's tokenizer is the target's, whose context is shorter: ~130 tokens)
     model = tiny.target if kind == "draft" else tiny.slow
-    long = "tell me about queues and workers " * (20 if kind == "draft" else 60)
+    long = "tell me about queues and workers " * (20 if kind == "draft" else 40)
     jobs = {
         f"b{i}": chat(model, f"{i} {long}", max_tokens=8, temperature=0, **fields) for i in range(4)
     }
