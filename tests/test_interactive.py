@@ -104,15 +104,21 @@ def test_interactive_jobs_end_while_the_batch_runs(conn, redis_url, tiny, stream
     assert waits == {keys.INTERACTIVE_QUEUE: 4, keys.DEFAULT_QUEUE: 300}
 
 
-def _alone_texts(conn, redis_url, model: str, n: int, tokens: int, **fields) -> list[str]:
-    """The same jobs' greedy text, each run alone by a fresh worker (the reference)."""
+def _alone_texts(conn, redis_url, model: str, asks: list[tuple[str, int]], **fields) -> list[str]:
+    """The greedy text of (prompt, max_tokens) jobs, each run alone by a fresh worker
+    (the reference)."""
     jobs = {
-        f"ref{i}": chat(model, f"batch job {i}", max_tokens=tokens, temperature=0, **fields)
-        for i in range(n)
+        f"ref{i}": chat(model, prompt, max_tokens=tokens, temperature=0, **fields)
+        for i, (prompt, tokens) in enumerate(asks)
     }
     s = Client(connection=conn).submit(jobs, batch_id="ref")
     run_worker(redis_url, runtime=_rt(), max_batch=1)
-    return [read_result(conn, j).response.choices[0].message.content for j in s.job_ids]
+    return _texts(conn, s.job_ids)
+
+
+def _asks(prompt: str, n: int, tokens: int) -> list[tuple[str, int]]:
+    """What ``_batch`` (``prompt`` "batch job") and ``_interactive`` ("question") send."""
+    return [(f"{prompt} {i}", tokens) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +157,7 @@ def test_a_full_batch_preempts_a_batch_job_which_ends_once_unchanged(
     records = [read_result(conn, j) for j in batch]
     assert all(r.status == "succeeded" for r in records)
     texts = [r.response.choices[0].message.content for r in records]
-    assert texts == _alone_texts(conn, redis_url, model, 12, 160, **fields)
+    assert texts == _alone_texts(conn, redis_url, model, _asks("batch job", 12, 160), **fields)
     # each ended once: the batch counted each once
     assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 12
 
@@ -372,15 +378,9 @@ def test_interactive_jobs_batched_beside_the_batch_end_with_their_text_alone(
     worker.join(120)
     assert [read_result(conn, j).metrics.batch_size for j in asked] == [3, 3, 3]
     assert rt.stats.preemptions == 0
-    side, texts = _texts(conn, asked), _texts(conn, batch)
-    ref = {
-        f"r{i}": chat(model, f"question {i}", max_tokens=8, temperature=0, **fields)
-        for i in range(3)
-    }
-    alone = Client(connection=conn).submit(ref, batch_id="r").job_ids
-    run_worker(redis_url, runtime=_rt(), max_batch=1)
-    assert side == _texts(conn, alone)
-    assert texts == _alone_texts(conn, redis_url, model, 8, 96, **fields)
+    asks = _asks("question", 3, 8) + _asks("batch job", 8, 96)
+    alone = _alone_texts(conn, redis_url, model, asks, **fields)
+    assert _texts(conn, asked) + _texts(conn, batch) == alone
 
 
 def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(
