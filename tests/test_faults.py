@@ -444,7 +444,9 @@ def test_a_job_taken_again_while_it_runs_in_the_batch_runs_once(conn, redis_url,
     is requeued and may be taken by this very worker while its batch still decodes it.
     It must not join as a second sequence (found in the failover test: the second end
     failed the whole batch and left a job held for ever): it runs on, one record each."""
-    tokens = {"s0": SLOW_TOKENS, "s1": SLOW_TOKENS, "long": 2 * SLOW_TOKENS}  # outlives s0 twice
+    # s0 is taken again within a look (0.1 s) of its requeue: a third of SLOW_TOKENS is
+    # seconds of margin; "long" outlives s0 twice (the batch goes on after s0's one end)
+    tokens = {"s0": SLOW_TOKENS // 3, "s1": SLOW_TOKENS // 3, "long": 2 * SLOW_TOKENS // 3}
     jobs = {k: slow_job(tiny, content=k) | {"max_tokens": n} for k, n in tokens.items()}
     s = Client(connection=conn).submit(jobs)
     w = workers("--max-batch", "4", name="again")
