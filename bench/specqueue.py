@@ -16,9 +16,12 @@ every step put in one of three phases:
 
 Arms: plain (``BatchEngine``), speculative at each k of ``--ks``, adaptive up to
 the largest (``worker.schedule.goodput``); every arm once per round, order rotating,
-medians of ``--rounds``.
+medians of ``--rounds``. ``--budget S``: each arm also as a worker serving an
+interactive queue builds it (``prefill_budget_s``, ``worker.runner.continuous``):
+newcomers prefill about S seconds a step (a speculative batch's one row at a time, on
+its own caches, joining once its prompt is in) instead of in one padded pass.
 
-    bench/run bench.specqueue [--slots 8,16] [--ks 4,6] [--rounds 2]
+    bench/run bench.specqueue [--slots 8,16] [--ks 4,6] [--rounds 2] [--budget 0.5]
 """
 
 from __future__ import annotations
@@ -70,25 +73,32 @@ def main() -> None:
     ap.add_argument("--slots", default="8,16")
     ap.add_argument("--ks", default="4,6")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=None, help="also each arm budgeted")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
-    arms = [0, *ks, -max(ks)]  # plain, each k, adaptive up to the largest
+    base = [0, *ks, -max(ks)]  # plain, each k, adaptive up to the largest
+    # (k, budget): each arm whole, and budgeted with --budget
+    arms = [(k, None) for k in base] + ([(k, args.budget) for k in base] if args.budget else [])
     cache = ModelCache()
     target, _ = cache.get(model("wide"))
     draft, _ = cache.get(model("copy"))
     reqs = requests(model("wide"), args.jobs, args.tokens)
 
-    def engine(k: int, slots: int) -> Any:
+    def engine(arm: tuple[int, float | None], slots: int) -> Any:
+        k, budget = arm
         if k == 0:
-            return BatchEngine(target, slots)
-        return SpecBatchEngine(target, draft, abs(k), Goodput(abs(k)) if k < 0 else None)
+            return BatchEngine(target, slots, prefill_budget_s=budget)
+        planner = Goodput(abs(k)) if k < 0 else None
+        return SpecBatchEngine(target, draft, abs(k), planner, prefill_budget_s=budget)
 
-    def name(k: int) -> str:
-        return "plain" if k == 0 else f"k={k}" if k > 0 else f"adaptive<={-k}"
+    def name(arm: tuple[int, float | None]) -> str:
+        k, budget = arm
+        kind = "plain" if k == 0 else f"k={k}" if k > 0 else f"adaptive<={-k}"
+        return kind + (f", budget {budget:g} s" if budget else "")
 
     report: dict[str, Any] = {"jobs": args.jobs, "tokens": args.tokens, "slots": {}}
     for slots in (int(s) for s in args.slots.split(",")):
-        runs: dict[int, list[dict]] = {k: [] for k in arms}
+        runs: dict[tuple[int, float | None], list[dict]] = {a: [] for a in arms}
         for r in range(args.rounds):
             for k in arms[r % len(arms) :] + arms[: r % len(arms)]:
                 runs[k].append(run(engine(k, slots), target, reqs, slots))
