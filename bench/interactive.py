@@ -186,6 +186,7 @@ def main() -> None:
             requests(base, target, 2, 0.0, 4)  # load the model, warm up
             idle = requests(base, target, args.requests, args.every, args.request_tokens)
             report["arms"]["idle"] = {"p50_s": pct(idle, 0.5), "p99_s": pct(idle, 0.99)}
+            report["latencies_s"] = {"idle": idle}  # each request's, in the order sent
             print("idle", report["arms"]["idle"], flush=True)
             prompts = ([] if args.only_long else [0]) + ([args.long] if args.long else [])
             for prompt in prompts:
@@ -255,6 +256,7 @@ def main() -> None:
                         "batch_over_alone": rate / alone,
                         "mean_s": statistics.mean(lat),
                     }
+                    report.setdefault("latencies_s", {})[f"{arm}{suffix}"] = lat
                     report["arms"][f"{arm}{suffix}"] = row
                     print(
                         f"{arm}{suffix}",
