@@ -100,11 +100,11 @@ def main() -> None:
     for slots in (int(s) for s in args.slots.split(",")):
         runs: dict[tuple[int, float | None], list[dict]] = {a: [] for a in arms}
         for r in range(args.rounds):
-            for k in arms[r % len(arms) :] + arms[: r % len(arms)]:
-                runs[k].append(run(engine(k, slots), target, reqs, slots))
+            for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
+                runs[arm].append(run(engine(arm, slots), target, reqs, slots))
         rows = {}
-        for k, got in runs.items():
-            rows[name(k)] = {
+        for arm, got in runs.items():
+            rows[name(arm)] = {
                 "tok_s": statistics.median(g["tok_s"] for g in got),
                 **{
                     p: {
