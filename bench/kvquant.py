@@ -23,7 +23,10 @@ import argparse
 import json
 import math
 import random
+import statistics
+import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +35,7 @@ from redis import Redis
 from bench.fixtures import model
 from bench.serve import burst
 from producer.localredis import LocalRedis
-from worker.engine.kvquant import KVQuant, make_cache
+from worker.engine.kvquant import BITS, KVQuant, make_cache
 from worker.engine.models import ModelCache
 from worker.runner import runtime
 
@@ -141,6 +144,54 @@ def perplexity(net, tok, tokens: int = 512, chunk: int = 64) -> dict:
     return out
 
 
+def _timed(f: Any) -> float:
+    """Median milliseconds of ``f()`` evaluated, over 30 runs after one."""
+    mx.eval(f())
+    times = []
+    for _ in range(30):
+        t = time.perf_counter()
+        mx.eval(f())
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def _attention_row(rows: int, n: int, bits: int) -> dict[str, float]:
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as quantized_sdpa
+
+    g = KVQuant(bits).group_size
+    q = mx.random.normal((rows, 9, 1, 64))
+    k, v = mx.random.normal((rows, 3, n, 64)), mx.random.normal((rows, 3, n, 64))
+    qk, qv = (mx.quantize(x, group_size=g, bits=bits) for x in (k, v))
+    mx.eval(q, k, v, *qk, *qv)
+
+    def dequantized() -> mx.array:
+        kk, vv = (mx.dequantize(*t, group_size=g, bits=bits) for t in (qk, qv))
+        return mx.fast.scaled_dot_product_attention(q, kk, vv, scale=0.125)
+
+    return {
+        "float": _timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)),
+        "quantized": _timed(
+            lambda: quantized_sdpa(q, qk, qv, scale=0.125, mask=None, group_size=g, bits=bits)
+        ),
+        "dequantized first": _timed(dequantized),
+    }
+
+
+def attention(rows: int = 9, contexts: tuple[int, ...] = (500, 1000, 2000)) -> dict:
+    """Milliseconds of one decoding step's attention per layer (one query per row;
+    SmolLM2's 9 query and 3 KV heads of 64), medians of 30: float keys and values,
+    quantized (mlx-lm's ``quantized_matmul`` path, which decoding takes), and dequantized
+    first then the fused attention. On MLX's CPU backend the quantized kernels are the
+    slow part."""
+    out: dict = {}
+    for bits in BITS[::-1]:
+        for n in contexts:
+            row = _attention_row(rows, n, bits)
+            out[f"{bits} bits, {n} tokens"] = row
+            print(f"attention, {rows} rows, {bits} bits, {n} tokens (ms a layer): {row}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=None, help="a model path [the bundled SmolLM2-135M]")
@@ -149,7 +200,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--room", type=int, default=4, help="jobs the budget holds unquantized")
     ap.add_argument("--skip-arms", action="store_true", help="only the bytes and perplexity")
+    ap.add_argument("--attention", action="store_true", help="only decoding attention's cost")
     args = ap.parse_args()
+    if args.attention:
+        OUT.mkdir(exist_ok=True)
+        (OUT / "kvquant-attention.json").write_text(json.dumps(attention(), indent=1))
+        return
     target = args.target or bundled("smollm2")
     bodies = [
         {
