@@ -14,5 +14,5 @@ if [ "$(uname)" = Linux ] && [ -e "$BLAS" ]; then export LD_PRELOAD="$BLAS"; fi
 # the cores; OpenBLAS's spinning threads on top of them cost ~6% of the suite's time here.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 # Two processes, a test file each at a time (each has its own redis-server and models):
-# the fault suite, which mostly waits on leases and real processes, runs beside the rest.
+# the fault suite runs beside the rest.
 exec .venv/bin/python -m pytest -q -n "${MLXQ_TEST_PROCS:-2}" --dist loadfile "$@"
