@@ -256,7 +256,7 @@ def main() -> None:
                         "batch_over_alone": rate / alone,
                         "mean_s": statistics.mean(lat),
                     }
-                    report.setdefault("latencies_s", {})[f"{arm}{suffix}"] = lat
+                    report["latencies_s"][f"{arm}{suffix}"] = lat
                     report["arms"][f"{arm}{suffix}"] = row
                     print(
                         f"{arm}{suffix}",
