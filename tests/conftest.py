@@ -16,6 +16,8 @@ import pytest
 from redis import Redis
 
 from producer.localredis import LocalRedis
+from schemas import keys
+from tests.waiting import clear, seconds, wait_for, watch
 
 #: The quick tier (``bash tests/run.sh -m quick``, about a minute here): the pure modules'
 #: tests and the engines' on the smallest tiny models, plus one job through a real worker
@@ -198,7 +200,9 @@ def run_jobs(
 
 
 class WorkerProc:
-    """A real ``worker`` process (or ``command``, e.g. a wrapper that slows model loads)."""
+    """A real ``worker`` process (or ``command``, e.g. a wrapper that slows model loads).
+    Watched while its test runs (``tests.waiting``): a wait fails at once if it dies
+    unasked (not signalled, not waited for) with an error."""
 
     def __init__(
         self,
@@ -209,6 +213,8 @@ class WorkerProc:
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
+        self.name, self.worker_name, self.url = f"worker {name}", name, redis_url
+        self.expected_exit = "--burst" in args
         self.log = tmp / f"worker-{name}-{time.monotonic_ns()}.log"
         exe = command or [str(Path(sys.executable).with_name("worker"))]
         full_env = os.environ | {"MLXQ_REDIS_URL": redis_url} | (env or {})
@@ -221,15 +227,37 @@ class WorkerProc:
             )
 
     def signal(self, sig: int) -> None:
+        self.expected_exit = True
         self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)
+        """Its exit status, within ``timeout`` reference seconds (``tests.waiting``)."""
+        self.expected_exit = True
+        return self.proc.wait(seconds(timeout))
 
     def stop(self) -> None:
+        self.expected_exit = True
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(seconds(10))
+
+    def serving(self) -> None:
+        """Wait until it serves: its state is published once its signal handlers are in
+        place (a signal before that kills it instead of stopping it)."""
+        conn = Redis.from_url(self.url)
+        key = keys.worker_key(self.worker_name)
+        wait_for(lambda: conn.exists(key), what=f"{self.name} serving")
+
+    def begun(self, job_id: str) -> None:
+        """Wait until it has begun ``job_id`` (its log says so): a stop from then on lets
+        the job end, where a stop during the take hands it back unstarted."""
+        wait_for(lambda: f"job {job_id} begun" in self.output, what=f"{self.name} begins {job_id}")
+
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
 
     @property
     def output(self) -> str:
@@ -253,11 +281,19 @@ def workers(redis_url, tmp_path, tmp_path_factory):
         env = dirs | (env or {})
         w = WorkerProc(url or redis_url, tmp_path, *args, name=name, command=command, env=env)
         started.append(w)
+        watch(w)
         return w
 
     yield start
     for w in started:
         w.stop()
+
+
+@pytest.fixture(autouse=True)
+def _watched_processes() -> Iterator[None]:
+    """Processes a test watches (``tests.waiting.watch``) are its own."""
+    yield
+    clear()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -15,6 +15,7 @@ from producer import Client
 from schemas import ModelNotAllowedError
 from schemas.store import read_result
 from tests.conftest import chat
+from tests.waiting import seconds
 from worker.runner.access import ModelAccess
 
 HOSTILE = [
@@ -127,7 +128,7 @@ def test_a_worker_serves_its_model_dir_and_refuses_the_rest(conn, redis_url, tin
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=seconds(300),
     )
     assert proc.returncode == 0, proc.stderr
     records = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}

@@ -19,6 +19,7 @@ from producer.acl import NEEDS, ROLES, acl_file
 from producer.cli import main as producer_main
 from producer.localredis import LocalRedis
 from tests.conftest import chat, write_jsonl
+from tests.waiting import seconds
 
 ROOT = Path(__file__).parent.parent
 
@@ -90,7 +91,7 @@ def test_each_role_works_with_its_own_user_and_sends_what_acl_check_checks(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=seconds(300),
     )
     assert proc.returncode == 0, proc.stderr
     assert "NOPERM" not in proc.stderr and "password" not in proc.stderr.lower()
@@ -195,13 +196,13 @@ def test_the_compose_redis_runs_with_the_users_from_the_environment(tmp_path):
         env={k: v for k, v in env.items() if k != "MLXQ_ACL_READER_PASSWORD"},
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=seconds(30),
     )
     assert missing.returncode == 1 and "set MLXQ_ACL_READER_PASSWORD" in missing.stdout
     proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
     try:
         worker = Redis(port=port, username="worker", password=env["MLXQ_ACL_WORKER_PASSWORD"])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + seconds(10)
         while True:
             try:
                 assert worker.ping()
@@ -216,4 +217,4 @@ def test_the_compose_redis_runs_with_the_users_from_the_environment(tmp_path):
             Redis(port=port).ping()
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(seconds(10))

@@ -16,6 +16,7 @@ from producer.fleet import fleet_table, live_workers
 from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
+from tests.waiting import seconds
 from worker.engine import Prepared, params_for, prompt_tokens
 from worker.engine.batch import BatchEngine
 from worker.engine.memory import kv_profile
@@ -236,14 +237,14 @@ def test_fleet_shows_the_batch_size_and_what_limits_it(conn, redis_url, tiny):
     thread = threading.Thread(target=worker.work)
     thread.start()
     seen = None
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + seconds(60)
     while thread.is_alive() and time.monotonic() < deadline:
         infos = [w for w in live_workers(conn) if w.name == "fleet-batch"]
         if infos and infos[0].batch is not None and infos[0].batch.reason.startswith("memory"):
             seen = infos[0]
             break
         time.sleep(0.2)
-    thread.join(120)
+    thread.join(seconds(120))
     assert seen is not None and seen.batch is not None
     assert seen.batch.size == 2 and seen.max_batch == "auto"
     assert 0 < seen.batch.kv_projected_mb <= seen.batch.kv_room_mb

@@ -268,7 +268,7 @@ def test_no_job_is_held_unrun_when_a_speculative_batch_refuses_it(conn, hybrid, 
     exact) and its record says why it was not batched; none waits in the worker."""
     from producer import Client
     from schemas.store import read_result
-    from tests.test_faults import wait_for
+    from tests.waiting import wait_for
 
     jobs = {
         f"j{i}": chat(

@@ -83,7 +83,8 @@ def test_job_timeout_inside_a_batch(conn, redis_url, tiny):
     from tests.test_faults import slow_job
 
     client = Client(connection=conn)
-    s = client.submit([slow_job(tiny)], job_timeout=1)
+    # 8,000 tokens: far more than one second gives on any machine
+    s = client.submit([slow_job(tiny, max_tokens=8000)], job_timeout=1)
     quick = client.submit([chat(tiny.slow, max_tokens=3, temperature=0)])
     run_worker(redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache()), max_batch=4)
     record = read_result(conn, s.job_ids[0])

@@ -28,7 +28,8 @@ from producer.lines import Defaults
 from schemas import InvalidRequestError, Metrics, ResultRecord, keys
 from schemas.store import read_result
 from tests.conftest import chat
-from tests.test_faults import slow_job, wait_for
+from tests.test_faults import slow_job
+from tests.waiting import seconds, wait_for
 from worker.lifecycle.held import Lifecycle
 
 
@@ -69,7 +70,7 @@ def run_limited(limit_bytes: int, *args: str) -> subprocess.CompletedProcess[str
         [sys.executable, "-c", _LIMITED, str(limit_bytes), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=seconds(300),
         env=env,
     )
 
@@ -268,7 +269,7 @@ def test_cancel_while_workers_take_jobs_cancels_each_queued_job_exactly_once(
     wait_for(lambda: conn.llen(keys.rq_queue_key("mlxq")) == 0, timeout=30)
     stop.set()
     for t in threads:
-        t.join(30)
+        t.join(seconds(30))
     ran = taken[0] + taken[1]
     assert len(ran) == len(set(ran)) and 300 < len(ran) < n
     status = batch_status(conn, "race")

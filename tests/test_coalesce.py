@@ -13,6 +13,7 @@ from producer.serve.coalesce import Coalesced
 from schemas import keys
 from tests.test_notify import SETTINGS, calls
 from tests.test_notify import chat_body as body
+from tests.waiting import seconds
 
 #: A script that fails for a key of the wrong type and echoes otherwise.
 ECHO_LUA = "redis.call('INCR', KEYS[1]); return ARGV[1]"
@@ -74,14 +75,14 @@ def test_a_lone_call_goes_at_once_without_the_sending_task(redis_url):
     async def scenario() -> tuple[object, bool]:
         aredis = AsyncRedis.from_url(redis_url)
         script = Coalesced(aredis, ECHO_LUA)
-        lone = await asyncio.wait_for(script(keys=["n"], args=["alone"]), 5)
+        lone = await asyncio.wait_for(script(keys=["n"], args=["alone"]), seconds(5))
         first = asyncio.ensure_future(script(keys=["n"], args=["a"]))
         await asyncio.sleep(0)  # the first is out
         second = asyncio.ensure_future(script(keys=["n"], args=["b"]))
-        await asyncio.wait([first, second], timeout=0.5)
-        waited = not second.done() and first.done()
+        await asyncio.wait_for(asyncio.shield(first), seconds(5))  # its own call came back
+        waited = not second.done()  # (its reply is the task's to send)
         script.start()  # now the task sends what waits
-        await asyncio.wait_for(second, 5)
+        await asyncio.wait_for(second, seconds(5))
         await script.stop()
         await aredis.aclose()
         return lone, waited

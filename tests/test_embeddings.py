@@ -16,8 +16,9 @@ from producer.lines import parse_lines
 from schemas.embeddings import EmbeddingList, decode_base64
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
-from tests.test_faults import one_result, wait_for
+from tests.test_faults import one_result
 from tests.test_gateway import gateway  # noqa: F401  (the fixture)
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="session")

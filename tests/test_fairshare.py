@@ -250,8 +250,8 @@ def test_gateway_keys_name_their_tenant_for_batch_api_batches(conn, redis_url, t
         load_operator_keys,
         load_tenant_weights,
     )
-    from tests.test_faults import wait_for
     from tests.test_gateway import Gateway, write_batch_file
+    from tests.waiting import wait_for
 
     key_file = tmp_path / "keys.txt"
     key_file.write_text("sk-team-a-key team-a 3  # team A, weight 3\nsk-plain-key\n")

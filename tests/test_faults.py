@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import pytest
 from redis import Redis
@@ -22,6 +21,7 @@ from producer.localredis import LocalRedis
 from schemas import keys
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
+from tests.waiting import seconds, wait_for
 
 FAULT_REPORT: list[dict] = []
 SLOW_TOKENS = 1500  # ~5 s on the slow tiny model without OpenBLAS
@@ -29,17 +29,8 @@ SLOW_TOKENS = 1500  # ~5 s on the slow tiny model without OpenBLAS
 
 def slow_job(tiny, **fields) -> dict:
     # EOS (id 3) is banned so the job really generates SLOW_TOKENS tokens.
-    return chat(tiny.slow, max_tokens=SLOW_TOKENS, temperature=0, logit_bias={"3": -100}, **fields)
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 60, every: float = 0.02) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
+    fields = {"max_tokens": SLOW_TOKENS, **fields}
+    return chat(tiny.slow, temperature=0, logit_bias={"3": -100}, **fields)
 
 
 def running_execution(conn: Redis, job_id: str, queue: str = "mlxq") -> str | None:
@@ -48,13 +39,6 @@ def running_execution(conn: Redis, job_id: str, queue: str = "mlxq") -> str | No
         if jid == job_id:
             return execution
     return None
-
-
-def begun(conn: Redis, job_id: str) -> None:
-    """Wait until the worker holds ``job_id`` and has had the take's reply in hand a while: a
-    stop landing during the take itself hands the job back unstarted (by design)."""
-    wait_for(lambda: running_execution(conn, job_id))
-    time.sleep(0.3)
 
 
 def one_result(conn: Redis, job_id: str, timeout: float = 90):
@@ -86,7 +70,7 @@ def test_sigkill_mid_job_is_recovered_and_completes(conn, redis_url, tiny, worke
     assert (status.succeeded, status.failed) == (2, 0)
     assert second != first
     # lease 2 s + a recovery pass every 1 s, plus the new worker's start-up.
-    assert recovery_s < 15, recovery_s
+    assert recovery_s < seconds(15), recovery_s
     FAULT_REPORT.append({"test": "sigkill", "kills": 1, "recovery_s": round(recovery_s, 2)})
     b.signal(signal.SIGTERM)
     assert b.wait() == 0
@@ -131,7 +115,7 @@ def test_restart_under_same_name_right_after_sigkill(conn, redis_url, tiny, work
     took = time.monotonic() - killed_at
     record = one_result(conn, job_id)
     assert record.status == "succeeded"
-    assert took < 25, took
+    assert took < seconds(25), took
     assert "name reclaimed" in again.output
     FAULT_REPORT.append({"test": "same-name restart", "kills": 1, "recovered_in_s": round(took, 2)})
     again.signal(signal.SIGTERM)
@@ -142,7 +126,7 @@ def test_sigterm_finishes_the_job_then_exits_zero(conn, redis_url, tiny, workers
     client = Client(connection=conn)
     s = client.submit({"slow": slow_job(tiny), "next": chat(tiny.target, max_tokens=2)})
     w = workers(name="term")
-    begun(conn, s.job_ids[0])
+    w.begun(s.job_ids[0])
     w.signal(signal.SIGTERM)
     assert w.wait(120) == 0
     record = read_result(conn, s.job_ids[0])
@@ -220,7 +204,7 @@ def test_sigterm_stops_an_idle_worker_whose_redis_is_gone(tmp_path, tiny, worker
         time.sleep(3)  # the worker is retrying its take
         assert w.proc.poll() is None
         w.signal(signal.SIGTERM)
-        took = _stopped_within(w, 8)
+        took = _stopped_within(w, seconds(8))
         assert w.proc.returncode == 0, w.output
         assert "stopped while waiting for a job" in w.output
         FAULT_REPORT.append({"test": "sigterm, redis gone, idle", "exit_s": round(took, 2)})
@@ -237,13 +221,13 @@ def test_a_second_sigterm_stops_a_busy_worker_whose_redis_is_gone(tmp_path, tiny
         conn = Redis.from_url(server.url)
         s = Client(connection=conn).submit({"slow": slow_job(tiny)})
         w = workers("--lease-seconds", "3", name="busy", url=server.url)
-        begun(conn, s.job_ids[0])
+        w.begun(s.job_ids[0])
         w.signal(signal.SIGTERM)  # warm: the job runs on
         server.stop()
         time.sleep(1)
         assert w.proc.poll() is None, w.output
         w.signal(signal.SIGTERM)
-        took = _stopped_within(w, 8)
+        took = _stopped_within(w, seconds(8))
         assert "cold stop" in w.output, w.output
         server.start()  # the job was held, not lost: another worker runs it
         workers("--lease-seconds", "3", name="next", url=server.url)
@@ -255,7 +239,8 @@ def test_a_second_sigterm_stops_a_busy_worker_whose_redis_is_gone(tmp_path, tiny
 
 def test_job_timeout_fails_clearly_and_the_worker_goes_on(conn, redis_url, tiny):
     client = Client(connection=conn)
-    slow = client.submit([slow_job(tiny)], job_timeout=1)
+    # 8,000 tokens: far more than one second gives on any machine
+    slow = client.submit([slow_job(tiny, max_tokens=8000)], job_timeout=1)
     quick = client.submit([chat(tiny.slow, max_tokens=2)])
     from worker.engine.models import ModelCache
     from worker.runner import runtime
@@ -349,7 +334,7 @@ def test_credentials_never_reach_logs_or_results(tmp_path, tiny, workers):
         assert secret not in bad.output and "***" in bad.output
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(seconds(10))
 
 
 def _pings(conn: Redis) -> bool:
@@ -361,8 +346,8 @@ def _pings(conn: Redis) -> bool:
 
 def test_sigterm_while_idle_exits_zero_and_loses_nothing(conn, redis_url, tiny, workers):
     w = workers(name="idle")
-    wait_for(lambda: conn.exists("rq:worker:idle"))
-    time.sleep(0.5)  # blocked in the dequeue wait
+    w.serving()
+    time.sleep(0.5)  # most likely blocked in the dequeue wait (a stop before it ends alike)
     w.signal(signal.SIGTERM)
     assert w.wait(30) == 0
     s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)])
@@ -372,8 +357,21 @@ def test_sigterm_while_idle_exits_zero_and_loses_nothing(conn, redis_url, tiny, 
     assert one_result(conn, s.job_ids[0]).status == "succeeded"
 
 
+def tokens_lasting(tiny, seconds_: float) -> int:
+    """Tokens the slow tiny model takes at least ``seconds_`` to decode here (measured in
+    this process: a worker beside other work is slower still), at most 8,000 (its
+    context)."""
+    import mlx_lm
+
+    model, tok = mlx_lm.load(tiny.slow)
+    started = time.perf_counter()
+    made = sum(1 for _ in mlx_lm.stream_generate(model, tok, "hello", max_tokens=200))
+    per_s = made / (time.perf_counter() - started)  # (at a short context: fast)
+    return min(8000, max(SLOW_TOKENS, int(per_s * seconds_)))
+
+
 def test_a_long_job_outlives_its_lease_without_being_requeued(conn, redis_url, tiny, workers):
-    s = Client(connection=conn).submit([slow_job(tiny)])
+    s = Client(connection=conn).submit([slow_job(tiny, max_tokens=tokens_lasting(tiny, 4))])
     w = workers("--lease-seconds", "2", name="long")
     first = wait_for(lambda: running_execution(conn, s.job_ids[0]))
     record = one_result(conn, s.job_ids[0])
@@ -521,13 +519,13 @@ def test_sigterm_while_idle_after_jobs_exits_at_once(conn, redis_url, tiny, work
     # a SIGTERM must stop it now, not when that wait ends.
     w = workers("--max-batch", "1", name="after")
     s = Client(connection=conn).submit([chat(tiny.target, max_tokens=2)] * 2)
-    assert Client(connection=conn).wait(s.batch_id, timeout=60).done == 2
+    assert Client(connection=conn).wait(s.batch_id, timeout=seconds(60)).done == 2
     wait_for(lambda: conn.hget("rq:worker:after", "state") == b"idle")
-    time.sleep(0.5)
+    time.sleep(0.5)  # most likely blocked in the dequeue wait (a stop before it ends alike)
     started = time.monotonic()
     w.signal(signal.SIGTERM)
     assert w.wait(30) == 0
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < seconds(5)
 
 
 @pytest.mark.parametrize(
@@ -558,8 +556,7 @@ def test_a_load_slower_than_several_leases_keeps_the_job(conn, tiny, workers, ma
         assert record.metrics.speculative and conn.xlen(keys.stream_key(job_id)) > 2
     assert conn.get(keys.crashes_key(job_id)) is None
     for w in (slow, other):  # (a worker still starting would die of the signal, not stop)
-        wait_for(lambda w=w: "serving" in w.output, timeout=120)
-        time.sleep(0.3)
+        w.serving()
         w.signal(signal.SIGTERM)
         assert w.wait() == 0
     assert "requeued" not in slow.output + other.output
@@ -579,7 +576,7 @@ def test_held_and_stranded_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny,
 
     from worker.lifecycle.held import Lifecycle
 
-    lease = 10
+    lease = round(seconds(10))  # the cleanups below run twice within it
     client = Client(connection=conn)
     held = client.submit([slow_job(tiny)]).job_ids[0]
     a = workers("--lease-seconds", str(lease), name="long-a")
@@ -606,7 +603,7 @@ def test_held_and_stranded_jobs_of_dead_workers_survive_rqs_cleanups(conn, tiny,
         conn.set(seen, time.time() - 120, keepttl=True)  # ... as if a minute ago
     rq_cleanups()
     assert time.monotonic() - killed < lease, "the cleanups ran after the leases ended"
-    wait_for(lambda: time.monotonic() - killed > lease + 1, timeout=30, every=0.5)
+    time.sleep(max(0.0, killed + lease + 1 - time.monotonic()))  # the leases end
     rq_cleanups()  # the leases have ended: still RQ fails nothing
     assert conn.hget(keys.rq_job_key(held), "status") == b"started"
     assert conn.zcard("rq:failed:mlxq") == 0

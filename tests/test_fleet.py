@@ -15,7 +15,8 @@ from producer.streams import iter_chunks
 from schemas import keys
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
-from tests.test_faults import one_result, running_execution, slow_job, wait_for
+from tests.test_faults import one_result, running_execution, slow_job
+from tests.waiting import seconds, wait_for
 
 
 def test_two_workers_serve_their_own_models_and_show_in_the_registry(conn, tiny, workers):
@@ -53,7 +54,7 @@ def test_two_workers_serve_their_own_models_and_show_in_the_registry(conn, tiny,
     wait_for(lambda: [w.name for w in client.fleet()] == ["serves-t"], timeout=20)
     a.signal(signal.SIGTERM)
     assert a.wait() == 0
-    wait_for(lambda: client.fleet() == [], timeout=5)  # a clean exit unpublishes at once
+    wait_for(lambda: client.fleet() == [], timeout=seconds(5))  # a clean exit unpublishes at once
 
 
 def _url(conn) -> str:
@@ -81,7 +82,7 @@ def _stream_and_record(conn, redis_url, body):
     client = Client(connection=conn)
     s = client.submit([body | {"stream": True}])
     run_worker(redis_url)
-    pieces = list(client.stream(s.job_ids[0], timeout=10))
+    pieces = list(client.stream(s.job_ids[0], timeout=seconds(10)))
     record = read_result(conn, s.job_ids[0])
     raw = [json.loads(f[b"chunk"]) for _, f in conn.xrange(keys.stream_key(s.job_ids[0]))]
     return pieces, record, raw
@@ -133,13 +134,13 @@ def test_failed_streaming_job_ends_its_stream_with_an_error(conn, redis_url, tin
     s = client.submit([chat(tiny.small_ctx, content="queue " * 100, stream=True)])
     run_worker(redis_url)
     assert read_result(conn, s.job_ids[0]).error.code == "context_length_exceeded"
-    chunks = list(iter_chunks(conn, s.job_ids[0], timeout=5))
+    chunks = list(iter_chunks(conn, s.job_ids[0], timeout=seconds(5)))
     assert chunks[-1]["error"]["code"] == "context_length_exceeded"
     with pytest.raises(RuntimeError, match="maximum context length is 64"):
-        list(client.stream(s.job_ids[0], timeout=5))
+        list(client.stream(s.job_ids[0], timeout=seconds(5)))
     unknown = client.submit([chat(str(tiny.root / "nope"), stream=True)])
     run_worker(redis_url)  # fails before generation starts: still one final error chunk
-    chunks = list(iter_chunks(conn, unknown.job_ids[0], timeout=5))
+    chunks = list(iter_chunks(conn, unknown.job_ids[0], timeout=seconds(5)))
     assert [c["error"]["code"] for c in chunks] == ["model_not_found"]
 
 

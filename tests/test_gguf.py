@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from mlx_lm import load
 
 from tests.gguf_export import export
+from tests.waiting import seconds
 from worker.dev.tinymodels import TinySpec, ensure_model
 from worker.gguf import UnsupportedModel, import_gguf
 from worker.gguf.cli import import_command
@@ -209,11 +210,13 @@ def test_worker_import_gguf_is_a_worker_subcommand(sources, tmp_path):
         [str(worker), "import-gguf", str(path), str(tmp_path / "m")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=seconds(300),
     )
     assert out.returncode == 0, out.stderr
     assert "qwen3" in out.stdout and (tmp_path / "m" / "config.json").exists()
-    out = subprocess.run([str(worker), "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(worker), "--help"], capture_output=True, text=True, timeout=seconds(60)
+    )
     assert "import-gguf" in out.stdout and "--queue" in out.stdout
 
 

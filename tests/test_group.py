@@ -25,6 +25,7 @@ from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat
 from tests.test_structured import schema_format
+from tests.waiting import seconds
 from worker.dev.tinymodels import TinySpec, ensure_model
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
@@ -257,7 +258,7 @@ def test_shard_without_a_group_is_refused_by_name(redis_url):
         env=os.environ | {"MLXQ_REDIS_URL": redis_url},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=seconds(60),
     )
     assert p.returncode == 2 and "mlx.launch" in p.stderr, p.stderr
 
@@ -290,7 +291,8 @@ def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, w
 
     from producer import Client
     from schemas import keys
-    from tests.test_faults import one_result, running_execution, wait_for
+    from tests.test_faults import one_result, running_execution
+    from tests.waiting import wait_for
 
     spec = fault.startswith("spec-")  # a speculative batch (rank 0's draft proposes)
     fault = fault.removeprefix("spec-")
@@ -323,7 +325,7 @@ def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, w
     finally:
         if how == "stop":
             os.kill(pid, signal.SIGKILL)  # (a stopped rank never exits by itself)
-    group.proc.wait(timeout=60)
+    group.proc.wait(timeout=seconds(60))
     said = {"kill-1": "lost a rank", "stop-1": "the worker group hung: a step"}
     assert said.get(fault, "") in group.log.read_text(), group.log.read_text()[-2000:]
     if how == "stop":  # the group again, restarted: it takes the jobs handed back

@@ -12,18 +12,17 @@ from __future__ import annotations
 import itertools
 import signal
 import threading
-import time
 
 import pytest
 from redis import Redis
 
 from producer import Client
-from producer.fleet import live_workers
 from producer.metrics import _worker_metrics
 from schemas import ChatRequest, keys
 from schemas.fleet import Histogram, WorkerInfo
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
+from tests.waiting import seconds, wait_for
 from worker.dev.tinymodels import TinySpec, ensure_model
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
@@ -70,14 +69,14 @@ def _ended(conn: Redis, ids: list[str]) -> int:
 
 
 def _wait(cond, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+    wait_for(cond, timeout)
 
 
-def _rt(policy: SpeculationPolicy | None = None) -> runtime.WorkerRuntime:
-    return runtime.WorkerRuntime(cache=ModelCache(), policy=policy or SpeculationPolicy("never"))
+def _rt(policy: SpeculationPolicy | None = None, join: str = "auto") -> runtime.WorkerRuntime:
+    """(``join``: ``worker --interactive-join``.)"""
+    return runtime.WorkerRuntime(
+        cache=ModelCache(), policy=policy or SpeculationPolicy("never"), interactive_join=join
+    )
 
 
 @pytest.mark.parametrize(
@@ -97,7 +96,7 @@ def test_interactive_jobs_end_while_the_batch_runs(conn, redis_url, tiny, stream
     # before, they waited for the batch queue to drain (~290 jobs); now a few steps
     assert during <= 40, during
     assert all(read_result(conn, j).status == "succeeded" for j in asked)
-    worker.join(180)
+    worker.join(seconds(180))
     assert _ended(conn, batch) == 300
     # latencies per queue (Prometheus: mlxq_*_by_queue_seconds{worker,queue})
     waits = {q: h["queue_wait"].count for q, h in rt.stats.by_queue.items()}
@@ -134,25 +133,21 @@ def archs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("kind", ["plain", "draft", "lookup", "sliding", "hybrid"])
 def test_a_full_batch_preempts_a_batch_job_which_ends_once_unchanged(
-    conn, redis_url, tiny, archs, kind, monkeypatch
+    conn, redis_url, tiny, archs, kind
 ):
     model = archs.get(kind, tiny.target)
     fields = {
         "draft": {"draft_model": tiny.draft, "num_draft_tokens": 3},
         "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
     }.get(kind, {})
-    from worker.runner import continuous
-
-    # a step of the batch costs little more than one sequence's (a GPU): they join
-    monkeypatch.setattr(continuous.ContinuousBatch, "_join_pays", lambda self: True)
     policy = SpeculationPolicy("always" if kind in ("draft", "lookup") else "never")
     batch = _batch(conn, model, 12, 160, **fields)
-    rt = _rt(policy)
+    rt = _rt(policy, join="always")  # (as on a GPU, where the measured rule joins)
     worker = _serve(redis_url, rt, max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)  # the batch is full
     asked = _interactive(conn, model, 3, **fields)  # the same kind: they can join
     _wait(lambda: _ended(conn, asked) == 3)
-    worker.join(120)
+    worker.join(seconds(120))
     assert rt.stats.preemptions >= 1
     records = [read_result(conn, j) for j in batch]
     assert all(r.status == "succeeded" for r in records)
@@ -167,7 +162,6 @@ def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tin
     (kept prefixes keep out of it); once it ends, the batch's alone again."""
     from worker.runner import continuous
 
-    monkeypatch.setattr(continuous.ContinuousBatch, "_join_pays", lambda self: False)
     seen: list[tuple[str, int, int, int]] = []  # (batch, reserved, the batch's, the side's)
     step = continuous.ContinuousBatch._step
 
@@ -180,11 +174,11 @@ def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tin
 
     monkeypatch.setattr(continuous.ContinuousBatch, "_step", stepped)
     batch = _batch(conn, tiny.target, 8, 96)
-    worker = _serve(redis_url, _rt(), max_batch=4)
+    worker = _serve(redis_url, _rt(join="never"), max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
     asked = _interactive(conn, tiny.target, 2)
     _wait(lambda: _ended(conn, asked) == 2)
-    worker.join(120)
+    worker.join(seconds(120))
     assert _ended(conn, batch) == 8
     assert all(reserved == mine + side for _, reserved, mine, side in seen)
     sides = [side for kind, _, _, side in seen if kind == "side"]
@@ -211,7 +205,7 @@ def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(
     assert early < 40  # the flood did not wait for the batch
     _wait(lambda: _ended(conn, flood) >= 50)
     assert _ended(conn, batch) > early  # and the batch went on during the flood
-    worker.join(180)
+    worker.join(seconds(180))
     assert _ended(conn, flood) == 60 and _ended(conn, batch) == 40
 
 
@@ -242,31 +236,30 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     _wait(lambda: _ended(conn, batch) >= 1)  # a batch job's 160 steps: the bank is full
     asked = _interactive(conn, tiny.target, 3, stream=True)  # streamed: each runs alone
     _wait(lambda: _ended(conn, asked) == 3)
-    worker.join(120)
+    worker.join(seconds(120))
     runs = "".join(events)
     assert runs.count("a") == 3 and "aaa" in runs, runs[-40:]
 
 
 def test_sigkill_while_preempting_loses_nothing(conn, redis_url, tiny, workers):
-    a = workers("--lease-seconds", "2", "--max-batch", "4", "--speculative", "never", name="a")
-    # two requests first, on the idle worker: it measures a step of two (the join rule's
-    # reference), so the requests that come during the batch join it
-    warm = {f"w{i}": chat(tiny.slow, f"warm {i}", max_tokens=48, temperature=0) for i in range(2)}
-    client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
-    warmed = client.submit(warm, batch_id="w").job_ids
-    _wait(lambda: _ended(conn, warmed) == 2)
+    # interactive jobs join (as on a GPU, where the measured rule joins): at the cap of 4
+    # each takes a batch job's place
+    args = ("--lease-seconds", "2", "--max-batch", "4", "--speculative", "never")
+    a = workers(*args, "--interactive-join", "always", name="a")
     batch = _batch(conn, tiny.slow, 8, 200)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
     asked = _interactive(conn, tiny.slow, 4)
 
-    def preempted() -> bool:
-        return any(w.preemptions for w in live_workers(conn))
+    def preempted_or_over() -> bool:  # (over without one: fail now, not after a window)
+        return "preempted" in a.output or _ended(conn, batch + asked) == 12
 
-    _wait(preempted, 60)
+    _wait(preempted_or_over, 60)
+    assert "preempted for an interactive job" in a.output, a.output
     a.signal(signal.SIGKILL)
     a.wait()
-    b = workers("--lease-seconds", "2", "--max-batch", "4", name="b")
-    _wait(lambda: _ended(conn, batch + asked) == 12, 240)  # a's jobs recovered when its lease ends
+    b = workers(*args, name="b")
+    # a's jobs are recovered when its lease ends
+    _wait(lambda: _ended(conn, batch + asked) == 12, 240)
     b.signal(signal.SIGTERM)
     assert b.wait(60) == 0
     records = [read_result(conn, j) for j in batch + asked]
@@ -324,7 +317,7 @@ def test_when_a_batch_step_costs_many_single_steps_interactive_jobs_run_beside_i
     asked = _interactive(conn, tiny.target, 3)
     _wait(lambda: _ended(conn, asked) == 3)
     assert _ended(conn, batch) < 12  # they did not wait for the batch
-    worker.join(120)
+    worker.join(seconds(120))
     assert rt.stats.preemptions == 0  # nor joined it: they ran beside it, together
     assert [read_result(conn, j).metrics.batch_size for j in asked] == [3, 3, 3]
 
@@ -344,7 +337,7 @@ def test_interactive_jobs_join_where_a_step_measured_cheap_else_run_beside(
     asked = _interactive(conn, tiny.target, 2)
     _wait(lambda: _ended(conn, asked) == 2)
     assert _ended(conn, batch) < 4
-    worker.join(120)
+    worker.join(seconds(120))
     sizes = [read_result(conn, j).metrics.batch_size for j in asked]
     assert min(sizes) >= 5 if measured == "cheap" else sizes == [2, 2], sizes
 
@@ -383,13 +376,10 @@ def _texts(conn, ids: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("kind", ["plain", "draft", "lookup", "sliding", "hybrid"])
 def test_interactive_jobs_batched_beside_the_batch_end_with_their_text_alone(
-    conn, redis_url, tiny, archs, kind, monkeypatch
+    conn, redis_url, tiny, archs, kind
 ):
     """Jobs that cannot join run together in a side batch stepped between the batch's
     steps (its own engine and KV caches): every job's greedy text is its text alone."""
-    from worker.runner import continuous
-
-    monkeypatch.setattr(continuous.ContinuousBatch, "_join_pays", lambda self: False)
     model = archs.get(kind, tiny.target)
     fields = {
         "draft": {"draft_model": tiny.draft, "num_draft_tokens": 3},
@@ -397,13 +387,13 @@ def test_interactive_jobs_batched_beside_the_batch_end_with_their_text_alone(
     }.get(kind, {})
     policy = SpeculationPolicy("always" if kind in ("draft", "lookup") else "never")
     batch = _batch(conn, model, 8, 96, **fields)
-    rt = _rt(policy)
+    rt = _rt(policy, join="never")
     worker = _serve(redis_url, rt, max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
     asked = _interactive(conn, model, 3, **fields)
     _wait(lambda: _ended(conn, asked) == 3)
     assert _ended(conn, batch) < 8
-    worker.join(120)
+    worker.join(seconds(120))
     assert [read_result(conn, j).metrics.batch_size for j in asked] == [3, 3, 3]
     assert rt.stats.preemptions == 0
     asks = _asks("question", 3, 8) + _asks("batch job", 8, 96)
@@ -422,7 +412,7 @@ def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(
     _wait(lambda: _ended(conn, choices) == 1)
     assert _ended(conn, batch) < 60  # ran between two steps
     assert len(read_result(conn, choices[0]).response.choices) == 2
-    worker.join(180)
+    worker.join(seconds(180))
     waited = read_result(conn, other[0])
     assert waited.status == "succeeded"  # not lost: it ran once the batch had ended
     assert waited.finished_at >= max(read_result(conn, j).finished_at for j in batch)
@@ -516,7 +506,7 @@ def test_an_interactive_job_does_not_join_while_batch_prompts_prefill(
     asked = _interactive(conn, model, 1, **fields)
     _wait(lambda: _ended(conn, asked) == 1)
     assert _ended(conn, batch) == 0  # the batch's prompts were still prefilling
-    worker.join(180)
+    worker.join(seconds(180))
     assert read_result(conn, asked[0]).metrics.batch_size == 1  # beside the batch, alone
     assert rt.stats.preemptions == 0
     assert _ended(conn, batch) == 4
@@ -548,7 +538,7 @@ def test_jobs_run_between_chunks_of_a_shared_prefix_prefilled_to_keep(
 
     def chunked(self):
         events.append("chunk")
-        asked_now.wait(30)  # (the test's clock: the interactive job is queued by now)
+        asked_now.wait(seconds(30))  # (the test's clock: the interactive job is queued by now)
         return between(self)
 
     monkeypatch.setattr(BatchEngine, "add", added)
@@ -565,7 +555,7 @@ def test_jobs_run_between_chunks_of_a_shared_prefix_prefilled_to_keep(
     asked = _interactive(conn, tiny.slow, 1)
     asked_now.set()
     _wait(lambda: _ended(conn, asked + batch) == 5)
-    worker.join(120)
+    worker.join(seconds(120))
     # it ended before the batch began (its first job still prefilling its prefix)
     assert events.index(f"end {asked[0]}") < events.index(f"add {batch[0]}"), events[:8]
     assert events.index(f"end {asked[0]}") < len(events) - events[::-1].index("chunk") - 1

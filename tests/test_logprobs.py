@@ -14,6 +14,7 @@ from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat, run_jobs, run_worker
 from tests.test_schemas import error_of
+from tests.waiting import seconds
 from worker.engine import prompt_tokens
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
@@ -104,7 +105,7 @@ def test_equal_alone_batched_speculative_and_streamed(conn, redis_url, tiny):
     s = Client(connection=conn).submit(_jobs(tiny.target, stream=True), batch_id="streamed")
     run_worker(redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache(), worker_id="s"))
     for cid, job_id in zip(alone, s.job_ids, strict=True):
-        chunks = list(iter_chunks(conn, job_id, timeout=10))
+        chunks = list(iter_chunks(conn, job_id, timeout=seconds(10)))
         streamed = [
             t
             for c in chunks

@@ -22,7 +22,7 @@ from producer.metrics import FleetCollector, registry_for
 from schemas import keys
 from schemas.store import read_result
 from tests.conftest import chat
-from tests.test_faults import wait_for
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).parent.parent
 

@@ -22,6 +22,7 @@ from schemas import ResultRecord, keys
 from schemas.store import write_result
 from tests.conftest import chat as chat_body
 from tests.test_lifecycle import succeeded
+from tests.waiting import seconds
 from worker.lifecycle.held import Lifecycle
 
 SETTINGS = GatewaySettings(chat_ttl=600)
@@ -79,7 +80,7 @@ def test_a_worker_step_ending_64_jobs_wakes_the_gateway_once(redis_url, conn):
         notifier.start()
         await asyncio.sleep(0.2)  # the reader is waiting when the step ends
         life.end_many([(h, succeeded(h)) for h in held])
-        _, pending = await asyncio.wait(futures.values(), timeout=10)
+        _, pending = await asyncio.wait(futures.values(), timeout=seconds(10))
         assert not pending, f"{len(pending)} records never noticed"
         await notifier.stop()
         after = {c: calls(conn, c) - before[c] for c in before}
@@ -109,7 +110,7 @@ def test_every_record_writer_notifies_and_unknown_ids_are_ignored(redis_url, con
         notifier.forget(gone)  # its request ended
         write_result(conn, record_for(gone), 600)
         write_result(conn, record_for(waited), 600)
-        record = await asyncio.wait_for(future, 10)
+        record = await asyncio.wait_for(future, seconds(10))
         assert record is not None and record["job_id"] == waited
         await asyncio.sleep(0.2)
         assert not abandoned.done() and notifier.waiting == 1
@@ -186,7 +187,7 @@ def test_a_lost_notice_costs_seconds_not_the_answer(redis_url, conn, monkeypatch
 
         waits = [wait(j, f) for j, f in zip((lost, gone, late), futures, strict=True)]
         left.connected = False
-        records = await asyncio.wait_for(asyncio.gather(*waits), 30)
+        records = await asyncio.wait_for(asyncio.gather(*waits), seconds(30))
         assert notifier.waiting == 0
         await notifier.stop()
         await aredis.aclose()
@@ -197,7 +198,7 @@ def test_a_lost_notice_costs_seconds_not_the_answer(redis_url, conn, monkeypatch
     records, took = asyncio.run(scenario())
     assert records[0] is not None and records[0]["status"] == "succeeded"
     assert records[1] is None and records[2] is None
-    assert max(took) < 10 and sorted(took)[-1] >= 1.5  # the lost one waited for the read
+    assert max(took) < seconds(10) and sorted(took)[-1] >= 1.5  # the lost one waited for the read
     batches = [keys.batch_key(keys.batch_of(j)) for j in (lost, gone, late)]
     assert [conn.hexists(b, "cancelled_at") for b in batches] == [False, True, True]
 

@@ -19,6 +19,7 @@ from schemas import ChatRequest
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from tests.templates import FAMILIES, with_template
+from tests.waiting import seconds
 from worker.engine import prompt_tokens
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
@@ -209,8 +210,8 @@ def test_fleet_shows_the_prefix_cache(conn, redis_url, tiny, workers):
     w = workers("--max-batch", "1", name="pc")
     client = Client(connection=conn)
     s = client.submit([with_system(tiny.target, f"job {i}", max_tokens=2) for i in range(3)])
-    client.wait(s.batch_id, timeout=60)
-    from tests.test_faults import wait_for
+    client.wait(s.batch_id, timeout=seconds(60))
+    from tests.waiting import wait_for
 
     info = wait_for(lambda: (f := client.fleet()) and f[0].prefix_cache.hits == 2 and f[0])
     pc = info.prefix_cache

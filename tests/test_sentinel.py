@@ -23,7 +23,8 @@ from schemas.connect import SentinelURL, redis_from_url
 from schemas.settings import redact_url
 from schemas.store import read_result
 from tests.conftest import chat, write_jsonl
-from tests.test_faults import FAULT_REPORT, wait_for
+from tests.test_faults import FAULT_REPORT
+from tests.waiting import seconds, wait_for
 
 
 def test_sentinel_urls_parse_and_bad_ones_are_named():
@@ -111,7 +112,7 @@ def _burst_worker(url: str, tiny, *args: str) -> subprocess.CompletedProcess[str
     env = os.environ | {"MLXQ_REDIS_URL": url, "MLXQ_MODEL_DIRS": str(tiny.root)}
     exe = str(Path(sys.executable).with_name("worker"))
     return subprocess.run(
-        [exe, "--burst", "-v", *args], env=env, capture_output=True, text=True, timeout=300
+        [exe, "--burst", "-v", *args], env=env, capture_output=True, text=True, timeout=seconds(300)
     )
 
 
@@ -153,7 +154,7 @@ def test_wait_replicas_keeps_acknowledged_records_and_says_when_it_cannot(tmp_pa
             ids = [k.decode() for k in conn.lrange(keys.batch_jobs_key(batch), 0, -1)]
             assert all(conn.exists(keys.result_key(j)) for j in ids)
             primary.proc.kill()  # the primary dies before the replica caught up
-            primary.proc.wait(10)
+            primary.proc.wait(seconds(10))
             primary.proc = None
         finally:
             replica.proc.send_signal(signal.SIGCONT)

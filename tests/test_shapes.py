@@ -160,7 +160,7 @@ def test_a_batch_for_responses_takes_only_responses_lines(tiny):
 
 
 def test_a_batch_api_batch_for_responses_through_the_sdk(gateway, workers, tiny, tmp_path):  # noqa: F811
-    from tests.test_faults import wait_for
+    from tests.waiting import wait_for
 
     gw = gateway()
     client = gw.client()

@@ -19,6 +19,7 @@ from schemas.store import read_result
 from schemas.structured import MAX_SCHEMA_BYTES
 from tests.conftest import chat, run_jobs, run_worker
 from tests.test_schemas import error_of
+from tests.waiting import seconds
 from worker.engine.models import ModelCache
 from worker.runner import runtime
 from worker.schedule.policy import SpeculationPolicy
@@ -122,7 +123,7 @@ def test_schema_is_enforced_alone_batched_speculative_and_streamed(conn, redis_u
     client = Client(connection=conn)
     for cid, job_id in zip(_jobs(tiny.target, fmt), s.job_ids, strict=True):
         assert (
-            "".join(client.stream(job_id, timeout=10))
+            "".join(client.stream(job_id, timeout=seconds(10)))
             == alone[cid].response.choices[0].message.content
         )
 

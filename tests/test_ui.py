@@ -15,9 +15,9 @@ from producer import Client
 from producer.overview import overview
 from schemas import keys
 from tests.conftest import chat, run_worker
-from tests.test_faults import wait_for
 from tests.test_gateway import KEY, Gateway, auth, request
 from tests.test_retry import _mixed_batch
+from tests.waiting import seconds, wait_for
 
 BROWSERS = ("/usr/bin/chromium-headless-shell", "/usr/bin/chromium")
 #: Where the browser test keeps its screenshot (a test artifact; not committed).
@@ -154,7 +154,7 @@ def test_the_page_in_a_browser_shows_progress_workers_and_errors_and_retries_and
         expect(errors).to_contain_text("context_length_exceeded")
         expect(errors).to_contain_text("late-")
         worker_row = page.locator("#workers tbody tr", has_text="page-worker")
-        expect(worker_row.locator("td.state")).to_have_text("idle", timeout=30_000)
+        expect(worker_row.locator("td.state")).to_have_text("idle", timeout=seconds(30) * 1000)
         expect(page.locator("#queues tbody")).to_contain_text("nobody")
         page.screenshot(path=str(ARTIFACTS / "ui.png"), full_page=True)
 

@@ -369,7 +369,8 @@ def test_sigkill_mid_batch_of_image_jobs_gives_one_record_each(
 ):
     """Image jobs batched with a text job on a VLM, the worker killed while they decode:
     another worker recovers every job, one record each, with the same text as alone."""
-    from tests.test_faults import one_result, running_execution, wait_for
+    from tests.test_faults import one_result, running_execution
+    from tests.waiting import wait_for
 
     vlm = str(ensure_vlm(tmp_path_factory.getbasetemp() / "kill-vlm"))
     eos = json.loads((Path(vlm) / "config.json").read_text())["eos_token_id"]

@@ -147,8 +147,8 @@ def test_hostile_webhook_urls_and_secrets_are_refused(conn, redis_url, monkeypat
 def test_the_gateway_delivers_events_when_it_has_the_secret(
     conn, redis_url, tmp_path, receiver, monkeypatch
 ):
-    from tests.test_faults import wait_for
     from tests.test_gateway import Gateway
+    from tests.waiting import wait_for
 
     hook = receiver([200])
     set_webhook(conn, "team-g", hook.url, allow_private=True)

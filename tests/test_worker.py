@@ -16,6 +16,7 @@ from schemas import keys
 from schemas.result import BatchOutputLine, ChatCompletion
 from schemas.store import read_result
 from tests.conftest import chat, run_worker, write_jsonl
+from tests.waiting import seconds
 from worker.engine.models import ModelCache
 from worker.runner import runtime
 
@@ -52,7 +53,7 @@ def test_end_to_end_through_producer_cli_and_worker_process(tmp_path, conn, redi
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=seconds(300),
     )
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out.jsonl"
@@ -223,7 +224,7 @@ def test_worker_cli_preloads_and_rejects_bad_flags(redis_url, tiny):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=seconds(120),
     )
     assert ok.returncode == 0 and f"preloaded {tiny.target}" in ok.stderr
     missing = subprocess.run(
@@ -231,7 +232,7 @@ def test_worker_cli_preloads_and_rejects_bad_flags(redis_url, tiny):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=seconds(120),
     )
     assert missing.returncode == 1
     assert "--model /nope/model: model '/nope/model': no such local directory" in missing.stderr
@@ -241,7 +242,7 @@ def test_worker_cli_preloads_and_rejects_bad_flags(redis_url, tiny):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=seconds(120),
     )
     assert denied.returncode == 1 and "not allowed on this worker" in denied.stderr
     bad = subprocess.run(
@@ -249,7 +250,7 @@ def test_worker_cli_preloads_and_rejects_bad_flags(redis_url, tiny):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=seconds(120),
     )
     assert bad.returncode == 2 and "--cache-gb" in bad.stderr
 

@@ -248,6 +248,16 @@ class _Commands(click.Group):
     "decides), always.",
 )
 @click.option(
+    "--interactive-join",
+    envvar="MLXQ_INTERACTIVE_JOIN",
+    type=click.Choice(["auto", "always", "never"]),
+    default="auto",
+    show_default=True,
+    help="Interactive jobs arriving during a batch: auto (join it while its step costs at "
+    "most 2x a small one's, else run beside it), always join (taking a batch job's place "
+    "at the cap), never join (always beside).",
+)
+@click.option(
     "--lookup-tokens",
     envvar="MLXQ_LOOKUP_TOKENS",
     type=click.IntRange(1, 64),
@@ -337,6 +347,7 @@ def main(
     num_draft_tokens: int,
     speculative: str,
     lookup: str,
+    interactive_join: str,
     lookup_tokens: int,
     max_batch: int | None,
     share_figures: bool,
@@ -417,6 +428,7 @@ def main(
         max_n=max_n,
         share_figures=share_figures,
         machine_kind=machine_kind,
+        interactive_join=interactive_join,
     )
     if name:
         rt.worker_id = name

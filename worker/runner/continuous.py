@@ -505,6 +505,8 @@ class ContinuousBatch:
         batch of 96, the only size measured, took 9 s, 3x the others); it joins in a
         worker group, which has no side batch."""
         assert self.engine is not None
+        if self.rt.interactive_join != "auto":  # the operator's choice (--interactive-join)
+            return self.rt.interactive_join == "always"
         smallest = self.rt.policy.sizes.smallest_step_s(*self.key, most=SMALL_SIZE)
         if self.engine.prefill_steps > 1:
             return smallest is not None and (self._step_s or 0.0) <= JOIN_SLOWDOWN * smallest

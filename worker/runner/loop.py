@@ -197,6 +197,7 @@ class Worker:
         if self.lifecycle.over_quota(got):  # its tenant's tokens of the day are used
             self.rt.stats.failed += 1
             return None
+        log.info("job %s begun", got.id)  # from here a stop lets it end (or hands it back)
         return got
 
     def _run(self, job: Job) -> None:

@@ -37,6 +37,9 @@ class WorkerRuntime:
     machine_kind: str | None = None
     # The hosts jobs' image URLs are fetched from (``--allow-image-host``; none: no URLs).
     image_hosts: ImageHosts = field(default_factory=ImageHosts)
+    # Whether interactive jobs join a running batch (``--interactive-join``): "auto" (the
+    # measured rule, ``ContinuousBatch._join_pays``), "always", "never" (beside it).
+    interactive_join: str = "auto"
 
     def find_local(self, name: str) -> Path | None:
         """Where ``name`` is on this machine already (None: not fetched yet); raises
