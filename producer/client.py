@@ -26,6 +26,7 @@ from schemas import ChatRequest, ResultRecord, keys
 from schemas.connect import redis_from_url
 from schemas.embeddings import JobRequest, parse_request
 from schemas.fleet import WorkerInfo
+from schemas.images import ImageInvalid, check_images
 from schemas.responses import TranslationError
 from schemas.settings import DEFAULT_REDIS_URL
 from schemas.shapes import SHAPED_URLS, to_chat_job
@@ -165,6 +166,9 @@ def _item(custom_id: str, request: Any, endpoint: str | None) -> SubmitItem:
     ``endpoint`` translated to its chat job (a bad one raises ValueError naming it)."""
     if endpoint is None:
         parsed = request if isinstance(request, BaseModel) else parse_request(request)
+        if isinstance(parsed, ChatRequest):
+            body = request if isinstance(request, Mapping) else parsed.model_dump(mode="json")
+            _images_ok(custom_id, dict(body))
         return SubmitItem(custom_id, parsed)
     if isinstance(request, BaseModel):
         request = request.model_dump(mode="json", exclude_unset=True)
@@ -172,4 +176,14 @@ def _item(custom_id: str, request: Any, endpoint: str | None) -> SubmitItem:
         body, shape = to_chat_job(endpoint, request)
     except TranslationError as e:
         raise ValueError(f"{custom_id}: {e}") from None
+    _images_ok(custom_id, body)
     return SubmitItem(custom_id, ChatRequest.model_validate(body), body, shape)
+
+
+def _images_ok(custom_id: str, body: dict[str, Any]) -> None:
+    """Raise :class:`schemas.images.ImageInvalid` (a ValueError) naming ``custom_id`` and
+    the part, for an inline image no worker would read."""
+    try:
+        check_images(body)
+    except ImageInvalid as e:
+        raise ImageInvalid(f"{custom_id}: {e}") from None

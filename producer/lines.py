@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from schemas import BatchInputLine, ChatRequest, describe_validation_error
 from schemas.embeddings import CHAT_URL, EMBEDDINGS_URL, EmbeddingRequest, parse_request
+from schemas.images import ImageInvalid, check_images
 from schemas.responses import TranslationError
 from schemas.shapes import SHAPED_URLS, to_chat_job
 
@@ -115,9 +116,11 @@ def parse_line(text: str, lineno: int, defaults: Defaults = Defaults()) -> Line:
             request = parse_request(body, CHAT_URL)
         else:
             request = parse_request(body, url)
+        if isinstance(request, ChatRequest):
+            check_images(body)  # broken, truncated or bomb-shaped images: refused here
     except ValidationError as e:
         raise LineInvalid(describe_validation_error(e, prefix)) from None
-    except TranslationError as e:
+    except (TranslationError, ImageInvalid) as e:
         raise LineInvalid(f"{prefix}.{e}" if prefix else str(e)) from None
     if defaults.endpoint is not None:
         if url is None:

@@ -7,6 +7,11 @@ bytes by their SHA-256 and leaves ``mlxq-image:<sha256>`` in the part
 image from its job's own batch only, once per image (``worker.engine.images``). A data URL
 whose base64 does not decode stays inline: the worker fails that job with a 400 naming
 the image, and the rest of the batch runs.
+
+:func:`check_images` is the door: the producer's checking pass and the gateway refuse a
+request whose inline image is not valid base64, over :data:`MAX_IMAGE_BYTES`, not an
+image of a format read, truncated or declaring too many pixels
+(:func:`schemas.imagehead.inspect`), naming the part, before anything is queued.
 """
 
 from __future__ import annotations
@@ -17,27 +22,57 @@ import functools
 import hashlib
 from typing import Any
 
-from schemas.request import FILE_REF, IMAGE_REF
+from schemas.imagehead import ImageInvalid, image_format, inspect
+from schemas.request import FILE_REF, IMAGE_REF, MAX_IMAGE_BYTES
 
-__all__ = ["FILE_REF", "IMAGE_REF", "digest_of", "image_format", "image_ref", "stored_images"]
+__all__ = [
+    "FILE_REF",
+    "IMAGE_REF",
+    "ImageInvalid",
+    "check_images",
+    "digest_of",
+    "image_format",
+    "image_ref",
+    "stored_images",
+]
 
 _HEAD = "data:image/"
 
 
-#: Magic bytes of the image formats read, and their names.
-FORMATS: tuple[tuple[bytes, str], ...] = (
-    (b"\x89PNG\r\n\x1a\n", "PNG"),
-    (b"\xff\xd8\xff", "JPEG"),
-    (b"GIF87a", "GIF"),
-    (b"GIF89a", "GIF"),
-)
+def check_images(body: dict[str, Any], max_bytes: int = MAX_IMAGE_BYTES) -> None:
+    """Raise :class:`ImageInvalid` for the first inline image of a chat body that no worker
+    would read, naming its place: ``messages.0.content.1: image 1 is a truncated PNG
+    file``. URLs and references are the worker's to check (hosts, batches, tenants)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    n = 0
+    for i, message in enumerate(messages):
+        if not _has_image(message):
+            continue
+        for j, part in enumerate(message["content"]):
+            image = part.get("image_url") if isinstance(part, dict) else None
+            url = image.get("url") if isinstance(image, dict) else None
+            if not isinstance(url, str):
+                continue
+            n += 1
+            if url.startswith(_HEAD):
+                _check(url, f"messages.{i}.content.{j}: image {n}", max_bytes)
 
 
-def image_format(data: bytes) -> str | None:
-    """PNG, JPEG, WEBP or GIF from the magic bytes; None for anything else."""
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    return next((name for magic, name in FORMATS if data.startswith(magic)), None)
+def _check(url: str, where: str, max_bytes: int) -> None:
+    found = _decoded(url)
+    if found is None:
+        raise ImageInvalid(f"{where}: the data URL is not valid base64")
+    data = found[1]
+    if len(data) > max_bytes:
+        raise ImageInvalid(
+            f"{where} is {len(data) / 2**20:.1f} MB; the limit is {max_bytes / 2**20:g} MB"
+        )
+    try:
+        inspect(data)
+    except ImageInvalid as e:
+        raise ImageInvalid(f"{where} {e}") from None
 
 
 def image_ref(digest: str) -> str:

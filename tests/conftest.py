@@ -33,6 +33,7 @@ QUICK_FILES = {
     "test_fairshare.py",
     "test_figures.py",
     "test_goodput.py",
+    "test_imagehead.py",
     "test_lifecycle.py",
     "test_logprobs.py",
     "test_lookup.py",

@@ -744,3 +744,45 @@ def test_the_gateway_leaves_its_startup_heap_out_of_collections(redis_url):
             assert gc.get_freeze_count() > 10_000
     finally:
         gc.unfreeze()
+
+
+def test_broken_images_are_a_400_at_the_door_with_nothing_queued(gateway, conn):
+    """No worker runs: each answer comes at once from the gateway's own check."""
+    from tests.test_imagehead import GOOD, data_url, png_declaring
+
+    gw = gateway()
+    png = GOOD["png"]()
+    broken = {
+        "data:image/png;base64,AAAA": "image 1 is not a PNG, JPEG, WebP or GIF image",
+        data_url(png[: len(png) // 2]): "image 1 is a truncated PNG file",
+        data_url(png_declaring(30_000, 30_000)): "image 1 declares 30000 x 30000 pixels",
+        "data:image/png;base64,%%%": "image 1: the data URL is not valid base64",
+    }
+    for url, words in broken.items():
+        for stream in (False, True):
+            content = [
+                {"type": "text", "text": "what is it?"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ]
+            body = {
+                "model": "m",
+                "stream": stream,
+                "messages": [{"role": "user", "content": content}],
+            }
+            r = request("POST", f"{gw.url}/v1/chat/completions", body, auth())
+            assert r.status == 400, (url[:40], r.body)
+            error = r.json()["error"]
+            assert error["code"] == "invalid_image", error
+            assert error["message"].startswith(f"messages.0.content.1: {words}"), error
+        item = {"type": "input_image", "image_url": url}
+        body = {"model": "m", "input": [{"role": "user", "content": [item]}]}
+        r = request("POST", f"{gw.url}/v1/responses", body, auth())
+        assert r.status == 400 and words in r.json()["error"]["message"], r.body
+    upload = gw.client().files.create
+    with pytest.raises(openai.BadRequestError) as e:
+        upload(file=("a.png", png[:-8], "image/png"), purpose="vision")
+    assert "the vision file is a truncated PNG file" in e.value.body["message"]
+    assert upload(file=("a.png", png, "image/png"), purpose="vision").bytes == len(png)
+    queued = [k for k in conn.scan_iter("rq:queue:*")]
+    assert all(conn.llen(k) == 0 for k in queued), queued
+    assert not list(conn.scan_iter(keys.result_key("*")))

@@ -34,6 +34,7 @@ from worker.dev.tinyvlm import ARCHS, ensure_vlm
 from worker.engine.generator import ChatGenerator
 from worker.engine.images import ImageCache
 from worker.engine.models import ModelCache
+from worker.runner.runtime import WorkerRuntime
 from worker.schedule.policy import SpeculationPolicy
 
 from .conftest import run_jobs, run_worker
@@ -222,7 +223,15 @@ def test_an_image_on_a_text_model_and_hostile_images_fail_alone(conn, redis_url,
         "text-model": job(tiny.target, QUESTIONS[0], good),
         "good2": job(vlm, QUESTIONS[1], good),
     }
-    records = run_jobs(conn, redis_url, jobs, "vision-hostile", max_batch=4)
+    # Past the door (``schemas.images.check_images`` refuses these at submit): as a job
+    # written to Redis by other means, the worker's own checks fail each alone.
+    from producer.submit import SubmitItem, submit_items
+
+    items = [SubmitItem(c, ChatRequest.model_validate(b), b) for c, b in jobs.items()]
+    s = submit_items(conn, items, batch_id="vision-hostile")
+    rt = WorkerRuntime(cache=ModelCache(), worker_id="vision-hostile")
+    run_worker(redis_url, runtime=rt, max_batch=4)
+    records = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
     ok = {c for c, r in records.items() if r.status == "succeeded"}
     assert ok == {"good", "good2"}, {c: r.error for c, r in records.items()}
     expect = {
@@ -283,15 +292,20 @@ def test_a_jobs_file_stores_each_image_once_and_runs_like_the_client(
     path = tmp_path / "images.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in (plain, batch_api, broken)))
     args = ["submit", str(path), "--redis-url", redis_url, "--batch-id", "vision-file"]
-    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    refused = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert refused.exit_code == 2, refused.output  # the broken image, at the door
+    assert "images.jsonl:3: messages.0.content.0: image 1: the data URL is not valid base64" in (
+        refused.output
+    )
+    assert conn.llen(keys.rq_queue_key("mlxq")) == 0  # nothing enqueued
+    result = CliRunner().invoke(main, [*args, "--skip-invalid"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert conn.hlen(keys.batch_images_key("vision-file")) == 1  # two jobs, one image
     run_worker(redis_url, max_batch=2)
     got = {c: read_result(conn, keys.job_id_for("vision-file", c)) for c in ("plain", "api")}
     assert got["plain"].response.choices[0].message.content == reference(vlm, QUESTIONS[0], image)
     assert got["api"].response.choices[0].message.content == reference(vlm, QUESTIONS[1], image)
-    failed = read_result(conn, keys.job_id_for("vision-file", "broken"))
-    assert "not valid base64" in failed.error.message  # kept inline, named by the worker
+    assert read_result(conn, keys.job_id_for("vision-file", "broken")) is None  # never queued
 
 
 @pytest.fixture

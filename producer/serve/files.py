@@ -22,7 +22,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from producer.batches import iter_output_lines
 from schemas import keys
-from schemas.images import image_format
+from schemas.imagehead import ImageInvalid, image_format, inspect
 
 PIECE = 1 << 20
 _OUTPUT_RE = re.compile(r"file-(out|err)-([A-Za-z0-9_-]{1,64})")
@@ -83,20 +83,23 @@ async def store_upload(
     tenant: str = keys.DEFAULT_TENANT,
 ) -> dict[str, Any]:
     """Copy an upload into Redis piece by piece; :class:`TooLarge` past ``limit`` bytes,
-    :class:`NotAnImage` for a ``vision`` file that is not a PNG, JPEG, WebP or GIF. The
+    :class:`NotAnImage` for a ``vision`` file that is not a whole PNG, JPEG, WebP or GIF
+    image (``schemas.imagehead``). The
     file belongs to ``tenant``: other tenants' keys do not see it."""
     file_id = new_file_id()
-    data_key, size = keys.file_data_key(file_id), 0
+    data_key, size, image = keys.file_data_key(file_id), 0, []
     try:
         while piece := await upload.read(PIECE):
             size += len(piece)
             if size > limit:
                 raise TooLarge(f"the file is larger than this gateway's limit of {limit} bytes")
+            if purpose == "vision":  # (at most the image limit: checked whole below)
+                image.append(piece)
             async with conn.pipeline(transaction=False) as pipe:
                 pipe.rpush(data_key, piece).expire(data_key, ttl)
                 await pipe.execute()
-        if purpose == "vision" and image_format(await conn.lindex(data_key, 0) or b"") is None:
-            raise NotAnImage("a vision file must be a PNG, JPEG, WebP or GIF image")
+        if purpose == "vision":
+            _check_image(b"".join(image))
     except BaseException:
         await conn.delete(data_key)
         raise
@@ -112,6 +115,16 @@ async def store_upload(
     await conn.hset(keys.file_key(file_id), mapping=meta)
     await conn.expire(keys.file_key(file_id), ttl)
     return file_object(meta)
+
+
+def _check_image(data: bytes) -> None:
+    """Raise :class:`NotAnImage` unless ``data`` is a whole image workers read."""
+    if image_format(data) is None:
+        raise NotAnImage("a vision file must be a PNG, JPEG, WebP or GIF image")
+    try:
+        inspect(data)
+    except ImageInvalid as e:
+        raise NotAnImage(f"the vision file {e}") from None
 
 
 async def file_meta(conn: AsyncRedis, file_id: str) -> dict[str, Any] | None:

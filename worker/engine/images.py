@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from schemas import InvalidRequestError
+from schemas.imagehead import MAX_PIXELS
+from schemas.imagehead import image_format as format_of
 from schemas.images import digest_of
-from schemas.images import image_format as format_of
 from schemas.request import MAX_IMAGE_BYTES
 
 
@@ -42,10 +43,6 @@ class ImageSource(Protocol):
 
     def fetch(self, url: str, max_bytes: int, where: str) -> bytes:
         """The bytes ``url`` names (at most about ``max_bytes``); raises naming ``where``."""
-
-
-#: The most pixels an image may declare (a 36-megapixel photo passes).
-MAX_PIXELS = 40_000_000
 
 
 @dataclass(frozen=True)
