@@ -786,3 +786,50 @@ def test_broken_images_are_a_400_at_the_door_with_nothing_queued(gateway, conn):
     queued = [k for k in conn.scan_iter("rq:queue:*")]
     assert all(conn.llen(k) == 0 for k in queued), queued
     assert not list(conn.scan_iter(keys.result_key("*")))
+
+
+def test_every_route_that_takes_an_id_is_its_own_tenants(gateway, workers, tiny, tmp_path, conn):
+    """Responses, files, batches (retrieve, cancel, retry: the /ui's actions): another
+    tenant's key gets the 404 of a missing id, and changes nothing; an operator key reads
+    all."""
+    gw = gateway(api_keys="sk-a=alpha,sk-b=beta,sk-op=*")
+    a, b, op = gw.client("sk-a"), gw.client("sk-b"), gw.client("sk-op")
+    workers()
+    m = tiny.target
+    first = a.responses.create(model=m, input="hello", temperature=0, max_output_tokens=4)
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions"}
+    line["body"] = {"model": m, "messages": messages("x"), "max_tokens": 2}
+    upload = a.files.create(file=("in.jsonl", json.dumps(line).encode() + b"\n"), purpose="batch")
+    batch = a.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    calls = {
+        "GET response": lambda c: c.responses.retrieve(first.id),
+        "previous_response_id": lambda c: c.responses.create(
+            model=m, input="and?", previous_response_id=first.id, max_output_tokens=2
+        ),
+        "DELETE response": lambda c: c.responses.delete(first.id),
+        "GET file": lambda c: c.files.retrieve(upload.id),
+        "GET file content": lambda c: c.files.content(upload.id),
+        "DELETE file": lambda c: c.files.delete(upload.id),
+        "GET batch": lambda c: c.batches.retrieve(batch.id),
+        "cancel batch": lambda c: c.batches.cancel(batch.id),
+    }
+    for name, call in calls.items():
+        with pytest.raises(openai.NotFoundError):
+            call(b)
+            pytest.fail(f"{name}: another tenant's key got an answer")
+    retried = request("POST", f"{gw.url}/v1/batches/{batch.id}/retry", {}, auth("sk-b"))
+    assert retried.status == 404, retried.body
+    assert op.responses.retrieve(first.id).output_text == first.output_text
+    assert a.responses.retrieve(first.id).output_text == first.output_text
+    assert a.files.retrieve(upload.id).id == upload.id  # beta's DELETE changed nothing
+    assert a.batches.retrieve(batch.id).status != "cancelled"
+    second = a.responses.create(
+        model=m, input="and?", previous_response_id=first.id, max_output_tokens=2
+    )
+    assert second.id.startswith("resp_")
+    assert json.loads(conn.get(keys.response_key(first.id)))["tenant"] == "alpha"
+    a.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        op.responses.retrieve(first.id)

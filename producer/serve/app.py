@@ -303,7 +303,8 @@ async def create_response(request: Request, s: GatewaySettings) -> Response:
     aredis: AsyncRedis = request.app.state.aredis
     past: list[dict[str, Any]] = []
     if req.previous_response_id:
-        found = await responses.history(aredis, req.previous_response_id)
+        scope = _key_scope(s, request)
+        found = await responses.history(aredis, req.previous_response_id, scope)
         if found is None:
             return error(
                 404,
@@ -316,7 +317,7 @@ async def create_response(request: Request, s: GatewaySettings) -> Response:
         chat_body = to_chat(req, past) | ({"stream": True} if req.stream else {})
     except TranslationError as e:
         return error(400, str(e))
-    shape = responses.Shape(req, chat_body, aredis, s.chat_ttl)
+    shape = responses.Shape(req, chat_body, aredis, s.chat_ttl, _key_tenant(s, request))
     return await _as_chat(request, s, chat_body, shape)
 
 
@@ -389,14 +390,16 @@ def _metrics_route(app: FastAPI) -> None:
 def _chat_routes(app: FastAPI, s: GatewaySettings) -> None:
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:
-        found = await responses.stored(request.app.state.aredis, response_id)
+        scope = _key_scope(s, request)
+        found = await responses.stored(request.app.state.aredis, response_id, scope)
         if found is None:
             return error(404, f"no response {response_id!r}", code="not_found")
         return JSONResponse(found)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
-        if not await responses.delete(request.app.state.aredis, response_id):
+        scope = _key_scope(s, request)
+        if not await responses.delete(request.app.state.aredis, response_id, scope):
             return error(404, f"no response {response_id!r}", code="not_found")
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

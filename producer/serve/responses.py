@@ -29,22 +29,35 @@ from schemas.responses import (
 )
 
 
-async def _read(conn: AsyncRedis, response_id: str, part: str) -> Any:
+async def _read(conn: AsyncRedis, response_id: str, part: str, scope: str | None) -> Any:
+    """A part of a stored response that ``scope`` may read (None: no such response, or
+    another tenant's, alike)."""
     raw = await conn.get(keys.response_key(response_id))
-    return None if raw is None else json.loads(raw)[part]
+    if raw is None:
+        return None
+    value = json.loads(raw)
+    if scope is not None and value.get("tenant", keys.DEFAULT_TENANT) != scope:
+        return None
+    return value[part]
 
 
-async def history(conn: AsyncRedis, response_id: str) -> list[dict[str, Any]] | None:
-    """The conversation a stored response ends (None: no such response, or expired)."""
-    return await _read(conn, response_id, "messages")
+async def history(
+    conn: AsyncRedis, response_id: str, scope: str | None
+) -> list[dict[str, Any]] | None:
+    """The conversation a stored response ends (None: no such response, expired, or not
+    ``scope``'s: a tenant, or None for every tenant's)."""
+    return await _read(conn, response_id, "messages", scope)
 
 
-async def stored(conn: AsyncRedis, response_id: str) -> dict[str, Any] | None:
-    """A stored response (None: no such response, or expired)."""
-    return await _read(conn, response_id, "response")
+async def stored(conn: AsyncRedis, response_id: str, scope: str | None) -> dict[str, Any] | None:
+    """A stored response (None: no such response, expired, or not ``scope``'s)."""
+    return await _read(conn, response_id, "response", scope)
 
 
-async def delete(conn: AsyncRedis, response_id: str) -> bool:
+async def delete(conn: AsyncRedis, response_id: str, scope: str | None) -> bool:
+    """Delete a stored response ``scope`` may read; False if there is none."""
+    if await stored(conn, response_id, scope) is None:
+        return False
     return bool(await conn.delete(keys.response_key(response_id)))
 
 
@@ -55,11 +68,12 @@ async def keep(
     body: dict[str, Any],
     completion: dict[str, Any],
     ttl: int,
+    tenant: str = keys.DEFAULT_TENANT,
 ) -> None:
-    """Store ``response`` and its conversation (unless ``store: false``)."""
+    """Store ``response`` and its conversation as ``tenant``'s (unless ``store: false``)."""
     if not req.store:
         return
-    value = {"response": response, "messages": conversation(body, completion)}
+    value = {"response": response, "messages": conversation(body, completion), "tenant": tenant}
     await conn.set(keys.response_key(response["id"]), json.dumps(value), ex=ttl)
 
 
@@ -208,9 +222,15 @@ class Shape:
     """How the gateway answers a Responses request from its chat job (``app._answer``)."""
 
     def __init__(
-        self, req: ResponsesRequest, chat_body: dict[str, Any], conn: AsyncRedis, ttl: int
+        self,
+        req: ResponsesRequest,
+        chat_body: dict[str, Any],
+        conn: AsyncRedis,
+        ttl: int,
+        tenant: str = keys.DEFAULT_TENANT,
     ) -> None:
         self.req, self.chat_body, self.conn, self.ttl = req, chat_body, conn, ttl
+        self.tenant = tenant  # whose the stored response is
         self.id, self.created = new_id("resp"), int(time.time())
 
     async def answer(self, completion: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +240,7 @@ class Shape:
         return response
 
     async def keep(self, response: dict[str, Any], completion: dict[str, Any]) -> None:
-        await keep(self.conn, self.req, response, self.chat_body, completion, self.ttl)
+        await keep(self.conn, self.req, response, self.chat_body, completion, self.ttl, self.tenant)
 
     def events(
         self, conn: AsyncRedis, job_id: str, chunks: AsyncIterator[dict[str, Any]]
