@@ -26,6 +26,7 @@ from tests.waiting import clear, seconds, wait_for, watch
 #: everything.
 QUICK_FILES = {
     "test_batching.py",
+    "test_blas.py",
     "test_cache.py",
     "test_choices.py",
     "test_coalesce.py",
