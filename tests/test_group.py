@@ -316,6 +316,7 @@ def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, w
     wait_for(lambda: group.output.count(" loaded ") >= 2, timeout=120)  # both ranks: decoding
     time.sleep(0.5)
     pid, leader = _rank_pid(group.proc.pid, int(victim)), _rank_pid(group.proc.pid, 0)
+    group.expected_exit = True  # (the group ends of this: waits go on without it)
     os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     try:
         wait_for(lambda: not _alive(leader), timeout=60)
@@ -325,7 +326,7 @@ def test_a_rank_lost_mid_batch_loses_no_job(conn, redis_url, tmp_path, models, w
     finally:
         if how == "stop":
             os.kill(pid, signal.SIGKILL)  # (a stopped rank never exits by itself)
-    group.proc.wait(timeout=seconds(60))
+    group.wait(60)
     said = {"kill-1": "lost a rank", "stop-1": "the worker group hung: a step"}
     assert said.get(fault, "") in group.log.read_text(), group.log.read_text()[-2000:]
     if how == "stop":  # the group again, restarted: it takes the jobs handed back

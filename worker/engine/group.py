@@ -72,6 +72,13 @@ class GroupLost(BaseException):
     never just the job at hand."""
 
 
+def _lost(message: str) -> GroupLost:
+    """A :class:`GroupLost`, logged where it is found: ``mlx.launch`` terminates the other
+    ranks as soon as one has died, maybe before the exception's own message is printed."""
+    log.error("the worker group lost a rank: %s", message)
+    return GroupLost(message)
+
+
 #: How mlx's distributed backends begin the message of a transport failure (e.g.
 #: ``[ring] connection to a peer was lost``), raised wherever the collective ran: in our
 #: own message sums or inside a model's forward pass (its layers' all_sum).
@@ -167,7 +174,7 @@ class Group:
                 if not transport_failed(e):
                     raise
                 self.lost = True
-                raise GroupLost(f"group rank {self.rank}: {what}: {e}") from e
+                raise _lost(f"group rank {self.rank}: {what}: {e}") from e
 
     @property
     def rank(self) -> int:
@@ -183,20 +190,23 @@ class Group:
         return self.rank == 0
 
     def _sum(self, a: mx.array) -> mx.array:
+        if self.lost:  # (a lost ring may hang rather than fail: never call it again)
+            raise _lost(f"group rank {self.rank}: the group was lost earlier")
+        try:
+            return self._all_sum(a)
+        except Exception as e:  # the transport failed: a peer died
+            self.lost = True
+            raise _lost(f"group rank {self.rank}: {type(e).__name__}: {e}") from e
+
+    def _all_sum(self, a: mx.array) -> mx.array:
         # mlx-lm dispatches the next step's forward pass asynchronously (``async_eval`` on
         # its generation stream): its collectives must be done before this one, or the
         # ranks would pair this sum with another rank's layer sums.
         from mlx_lm.generate import generation_stream
 
-        if self.lost:  # (a lost ring may hang rather than fail: never call it again)
-            raise GroupLost(f"group rank {self.rank}: the group was lost earlier")
-        try:
-            mx.synchronize(generation_stream)
-            out = mx.distributed.all_sum(a, group=self.comm, stream=mx.cpu)
-            mx.eval(out)
-        except Exception as e:  # the transport failed: a peer died
-            self.lost = True
-            raise GroupLost(f"group rank {self.rank}: {type(e).__name__}: {e}") from e
+        mx.synchronize(generation_stream)
+        out = mx.distributed.all_sum(a, group=self.comm, stream=mx.cpu)
+        mx.eval(out)
         return out
 
     def _send(self, header: int, payload: bytes = b"") -> None:
@@ -234,8 +244,10 @@ class Group:
 
     def confirm_exit(self) -> None:
         """A follower: heard :data:`EXIT` (rank 0 may close its connections now)."""
-        with contextlib.suppress(GroupLost):
-            self._sum(mx.ones((1,), dtype=mx.int32))
+        if self.lost:  # (never call a lost ring again)
+            return
+        with contextlib.suppress(Exception):  # (rank 0 may be gone already: no loss now)
+            self._all_sum(mx.ones((1,), dtype=mx.int32))
 
     def listen(self) -> dict[str, Any] | int:
         """A follower: the next message, or :data:`STEP` / :data:`CLOSE`."""
