@@ -31,12 +31,19 @@ __all__ = [
     "ImageInvalid",
     "check_images",
     "digest_of",
+    "has_images",
     "image_format",
     "image_ref",
     "stored_images",
 ]
 
 _HEAD = "data:image/"
+
+
+def has_images(body: dict[str, Any]) -> bool:
+    """Whether a chat body has image parts (cheap: no URL is read)."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(_has_image(m) for m in messages)
 
 
 def check_images(body: dict[str, Any], max_bytes: int = MAX_IMAGE_BYTES) -> None:
