@@ -14,8 +14,6 @@ import hashlib
 import io
 import json
 import signal
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
@@ -38,6 +36,7 @@ from worker.runner.runtime import WorkerRuntime
 from worker.schedule.policy import SpeculationPolicy
 
 from .conftest import run_jobs, run_worker
+from .test_imagehead import png_declaring
 
 TOKENS = 10
 QUESTIONS = ["describe the queue", "what is the batch", "name the worker model"]
@@ -211,7 +210,7 @@ def test_image_jobs_speculate_and_give_n_choices(conn, redis_url, vlm, vlm_draft
 
 def test_an_image_on_a_text_model_and_hostile_images_fail_alone(conn, redis_url, vlm, tiny):
     good = png(4)
-    bomb = _png_header_only(30_000, 30_000)
+    bomb = png_declaring(30_000, 30_000)
     truncated = good[: len(good) // 2]
     svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"></svg>'
     jobs = {
@@ -438,23 +437,6 @@ def test_images_refused_where_they_are_not_read(vlm):
     tail["messages"][0]["content"].reverse()  # the image last: the template still ends after
     prepared = gen.prepare(ChatRequest.model_validate(tail))
     assert prepared.vision is not None and prepared.vision.end < len(prepared.prompt)
-
-
-def _png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header declares ``width`` x ``height`` pixels, with one tiny data chunk:
-    a decompression bomb's shape."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
-        + chunk(b"IEND", b"")
-    )
 
 
 def test_what_mrope_vlms_refuse_by_name():
