@@ -5,8 +5,8 @@ bytes by their SHA-256 and leaves ``mlxq-image:<sha256>`` in the part
 (:data:`schemas.request.IMAGE_REF`); the bytes go once into the batch's image hash
 (``schemas.keys.batch_images_key``), however many jobs show the image. A worker reads an
 image from its job's own batch only, once per image (``worker.engine.images``). A data URL
-whose base64 does not decode stays inline: the worker fails that job with a 400 naming
-the image, and the rest of the batch runs.
+whose base64 does not decode stays inline (only a job written past the door has one): the
+worker fails that job with a 400 naming the image, and the rest of the batch runs.
 
 :func:`check_images` is the door: the producer's checking pass and the gateway refuse a
 request whose inline image is not valid base64, over :data:`MAX_IMAGE_BYTES`, not an
@@ -58,9 +58,8 @@ def check_images(body: dict[str, Any], max_bytes: int = MAX_IMAGE_BYTES) -> None
         if not _has_image(message):
             continue
         for j, part in enumerate(message["content"]):
-            image = part.get("image_url") if isinstance(part, dict) else None
-            url = image.get("url") if isinstance(image, dict) else None
-            if not isinstance(url, str):
+            url = _url_of(part)
+            if url is None:
                 continue
             n += 1
             if url.startswith(_HEAD):
@@ -89,12 +88,11 @@ def image_ref(digest: str) -> str:
 def stored_images(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, bytes]]:
     """``body`` with its image data URLs replaced by references, and the images' bytes by
     SHA-256 (hex). A body without images comes back as is (not copied)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not any(_has_image(m) for m in messages):
+    if not has_images(body):
         return body, {}
     images: dict[str, bytes] = {}
     out = []
-    for message in messages:
+    for message in body["messages"]:
         if not _has_image(message):
             out.append(message)
             continue
@@ -116,17 +114,23 @@ def _has_image(message: Any) -> bool:
     )
 
 
-def _stored(part: Any, images: dict[str, bytes]) -> Any:
+def _url_of(part: Any) -> str | None:
+    """An ``image_url`` part's URL (None: not such a part, or no URL string)."""
     image = part.get("image_url") if isinstance(part, dict) else None
     url = image.get("url") if isinstance(image, dict) else None
-    if not isinstance(url, str) or not url.startswith(_HEAD):
+    return url if isinstance(url, str) else None
+
+
+def _stored(part: Any, images: dict[str, bytes]) -> Any:
+    url = _url_of(part)
+    if url is None or not url.startswith(_HEAD):
         return part
     found = _decoded(url)
     if found is None:
         return part  # the worker names it (a 400 for this job alone)
     digest, data = found
     images[digest] = data
-    return {**part, "image_url": {**image, "url": image_ref(digest)}}
+    return {**part, "image_url": {**part["image_url"], "url": image_ref(digest)}}
 
 
 @functools.lru_cache(maxsize=8)  # a file's lines repeat an image: decoded once in a row
