@@ -166,10 +166,15 @@ def _item(custom_id: str, request: Any, endpoint: str | None) -> SubmitItem:
     ``endpoint`` translated to its chat job (a bad one raises ValueError naming it)."""
     if endpoint is None:
         parsed = request if isinstance(request, BaseModel) else parse_request(request)
-        if isinstance(parsed, ChatRequest):
-            body = request if isinstance(request, Mapping) else parsed.model_dump(mode="json")
-            _images_ok(custom_id, dict(body))
-        return SubmitItem(custom_id, parsed)
+        if not isinstance(parsed, ChatRequest):
+            return SubmitItem(custom_id, parsed)
+        if isinstance(request, Mapping):
+            _images_ok(custom_id, dict(request))
+            return SubmitItem(custom_id, parsed)
+        # the body the job stores (what ``submit_items`` would dump): dumped once, checked
+        body = parsed.model_dump(mode="json", exclude_unset=True, by_alias=True)
+        _images_ok(custom_id, body)
+        return SubmitItem(custom_id, parsed, body)
     if isinstance(request, BaseModel):
         request = request.model_dump(mode="json", exclude_unset=True)
     try:
