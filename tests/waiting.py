@@ -14,7 +14,6 @@ bound that is the point of a test (a recovery within seconds) is :func:`seconds`
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -26,7 +25,6 @@ REFERENCE_S = 0.08
 MAX_PACE = 20.0
 
 _pace: float | None = None
-_lock = threading.Lock()
 
 
 class Watched(Protocol):
@@ -81,10 +79,8 @@ def calibrate() -> float:
     """Measure the pace now (the median of three runs of the workload) and keep it."""
     global _pace
     runs = [_workload() for _ in range(3)]
-    measured = min(MAX_PACE, max(1.0, statistics.median(runs) / REFERENCE_S))
-    with _lock:
-        _pace = measured
-    return measured
+    _pace = min(MAX_PACE, max(1.0, statistics.median(runs) / REFERENCE_S))
+    return _pace
 
 
 def pace() -> float:
