@@ -293,9 +293,11 @@ SWEEP_STEP = 2000
 def cancel_batch(
     conn: Redis, batch_id: str, event: str | None = "batch.cancelled"
 ) -> tuple[int, int]:
-    """Cancel the batch: none of its queued jobs will start; running ones finish.
+    """Cancel the batch: none of its queued jobs will start; running ones stop at their
+    next step (a ``cancelled`` record with the text they made, ``worker.runner.stops``).
 
-    One flag on the batch record does it (workers check it when they take a job),
+    One flag on the batch record does it (workers check it when they take a job, and
+    between the steps of the jobs they run),
     so this takes the same time for ten jobs or a million. Then the batch's jobs
     at the head of each of its queues are dropped in bounded steps (a queue no
     worker serves is cleaned too); the rest are dropped by the workers that reach

@@ -446,13 +446,16 @@ def results(batch_id: str, redis_url: str, output: Path | None, wait: bool) -> N
 @_redis_option
 def cancel(batch_id: str, redis_url: str) -> None:
     """Cancel BATCH_ID: its queued jobs never run (no record each: status and results count
-    them as cancelled, from the batch's flag); running ones finish."""
+    them as cancelled, from the batch's flag); running ones stop at their next step, each
+    with a cancelled record holding the text it made."""
     conn = _connect(redis_url)
     try:
         cancelled, running = cancel_batch(conn, batch_id)
     except BatchNotFoundError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"{cancelled} queued job(s) cancelled; {running} running job(s) will finish")
+    click.echo(
+        f"{cancelled} queued job(s) cancelled; {running} running job(s) stop at their next step"
+    )
 
 
 @main.command()

@@ -111,7 +111,8 @@ class QuotaExceededError(MlxqError):
 
 
 class CancelledError(MlxqError):
-    """The job was cancelled before it started (``producer cancel``)."""
+    """The job was cancelled (``producer cancel``, the Batch API's cancel or expiry, a
+    gateway client gone): before it started, or while it ran."""
 
     code = "cancelled"
     type = "cancelled"

@@ -39,12 +39,16 @@ _UNSUPPORTED_KEYS = frozenset(UNSUPPORTED)
 
 #: The most choices a request may ask for; a worker's ``--max-n`` (default 16) may allow fewer.
 MAX_N = 128
+#: The longest ``time_limit_s`` a request may ask (a week).
+MAX_TIME_LIMIT_S = 7 * 24 * 3600.0
+
 _EXTRA_PARAM_FIELDS = (
     "draft_model",
     "num_draft_tokens",
     "adapter",
     "speculation",
     "json_whitespace",
+    "time_limit_s",
 )
 #: ``chat_template_kwargs``: its limits, and the names mlxq passes to templates itself.
 MAX_TEMPLATE_KWARGS = 32
@@ -372,6 +376,10 @@ class ChatRequest(BaseModel):
     adapter: str | None = Field(default=None, min_length=1, max_length=512)
     speculation: Speculation | None = None
     json_whitespace: Literal["compact", "indented"] | None = None
+    #: mlxq: seconds the job may run once a worker has begun it; past them it stops and
+    #: fails with ``timeout``, its text so far in the record (the least of this, the
+    #: batch's job timeout and the worker's ``--time-limit`` applies).
+    time_limit_s: float | None = Field(default=None, gt=0, le=MAX_TIME_LIMIT_S)
     #: mlxq: the one user message's text is the whole prompt, tokenized as is (no chat
     #: template): what legacy ``/v1/completions`` runs as.
     raw_prompt: bool = False

@@ -128,6 +128,16 @@ class Metrics(BaseModel):
     kv_bits: int | None = None  # its full-attention KV cache's bits (worker --kv-bits); None: not
 
 
+class Partial(BaseModel):
+    """What a job stopped while it ran (cancelled, or past its time limit) had made: the
+    text of each choice so far and the tokens it used. ``cut``: the text ends where the
+    job was stopped, not where the model ended it (reasoning and tool calls unparsed)."""
+
+    texts: list[str]
+    usage: Usage
+    cut: Literal[True] = True
+
+
 #: What a succeeded job answers: a chat completion, or an embeddings list.
 Response = Annotated[ChatCompletion | EmbeddingList, Field(discriminator="object")]
 
@@ -144,6 +154,15 @@ class ResultRecord(BaseModel):
     error: ErrorInfo | None = None
     metrics: Metrics | None = None
     finished_at: float
+    partial: Partial | None = None  # a job stopped while it ran: what it made
+
+    @property
+    def usage(self) -> Any:
+        """The tokens the job used (its response's ``usage``: a chat completion's or an
+        embeddings list's), or what it used before it was stopped."""
+        if self.partial is not None:
+            return self.partial.usage
+        return getattr(self.response, "usage", None)
 
     @classmethod
     def failed(
@@ -155,9 +174,11 @@ class ResultRecord(BaseModel):
         *,
         metrics: Metrics | None = None,
         finished_at: float | None = None,
+        partial: Partial | None = None,
     ) -> ResultRecord:
         """The record of a job that ended without a completion (the one place that builds
-        one: workers, recovery and ``producer cancel`` all use it)."""
+        one: workers, recovery and ``producer cancel`` all use it); ``partial``: what it
+        made before it was stopped."""
         return cls(
             job_id=job_id,
             batch_id=batch_id,
@@ -167,6 +188,7 @@ class ResultRecord(BaseModel):
             error=ErrorInfo.of(error),
             metrics=metrics,
             finished_at=time.time() if finished_at is None else finished_at,
+            partial=partial,
         )
 
 
@@ -204,13 +226,16 @@ class BatchOutputLine(BaseModel):
                 response=BatchResponse(status_code=200, request_id=record.job_id, body=body),
             )
         error = record.error or ErrorInfo(message="job failed without an error record")
+        body: dict[str, Any] = {"error": error.model_dump(mode="json")}
+        if record.partial is not None:  # stopped while it ran: what it made, cut
+            body["mlxq_partial"] = record.partial.model_dump(mode="json")
         return cls(
             id=line_id,
             custom_id=record.custom_id,
             response=BatchResponse(
                 status_code=record.status_code,
                 request_id=record.job_id,
-                body={"error": error.model_dump(mode="json")},
+                body=body,
             ),
             error=BatchError(code=error.code, message=error.message),
         )

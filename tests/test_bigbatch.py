@@ -311,9 +311,9 @@ def test_cancel_of_a_queue_no_worker_serves_sweeps_it(conn):
     assert batch_status(conn, "a").cancelled == 5000 and batch_status(conn, "b").queued == 10
 
 
-def test_cancel_with_a_real_worker_lets_the_running_job_finish(conn, workers, tiny):
+def test_cancel_with_a_real_worker_stops_the_running_job(conn, workers, tiny):
     client = Client(connection=conn)
-    jobs = {"slow": slow_job(tiny)} | {f"q{i}": chat(tiny.slow) for i in range(6)}
+    jobs = {"slow": slow_job(tiny, max_tokens=8000)} | {f"q{i}": chat(tiny.slow) for i in range(6)}
     s = client.submit(jobs, batch_id="real")
     workers("--max-batch", "1", "--burst")
     wait_for(lambda: conn.hexists(keys.RUNNING, s.job_ids[0]), timeout=120)
@@ -321,6 +321,7 @@ def test_cancel_with_a_real_worker_lets_the_running_job_finish(conn, workers, ti
     assert (cancelled, running) == (6, 1)
     wait_for(lambda: client.status("real").finished, timeout=120)
     records = client.results("real")
-    assert records[0].status == "succeeded"
+    assert records[0].status == "cancelled" and records[0].partial is not None
+    assert 0 < records[0].partial.usage.completion_tokens < 8000  # stopped, not finished
     assert [r.error.code for r in records[1:]] == ["cancelled"] * 6
     assert [r.custom_id for r in records] == list(jobs)

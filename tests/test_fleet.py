@@ -165,14 +165,18 @@ def test_cancel_removes_only_the_batch_queued_jobs(conn, redis_url, tiny):
     assert client.status("keep-a").succeeded == 3 and client.status("keep").cancelled == 2
 
 
-def test_cancel_lets_running_jobs_finish(conn, redis_url, tiny, workers):
+def test_cancel_stops_running_jobs(conn, redis_url, tiny, workers):
     client = Client(connection=conn)
-    s = client.submit({"running": slow_job(tiny), "queued": chat(tiny.target, max_tokens=2)})
+    running_job = slow_job(tiny, max_tokens=8000)
+    s = client.submit({"running": running_job, "queued": chat(tiny.target, max_tokens=2)})
     w = workers(name="busy")
     wait_for(lambda: running_execution(conn, s.job_ids[0]))
     cancelled, running = client.cancel(s.batch_id)
     assert (cancelled, running) == (1, 1)
-    assert one_result(conn, s.job_ids[0]).status == "succeeded"
+    record = one_result(conn, s.job_ids[0])
+    assert record.status == "cancelled" and record.status_code == 499
+    assert record.partial.cut and record.partial.usage.completion_tokens < 8000  # (0: stopped
+    # while its prompt filled)
     assert client.result(s.job_ids[1]).status == "cancelled"
     w.signal(signal.SIGTERM)
     w.wait()

@@ -502,10 +502,14 @@ def test_cancel_a_running_batch(gateway, workers, tiny, tmp_path, conn):
         timeout=120,
         every=0.3,
     )
-    assert ended.request_counts.completed == 1 and ended.request_counts.failed == 3
+    assert ended.request_counts.completed == 0 and ended.request_counts.failed == 4
     errors = [json.loads(x) for x in client.files.content(ended.error_file_id).text.splitlines()]
-    assert sorted(e["custom_id"] for e in errors) == ["s1", "s2", "s3"]
+    assert sorted(e["custom_id"] for e in errors) == ["s0", "s1", "s2", "s3"]
     assert all(e["error"]["code"] == "cancelled" for e in errors)
+    # the running one stopped at its next step: what it made, cut, beside its error
+    running = [e for e in errors if ((e["response"] or {}).get("body") or {}).get("mlxq_partial")]
+    assert [e["custom_id"] for e in running] == ["s0"]
+    assert running[0]["response"]["body"]["mlxq_partial"]["cut"] is True
 
 
 def test_workers_serve_the_interactive_queue_first(workers, tiny, conn):

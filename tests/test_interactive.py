@@ -363,7 +363,8 @@ def test_the_join_rule_counts_prefilling_steps_until_a_step_only_decodes(decode_
 
     rt = _rt()
     rt.policy.sizes.record("m", None, 1, 10, 1.0)  # one sequence: 0.1 s a step
-    host = SimpleNamespace(rt=rt, max_batch=None, queues=list(QUEUES))
+    lifecycle = SimpleNamespace(conn=None)  # (no Redis: nothing is taken or ended)
+    host = SimpleNamespace(rt=rt, max_batch=None, queues=list(QUEUES), lifecycle=lifecycle)
     batch = ContinuousBatch(host, keys.DEFAULT_QUEUE, BatchKey("m", None, None, 0))
     batch.engine = SimpleNamespace(prefill_steps=0)
     batch._decode_s, batch._step_s = decode_s, step_s

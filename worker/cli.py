@@ -258,6 +258,16 @@ class _Commands(click.Group):
     "at the cap), never join (always beside).",
 )
 @click.option(
+    "--time-limit",
+    envvar="MLXQ_TIME_LIMIT",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="The most seconds a job may run here once taken: past them it stops and fails "
+    "with timeout, its text so far in the record (default: none; a batch's job timeout "
+    "and a request's time_limit_s hold too, the least wins).",
+)
+@click.option(
     "--lookup-tokens",
     envvar="MLXQ_LOOKUP_TOKENS",
     type=click.IntRange(1, 64),
@@ -348,6 +358,7 @@ def main(
     speculative: str,
     lookup: str,
     interactive_join: str,
+    time_limit: float | None,
     lookup_tokens: int,
     max_batch: int | None,
     share_figures: bool,
@@ -429,6 +440,7 @@ def main(
         share_figures=share_figures,
         machine_kind=machine_kind,
         interactive_join=interactive_join,
+        time_limit_s=time_limit,
     )
     if name:
         rt.worker_id = name

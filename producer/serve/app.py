@@ -283,9 +283,9 @@ async def _answer(
             e.get("code"),
         )
     relayed = (
-        chat.relay(aredis, job_id, first, last_id)
+        chat.relay(aredis, job_id, first, last_id, s.chat_ttl)
         if shape is None
-        else shape.events(aredis, job_id, chat.chunks(aredis, job_id, first, last_id))
+        else shape.events(aredis, job_id, chat.chunks(aredis, job_id, first, last_id, s.chat_ttl))
     )
     return StreamingResponse(
         relayed,

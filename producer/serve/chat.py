@@ -4,8 +4,9 @@ A chat completion is an mlxq batch of one job (``chat_<hex>``) on the interactiv
 queue. The batch names its gateway process's notify list, and the process's one
 reader (:mod:`producer.serve.notify`) brings the record to the waiting request,
 which checks once a second whether its client went away: a client that
-disconnects before its job started cancels it (the batch flag: the worker drops
-it). With
+disconnects cancels its job (the batch flag: a worker drops it unstarted, or stops it
+at its next step with a ``cancelled`` record; a stream whose reader goes away alike).
+With
 ``"stream": true`` the job writes ``chat.completion.chunk`` objects to its Redis
 stream and the gateway relays them as server-sent events, ending with
 ``data: [DONE]``; until the first chunk arrives nothing is sent, so a job that
@@ -73,10 +74,10 @@ async def enqueue(
     return await script(keys=script_keys, args=args) != -1
 
 
-async def cancel_if_unstarted(conn: AsyncRedis, job_id: str, ttl: int) -> bool:
-    """Cancel a job nobody is waiting for any more, unless it has started (then it runs on:
-    its record is kept for its TTL)."""
-    if await conn.hexists(keys.RUNNING, job_id) or await conn.exists(keys.result_key(job_id)):
+async def cancel(conn: AsyncRedis, job_id: str, ttl: int) -> bool:
+    """Cancel a job nobody is waiting for any more, unless it has ended: unstarted, no
+    worker starts it; running, its worker stops it at its next step."""
+    if await conn.exists(keys.result_key(job_id)):
         return False
     batch = keys.batch_key(keys.batch_of(job_id))
     await conn.hsetnx(batch, CANCELLED_AT, repr(time.time()))
@@ -93,14 +94,14 @@ async def wait_record(
 ) -> dict[str, Any] | None:
     """The job's record (its JSON, not re-validated: a worker wrote it through the
     ResultRecord model), or None if the client went away or its time ran out (the job
-    is then cancelled if it has not started). ``future``: ``notifier.expect(job_id,
+    is then cancelled). ``future``: ``notifier.expect(job_id,
     ...)``, called before the job was enqueued."""
     try:
         record = await future
     finally:
         notifier.forget(job_id)
     if record is None:
-        await cancel_if_unstarted(conn, job_id, ttl)
+        await cancel(conn, job_id, ttl)
     return record
 
 
@@ -120,7 +121,7 @@ async def first_chunks(
             return [], "", json.loads(raw)
         waited += WAIT_S
         if waited >= timeout_s or await request.is_disconnected():
-            await cancel_if_unstarted(conn, job_id, ttl)
+            await cancel(conn, job_id, ttl)
             return [], "", None
 
 
@@ -128,33 +129,47 @@ def is_last(chunk: dict[str, Any]) -> bool:
     return bool(chunk.get("error")) or any(c.get("finish_reason") for c in chunk["choices"])
 
 
+#: Cancels sent after a stream's reader went away (held until done: see :func:`chunks`).
+_cancelling: set[asyncio.Task[bool]] = set()
+
+
 async def chunks(
-    conn: AsyncRedis, job_id: str, first: list[dict[str, Any]], last_id: str
+    conn: AsyncRedis, job_id: str, first: list[dict[str, Any]], last_id: str, ttl: int
 ) -> AsyncIterator[dict[str, Any]]:
     """The job's chunks: those read so far, then the rest as the worker writes them, up to
-    the last one (an error chunk is the last one too)."""
+    the last one (an error chunk is the last one too). A reader that goes away before the
+    last one (the client disconnected: the relay is cancelled or closed) cancels the job,
+    from a task of its own (the relay's await would be cancelled at once)."""
     key = keys.stream_key(job_id)
-    batch = first
-    while True:
-        for chunk in batch:
-            yield chunk
-            if is_last(chunk):
-                return
-        reply = await conn.xread({key: last_id}, block=WAIT_S * 1000, count=500)
-        batch = []
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                last_id = entry_id.decode()
-                batch.append(json.loads(fields[b"chunk"]))
-        if not reply and await conn.exists(keys.result_key(job_id)):
-            return  # the job ended and wrote no more chunks
+    batch, ended = first, False
+    try:
+        while True:
+            for chunk in batch:
+                yield chunk
+                if is_last(chunk):
+                    ended = True
+                    return
+            reply = await conn.xread({key: last_id}, block=WAIT_S * 1000, count=500)
+            batch = []
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode()
+                    batch.append(json.loads(fields[b"chunk"]))
+            if not reply and await conn.exists(keys.result_key(job_id)):
+                ended = True
+                return  # the job ended and wrote no more chunks
+    finally:
+        if not ended:
+            task = asyncio.get_running_loop().create_task(cancel(conn, job_id, ttl))
+            _cancelling.add(task)
+            task.add_done_callback(_cancelling.discard)
 
 
 async def relay(
-    conn: AsyncRedis, job_id: str, first: list[dict[str, Any]], last_id: str
+    conn: AsyncRedis, job_id: str, first: list[dict[str, Any]], last_id: str, ttl: int
 ) -> AsyncIterator[bytes]:
     """Server-sent events: the chunks so far, then the rest as the worker writes them."""
-    async for chunk in chunks(conn, job_id, first, last_id):
+    async for chunk in chunks(conn, job_id, first, last_id, ttl):
         if chunk.get("error"):
             yield f"data: {json.dumps({'error': chunk['error']})}\n\n".encode()
         else:

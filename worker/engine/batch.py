@@ -22,6 +22,7 @@ from collections.abc import Hashable
 from mlx_lm.generate import BatchGenerator
 
 from worker.engine.models import LoadedModel
+from worker.engine.output import GenerationOutput
 from worker.engine.prefill import PREFILL_STEP
 from worker.engine.protocol import NO_START, Finished, Start, Step
 from worker.engine.request import Prepared
@@ -140,12 +141,14 @@ class BatchEngine:
     def first_token_at(self, tag: Hashable) -> float | None:
         return next((s.first_token_at for s in self._seqs.values() if s.tag == tag), None)
 
-    def remove(self, tag: Hashable) -> None:
+    def remove(self, tag: Hashable) -> GenerationOutput | None:
         for uid, seq in list(self._seqs.items()):
             if seq.tag == tag:
                 self.gen.remove([uid])
                 del self._seqs[uid]
                 self._left.pop(uid, None)
+                return seq.cut_short()
+        return None
 
     def step(self) -> Step:
         """One decoding step (and a chunk of prefill for sequences joining)."""

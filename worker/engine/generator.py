@@ -23,9 +23,9 @@ from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
 from worker.engine.prefill import prefill
 from worker.engine.prefix import MIN_TOKENS, common_prefix, image_key, starting_cache
-from worker.engine.protocol import NO_START, Engine, Start, run_to_end
+from worker.engine.protocol import NO_START, Engine, Start, Stop, run_to_end
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
-from worker.engine.sequence import Deadline, OnText
+from worker.engine.sequence import OnText
 from worker.engine.single import SingleEngine
 from worker.engine.specbatch import SpecBatchEngine
 
@@ -100,7 +100,7 @@ class ChatGenerator:
         *,
         num_draft_tokens: int | None = None,
         use_draft: bool = True,
-        deadline: Deadline | None = None,
+        stop: Stop | None = None,
         lookup: Lookup | None = None,
         give_up_below: float | None = None,
         company: Sequence[Sequence[int]] = (),
@@ -110,9 +110,9 @@ class ChatGenerator:
         ``use_draft=False`` decodes plainly even with a draft loaded; ``lookup``
         speculates with prompt lookup instead (the draft is not used); ``give_up_below``
         (tokens/s): stop speculating once it measures slower (a measuring job's rule);
-        ``num_draft_tokens`` overrides the request's draft length. Past
-        ``deadline`` it raises :class:`schemas.JobTimeoutError`. ``company``: prompts of
-        jobs queued after it (see :meth:`starting_cache`).
+        ``num_draft_tokens`` overrides the request's draft length. What ``stop`` raises
+        (checked at each step) ends it as :class:`~worker.engine.protocol.Stopped`.
+        ``company``: prompts of jobs queued after it (see :meth:`starting_cache`).
         """
         job = self._job(request, default_num_draft_tokens)
         if num_draft_tokens is not None:
@@ -135,10 +135,10 @@ class ChatGenerator:
         except BaseException:
             engine.close()  # (a group's followers made the engine too)
             raise
-        return run_to_end(engine, deadline)[0]
+        return run_to_end(engine, stop)[0]
 
     def generate_choices(
-        self, request: ChatRequest | Prepared, deadline: Deadline | None = None
+        self, request: ChatRequest | Prepared, stop: Stop | None = None
     ) -> GenerationOutput:
         """``request.n`` choices of one prompt: one prefill, then the n sequences decode
         together as one batch (each with its own sampler, processors, stops and limit;
@@ -170,7 +170,7 @@ class ChatGenerator:
         except BaseException:
             engine.close()
             raise
-        outs = run_to_end(engine, deadline)
+        outs = run_to_end(engine, stop, tags=range(n))
         first, others = outs[0], tuple(outs[i] for i in range(1, n))
         total = sum(o.completion_tokens for o in outs.values())
         elapsed = time.perf_counter() - start_at

@@ -25,6 +25,7 @@ from worker.engine.batch import BatchEngine
 from worker.engine.group import CLOSE, EXIT, STEP, Group, GroupLost, transport_failed
 from worker.engine.layers import restore, snapshot
 from worker.engine.models import CacheKey, LoadedModel, ModelCache
+from worker.engine.output import GenerationOutput
 from worker.engine.prefill import prefill
 from worker.engine.protocol import NO_START, CannotTake, Engine, Start, Step
 from worker.engine.request import GenerationParams, Prepared, prepare
@@ -97,10 +98,10 @@ class GroupEngine:
             self.inner.add(tag, job, start, on_text, first)
             self.group.tell(message)
 
-    def remove(self, tag: Hashable) -> None:
+    def remove(self, tag: Hashable) -> GenerationOutput | None:
         with self.group.call("a removed sequence"):
             self.group.tell({"op": "remove", "tag": tag})
-            self.inner.remove(tag)
+            return self.inner.remove(tag)
 
     def step(self) -> Step:
         with self.group.call("a step"):  # (its forward passes are collectives too)

@@ -18,7 +18,7 @@ from schemas import MlxqError
 from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
 from worker.engine.request import Prepared
-from worker.engine.sequence import Deadline, OnText
+from worker.engine.sequence import OnText
 
 #: A finished sequence: its tag and its output, or what failed it (it alone).
 Finished = tuple[Hashable, GenerationOutput | MlxqError]
@@ -122,8 +122,9 @@ class Engine(Protocol):
         """One step for every sequence held (prefilling those that joined)."""
         ...
 
-    def remove(self, tag: Hashable) -> None:
-        """Stop the sequence ``tag`` (no output for it)."""
+    def remove(self, tag: Hashable) -> GenerationOutput | None:
+        """Stop the sequence ``tag`` now: what it made so far (``Sequence.cut_short``; None if
+        this engine does not hold it)."""
         ...
 
     def lengths(self) -> list[tuple[int, int]]:
@@ -139,13 +140,30 @@ class Engine(Protocol):
         ...
 
 
+class Stop(Protocol):
+    """What may stop a running job (``worker.runner.stops``; a deadline is one)."""
+
+    def check(self) -> None:
+        """Raise the :class:`~schemas.MlxqError` that stops the job now, if any."""
+        ...
+
+
+class Stopped(Exception):
+    """A job was stopped while it ran: ``error`` says why, ``outputs`` hold what each of its
+    sequences had made (by tag, cut: ``worker.engine.sequence.CUT``)."""
+
+    def __init__(self, error: MlxqError, outputs: dict[Hashable, GenerationOutput]) -> None:
+        super().__init__(str(error))
+        self.error, self.outputs = error, outputs
+
+
 def run_to_end(
-    engine: Engine, deadline: Deadline | None = None
+    engine: Engine, stop: Stop | None = None, tags: Sequence[Hashable] = (0,)
 ) -> dict[Hashable, GenerationOutput]:
-    """Step ``engine`` until every sequence it holds has ended: their outputs by tag. A
-    sequence's failure is raised (an :class:`~schemas.MlxqError`), and past ``deadline``
-    :class:`~schemas.JobTimeoutError` (checked at every step). The engine is closed
-    either way."""
+    """Step ``engine`` until every sequence it holds (``tags``) has ended: their outputs by
+    tag. A sequence's failure is raised (an :class:`~schemas.MlxqError`); ``stop`` is
+    checked at every step, and what it raises ends the run as :class:`Stopped`, with what
+    each sequence still held had made. The engine is closed either way."""
     outs: dict[Hashable, GenerationOutput] = {}
     try:
         while len(engine):
@@ -153,8 +171,14 @@ def run_to_end(
                 if isinstance(out, MlxqError):
                     raise out
                 outs[tag] = out
-            if deadline is not None and len(engine):
-                deadline.check()
+            if stop is not None and len(engine):
+                try:
+                    stop.check()
+                except MlxqError as e:
+                    for tag in tags:
+                        if tag not in outs and (cut := engine.remove(tag)) is not None:
+                            outs[tag] = cut
+                    raise Stopped(e, outs) from None
     finally:
         engine.close()
     return outs

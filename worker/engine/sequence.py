@@ -7,7 +7,8 @@ place: EOS, ``max_tokens``, stop strings (the text is cut before the earliest),
 logprobs, streamed pieces (text that could still begin a stop string is held back
 until it cannot), and the draft tokens it was proposed and accepted. When it ends,
 :meth:`Sequence.finish` checks the grammar (``response_format``) and makes its
-:class:`~worker.engine.output.GenerationOutput`.
+:class:`~worker.engine.output.GenerationOutput`; one stopped mid-way (a cancel, a time
+limit) gives what it made so far (:meth:`Sequence.cut_short`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from worker.engine.request import GenerationParams
 #: Receives streamed text in pieces that concatenate to exactly the final text, each
 #: with the logprob entries of the tokens whose text it completes.
 OnText = Callable[[str, Seq[LogprobEntry]], None]
+
+#: The finish reason of a sequence stopped mid-way (:meth:`Sequence.cut_short`).
+CUT = "cut"
 
 
 class StopScan:
@@ -54,17 +58,20 @@ class StopScan:
 
 @dataclass(frozen=True)
 class Deadline:
-    """When a job must be done (a ``time.perf_counter()`` value) and its timeout."""
+    """When a job must be done (a ``time.perf_counter()`` value), its timeout, and whose
+    limit that is (``why``: named in the error)."""
 
     at: float
     timeout_s: float
+    why: str = ""
 
     @property
     def passed(self) -> bool:
         return time.perf_counter() >= self.at
 
     def error(self) -> JobTimeoutError:
-        return JobTimeoutError(f"job timed out after {self.timeout_s:g}s")
+        whose = f" ({self.why})" if self.why else ""
+        return JobTimeoutError(f"job timed out after {self.timeout_s:g}s{whose}")
 
     def check(self) -> None:
         """Raise :class:`JobTimeoutError` once the deadline has passed."""
@@ -187,6 +194,20 @@ class Sequence:
                 verify(self.params.constraint, self.tokens, reason)
             except MlxqError as e:
                 return e
+        return self._output(reason, prompt_tps, generation_tps)
+
+    def cut_short(self) -> GenerationOutput:
+        """What the sequence made before it was stopped mid-way (a cancel, a time limit):
+        its text so far (nothing more streamed, its grammar not checked: it is cut), its
+        tokens and speeds, with the finish reason :data:`CUT`."""
+        if self._lazy:
+            self.text += self.detokenizer.last_segment
+        return self._output(CUT)
+
+    def _output(
+        self, reason: str, prompt_tps: float | None = None, generation_tps: float | None = None
+    ) -> GenerationOutput:
+        kept = self.kept_logprobs()
         end = time.perf_counter()
         first = self.first_token_at or end
         n = len(self.tokens)

@@ -113,9 +113,12 @@ class SingleEngine:
             raise RuntimeError("mlx-lm produced no tokens")
         return seq.finish(reason, self._last.prompt_tps, self._last.generation_tps)
 
-    def remove(self, tag: Hashable) -> None:
-        if self._seq is not None and self._seq.tag == tag:
-            self.close()
+    def remove(self, tag: Hashable) -> GenerationOutput | None:
+        seq = self._seq
+        if seq is None or seq.tag != tag:
+            return None
+        self.close()
+        return seq.cut_short()
 
     def lengths(self) -> list[tuple[int, int]]:
         return [] if self._seq is None else [self._seq.length()]

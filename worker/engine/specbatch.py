@@ -42,6 +42,7 @@ from worker.engine.layers import count as cache_count
 from worker.engine.layers import nbytes
 from worker.engine.lookup import NgramIndex
 from worker.engine.models import LoadedModel
+from worker.engine.output import GenerationOutput
 from worker.engine.prefill import PREFILL_STEP, prefill
 from worker.engine.protocol import NO_START, CannotTake, DraftPlanner, Finished, Start, Step
 from worker.engine.request import Prepared
@@ -278,11 +279,13 @@ class SpecBatchEngine:
             self.d_cache = _extend(self.d_cache, batches[1])
         self.rows.extend(j.row for j in joiners)
 
-    def remove(self, tag: Hashable) -> None:
+    def remove(self, tag: Hashable) -> GenerationOutput | None:
+        held = next((r for r in self._all() if r.tag == tag), None)
         self.joining = [j for j in self.joining if j.row.tag != tag]
         keep = [i for i, r in enumerate(self.rows) if r.tag != tag]
         if len(keep) < len(self.rows):
             self._keep(keep)
+        return held.cut_short() if held is not None else None
 
     def close(self) -> None:
         self.rows, self.joining, self.t_cache, self.d_cache = [], [], None, None

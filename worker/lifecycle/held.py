@@ -512,7 +512,7 @@ def _usage(queue: str, record: ResultRecord | None) -> list[Any]:
     tokens ("" for the hash when no record is written)."""
     if record is None:
         return ["", "", 0, 0]
-    usage = getattr(record.response, "usage", None)
+    usage = record.usage  # (an embeddings list's has no completion tokens; a stopped job's)
     prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
     completion = int(getattr(usage, "completion_tokens", 0) or 0)
     day = keys.usage_day(record.finished_at)

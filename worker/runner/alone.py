@@ -18,8 +18,9 @@ from schemas import GenerationError, MlxqError, ResultRecord
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
+from worker.engine.protocol import Stop, Stopped
 from worker.engine.request import Prepared
-from worker.engine.sequence import Deadline, OnText
+from worker.engine.sequence import OnText
 from worker.lifecycle.held import Job
 from worker.lifecycle.streaming import ChunkWriter
 from worker.runner import records
@@ -27,18 +28,12 @@ from worker.runner.company import Upcoming, company
 from worker.runner.images import images_of
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
+from worker.runner.stops import Stops
 from worker.runner.streamer import Streamer
 from worker.schedule.policy import LOOKUP, Decision, JobSpeed
 from worker.schedule.route import Route
 
 log = logging.getLogger(__name__)
-
-
-def deadline_of(job: Job) -> Deadline | None:
-    """The job's deadline, counted from when it was taken."""
-    if not job.timeout_s:
-        return None
-    return Deadline(job.started.perf + job.timeout_s, job.timeout_s)
 
 
 def speed_of(out: GenerationOutput) -> JobSpeed:
@@ -57,7 +52,7 @@ def generate_reserved(
     job: Prepared,
     speculative: bool = False,
     on_text: OnText | None = None,
-    deadline: Deadline | None = None,
+    stop: Stop | None = None,
     lookup: bool = False,
     give_up_below: float | None = None,
     others: Sequence[Sequence[int]] = (),
@@ -72,7 +67,7 @@ def generate_reserved(
             job,
             on_text=on_text,
             use_draft=speculative,
-            deadline=deadline,
+            stop=stop,
             lookup=job.params.lookup if speculative and lookup else None,
             give_up_below=give_up_below,
             company=others,
@@ -140,6 +135,7 @@ def run_alone(
     completion_id = records.new_completion_id()
     ttl = job.envelope.result_ttl
     writer = None
+    stop = Stops(conn, rt.time_limit_s).of(job)  # a cancel, a time limit
     try:
         rt.check_request(req)
         generator = ChatGenerator.get_or_create(
@@ -155,7 +151,7 @@ def run_alone(
         if req.n > 1:
             need = projected([target], [prepared.length()] * req.n)
             with rt.cache.reserving(need, f"{req.n} x {prepared.label}"):
-                out = generator.generate_choices(prepared, deadline=deadline_of(job))
+                out = generator.generate_choices(prepared, stop=stop)
             record = records.success(
                 job,
                 rt,
@@ -177,7 +173,7 @@ def run_alone(
             prepared,
             route.speculative,
             on_text=streamer,
-            deadline=deadline_of(job),
+            stop=stop,
             lookup=route.proposer == LOOKUP,
             give_up_below=decision.give_up_below if decision is not None else None,
             others=company(generator, prepared, upcoming, rt.scout),
@@ -194,6 +190,9 @@ def run_alone(
         if streamer is not None:
             return record, functools.partial(streamer.end, record)
         return record, None
+    except Stopped as halt:
+        cut = [halt.outputs[tag] for tag in sorted(halt.outputs)]  # (by choice)
+        record = records.stopped(job, rt, halt.error, cut, batched_with=req.n)
     except MlxqError as e:
         record = records.failure(job, rt, e)
     except Exception as e:  # never let one job's surprise take the worker down

@@ -94,12 +94,13 @@ from worker.engine.request import Prepared
 from worker.engine.specbatch import SpecBatchEngine
 from worker.lifecycle.held import Job, Lifecycle
 from worker.runner import records
-from worker.runner.alone import deadline_of, kv_need
+from worker.runner.alone import kv_need
 from worker.runner.company import PEEK, company
 from worker.runner.embedjobs import is_embedding
 from worker.runner.images import images_of
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
+from worker.runner.stops import Stops
 from worker.schedule.admission import Length, Verdict, admit
 from worker.schedule.estimators import ewma
 from worker.schedule.goodput import Goodput
@@ -193,6 +194,7 @@ class ContinuousBatch:
         self.decision: Decision | None = None  # the first job's: how the policy batched it
         self.draft_named: str | None = None  # the draft the first job named (k left to policy)
         self.meter = BatchMeter(self.rt.policy, key)
+        self.stops = Stops(host.lifecycle.conn, self.rt.time_limit_s)  # cancels, time limits
         self._pause_until = 0.0
         self._held: Length | None = None  # (prompt, max_tokens) waiting for memory
         self._reason = QUEUE_EMPTY
@@ -744,14 +746,20 @@ class ContinuousBatch:
         self._end(ended)
 
     def _expire(self) -> None:
+        """Jobs that must stop (a cancel, a time limit: ``worker.runner.stops``) leave the
+        batch now, each with one record of what it made."""
+        due = self.stops.due(s.job for s in self.slots.values())
+        if not due:
+            return
+        assert self.engine is not None
         ended = []
-        for job_id, slot in list(self.slots.items()):
-            deadline = deadline_of(slot.job)
-            if deadline is not None and deadline.passed:
-                assert self.engine is not None
-                self.engine.remove(job_id)
-                del self.slots[job_id]
-                ended.append((slot.job, records.failure(slot.job, self.rt, deadline.error())))
-        if ended:
-            self._reserve()
+        for job, error in due:
+            slot = self.slots.pop(job.id)
+            cut = self.engine.remove(job.id)
+            record = records.stopped(
+                job, self.rt, error, [cut] if cut else [], batched_with=slot.peak
+            )
+            log.info("job %s stopped in the batch on %s: %s", job.id, self.key.model, error.code)
+            ended.append((job, record))
+        self._reserve()
         self._end(ended)

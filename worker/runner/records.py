@@ -16,7 +16,7 @@ from schemas import (
     ResultRecord,
     Usage,
 )
-from schemas.result import CompletionTokensDetails, PromptTokensDetails
+from schemas.result import CompletionTokensDetails, Partial, PromptTokensDetails
 from worker.engine import GenerationOutput, reasoning, toolcalls
 from worker.engine.constrain import token_bytes
 from worker.engine.generator import ChatGenerator
@@ -171,4 +171,42 @@ def failure(job: Job, rt: WorkerRuntime, error: MlxqError) -> ResultRecord:
     env = job.envelope
     return ResultRecord.failed(
         job.id, env.batch_id, env.custom_id, error, metrics=base_metrics(rt, job)
+    )
+
+
+def stopped(
+    job: Job,
+    rt: WorkerRuntime,
+    error: MlxqError,
+    outs: list[GenerationOutput],
+    *,
+    batched_with: int = 1,
+) -> ResultRecord:
+    """The record of a job stopped while it ran (``error``: cancelled, or its time limit):
+    failed (or ``cancelled``) as ``error`` says, with what each choice made so far and
+    the tokens used (``outs``: cut, ``worker.engine.sequence.CUT``; none: it made
+    nothing yet)."""
+    env = job.envelope
+    partial = None
+    if outs:
+        first = outs[0]
+        completion = sum(o.completion_tokens for o in outs)
+        partial = Partial(
+            texts=[o.text for o in outs],
+            usage=Usage(
+                prompt_tokens=first.prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=first.prompt_tokens + completion,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens),
+            ),
+        )
+    metrics = base_metrics(rt, job).model_copy(update={"batch_size": batched_with})
+    if outs:
+        first = outs[0]
+        ttft = first.time_to_first_token_s if first.completion_tokens else None
+        metrics = metrics.model_copy(
+            update={"time_to_first_token_s": ttft, "cached_tokens": first.cached_tokens}
+        )
+    return ResultRecord.failed(
+        job.id, env.batch_id, env.custom_id, error, metrics=metrics, partial=partial
     )

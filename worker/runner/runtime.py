@@ -40,6 +40,9 @@ class WorkerRuntime:
     # Whether interactive jobs join a running batch (``--interactive-join``): "auto" (the
     # measured rule, ``ContinuousBatch._join_pays``), "always", "never" (beside it).
     interactive_join: str = "auto"
+    # The most seconds a job may run here once taken (``--time-limit``; None: no limit of
+    # the worker's own; a batch's job timeout and a request's ``time_limit_s`` still hold).
+    time_limit_s: float | None = None
 
     def find_local(self, name: str) -> Path | None:
         """Where ``name`` is on this machine already (None: not fetched yet); raises
