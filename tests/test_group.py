@@ -89,6 +89,7 @@ def models(tmp_path_factory) -> dict[str, str]:
         for arch in ("llama", "qwen3_moe", "qwen3_next", "gemma3_text")
     }
     made["draft"] = str(ensure_model(root / "draft", TinySpec(layers=2, seed=5)))
+    made["long"] = str(ensure_model(root / "long", TinySpec(layers=4, seed=3, context=8192)))
     return made | {"dir": str(root)}
 
 
@@ -387,3 +388,34 @@ def test_a_transport_failure_inside_any_group_call_is_a_lost_group():
     assert group.lost
     with pytest.raises(GroupLost, match="lost earlier"):
         engine.close()  # (no collective on a lost group)
+
+
+@pytest.mark.parametrize("max_batch", ["1", "4"])
+def test_a_group_stops_a_job_past_its_time_limit_and_goes_on(
+    conn, redis_url, tmp_path, models, max_batch
+):
+    """Rank 0 stops the row (its followers remove it too, as told), the job's record
+    holds what it made, and the group runs the next jobs with the text of the whole
+    model: alone (--max-batch 1) and in a batch (4) beside them."""
+    from producer import Client
+    from tests.waiting import seconds
+
+    target = models["long"]  # (room for 8,000 tokens)
+    late = chat(target, "never done", max_tokens=8000) | {
+        "temperature": 0,
+        "logit_bias": {"3": -100},
+        "time_limit_s": seconds(2),
+    }
+    after = {
+        f"after{i}": chat(target, f"{LONG} {i}", max_tokens=16, temperature=0) for i in range(2)
+    }
+    s = Client(connection=conn).submit({"late": late} | after)
+    args = ("--shard", "auto", "--max-batch", max_batch, "--model-dir", models["dir"])
+    run_group(redis_url, tmp_path, *args)
+    record = read_result(conn, s.job_ids[0])
+    assert record.status == "failed" and record.error.code == "timeout", record.error
+    assert record.partial is not None and 0 < record.partial.usage.completion_tokens < 8000
+    for job_id, (name, body) in zip(s.job_ids[1:], after.items(), strict=True):
+        r = read_result(conn, job_id)
+        assert r.status == "succeeded", name
+        assert r.response.choices[0].message.content == _plain_text(target, body), name
