@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -232,6 +233,15 @@ class WorkerProc:
             )
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``. A stop signal (SIGTERM, SIGINT) waits until the worker serves
+        (or has exited): before its handlers are in place the signal would kill it."""
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            conn = Redis.from_url(self.url)
+            key = keys.worker_key(self.worker_name)
+            wait_for(
+                lambda: self.proc.poll() is not None or conn.exists(key),
+                what=f"{self.name} serving before a stop signal",
+            )
         self.expected_exit = True
         self.proc.send_signal(sig)
 
