@@ -70,8 +70,9 @@ class KnownJobs:
 @dataclass(frozen=True)
 class Prepared:
     """A job ready to enqueue: its id, the queue it goes to, its hash's ``data``, its
-    custom_id, and the shape of a /v1/responses or /v1/completions line (JSON,
-    ``schemas.shapes``: kept beside the batch for its output line)."""
+    custom_id, the shape of a /v1/responses or /v1/completions line (JSON,
+    ``schemas.shapes``: kept beside the batch for its output line), its images and the
+    model it names (its hash's ``model``: workers take jobs of models they hold first)."""
 
     job_id: str
     queue: str
@@ -79,6 +80,7 @@ class Prepared:
     custom_id: str
     shape: str | None = None
     images: dict[str, bytes] | None = None  # its images by SHA-256, stored once per batch
+    model: str = ""  # the model it names: on its hash, for model-affine takes
 
 
 def enqueue_call(
@@ -98,7 +100,13 @@ def enqueue_call(
     queues: dict[str, int] = {}
     per_job: list[object] = []
     for j in jobs:
-        per_job += (j.job_id, queues.setdefault(j.queue, len(queues) + 1), j.data, j.custom_id)
+        per_job += (
+            j.job_id,
+            queues.setdefault(j.queue, len(queues) + 1),
+            j.data,
+            j.custom_id,
+            j.model,
+        )
     script_keys = [
         keys.batch_jobs_key(batch_id),
         keys.batch_key(batch_id),

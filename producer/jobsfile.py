@@ -192,7 +192,7 @@ def _prepared(
             data = job_data(custom_id, now, body, result_ttl)
             to = queue_of(route, queue, request.model)
             shown = json.dumps(shape) if shape else None
-            yield Prepared(job_id, to, data, custom_id, shown, images or None)
+            yield Prepared(job_id, to, data, custom_id, shown, images or None, request.model)
 
 
 def spool(stream: BinaryIO, directory: str | None = None) -> Path:

@@ -218,4 +218,5 @@ def _prepare(
             item.custom_id,
             json.dumps(item.shape) if item.shape is not None else None,
             images or None,
+            item.request.model,
         )

@@ -5,7 +5,7 @@ enqueue and cancel sweep, the worker's lifecycle (take, end, requeue, renew,
 recover, prune, unregister) and the write-once result every record writer runs.
 Each file starts with the keys and arguments it touches. A line
 ``--! include NAME`` is replaced by the file ``NAME.lua`` (shared fragments:
-``now_ms``, ``drop``, ``write_once_body``, ``fair``), and ``{{NAME}}`` by a constant of
+``now_ms``, ``drop``, ``write_once_body``, ``fair``, ``affine``), and ``{{NAME}}`` by a constant of
 :data:`CONSTANTS`, so a script is one self-contained source as Redis sees it.
 """
 
@@ -26,6 +26,7 @@ CONSTANTS = {
     "ERRORS_KEPT": str(keys.BATCH_ERRORS_KEPT),
     "FAIR_PREFIX": f"'{keys.FAIR_PREFIX}'",
     "FAIR_SCAN": "64",  # lists found empty per take, at most (each leaves the set)
+    "AFFINE_SCAN": "64",  # jobs of a list a take looks at for a loaded model, at most
     "RING_PREFIX": f"'{keys.RING_PREFIX}'",
     "WAKE_PREFIX": f"'{keys.WAKE_PREFIX}'",
     "WAKE_MAX": "64",  # idle workers one push wakes, at most

@@ -203,8 +203,9 @@ def test_queued_jobs_take_half_the_redis_memory_of_rq_enqueue_many(tmp_path, con
     assert invoke("submit", path, "--redis-url", redis_url, "--batch-id", "lean").exit_code == 0
     ours = (conn.info("memory")["used_memory"] - before) / n
     job = conn.hgetall(keys.rq_job_key(keys.job_id_for("lean", "r5")))
-    assert set(job) == {b"data", b"status", b"origin", b"enqueued_at", b"timeout", b"description"}
-    assert job[b"description"] == b"r5"
+    lean = {b"data", b"status", b"origin", b"enqueued_at", b"timeout", b"description"}
+    assert set(job) == lean | {b"model"}  # (the model: for model-affine takes)
+    assert job[b"description"] == b"r5" and job[b"model"] == batch_line(5)["body"]["model"].encode()
     conn.flushdb()
     before = conn.info("memory")["used_memory"]
     queue = Queue("raw", connection=conn, serializer=JSONSerializer)

@@ -492,8 +492,8 @@ def test_stop_while_taking_the_next_job_hands_it_back(conn, redis_url, tiny, max
     real_take = Lifecycle.take
     takes = []
 
-    def take(self, queues=None, block_s=0.0):
-        found = real_take(self, queues, block_s)
+    def take(self, queues=None, block_s=0.0, **kw):
+        found = real_take(self, queues, block_s, **kw)
         takes.append(found)
         if len(takes) == 2:  # as the second take's reply arrives
             worker.request_stop()

@@ -325,6 +325,17 @@ class _Commands(click.Group):
     help="A job whose worker died this many times is failed as poison.",
 )
 @click.option(
+    "--model-wait",
+    envvar="MLXQ_MODEL_WAIT",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Take jobs for the models loaded here before a job for another model that has "
+    "waited less than this (a mixed queue does not make the worker reload models); 0 "
+    "takes every queue in order. Not on the interactive queue.",
+)
+@click.option(
     "--name",
     envvar="MLXQ_WORKER_NAME",
     default=None,
@@ -368,6 +379,7 @@ def main(
     max_crashes: int,
     name: str | None,
     wait_replicas: int,
+    model_wait: float,
     verbose: int,
 ) -> None:
     """Serve mlxq chat jobs: keep models warm, decode speculatively, write results to Redis
@@ -470,6 +482,7 @@ def main(
         burst=burst,
         max_jobs=max_jobs,
         wait_replicas=wait_replicas,
+        model_wait_s=model_wait,
     )
     if group is not None:  # a rank that hangs: the jobs go back, uncounted, and we exit
         group.guard(lambda what: worker.lifecycle.hand_back_all())

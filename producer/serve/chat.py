@@ -61,6 +61,7 @@ async def enqueue(
         keys.tenant_queue(s.interactive_queue, tenant),  # a key's tenant: its own list
         job_data("chat", time.time(), body, s.chat_ttl),
         "chat",
+        model=str(body.get("model", "")),
     )
     script_keys, args = enqueue_call(
         keys.batch_of(job_id),

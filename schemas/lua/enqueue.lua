@@ -1,7 +1,8 @@
 -- KEYS: batch jobs list, batch hash, batch queues set, rq:queues.
 -- ARGV: job key prefix, queue key prefix, TTL, enqueued_at, timeout, number of
---       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id) per job,
---       then ``own``, ``most`` and ``notify``.
+--       queues Q, Q queue names, then (job id, queue index 1..Q, data, custom_id, model)
+--       per job, then ``own``, ``most`` and ``notify``. A job's ``model`` (may be "")
+--       goes on its hash: takes prefer jobs of models a worker holds (``affine.lua``).
 -- Returns the batch's new total, or -1 (nothing written) when ``most`` (0: no limit)
 -- jobs already wait on the first queue. A non-empty ``notify`` (a gateway process's
 -- list, ``schemas.keys.notify_key``) is set on the batch hash: record writers push
@@ -19,7 +20,7 @@ local names, per = {}, {}
 for i = 1, nq do names[i] = ARGV[6 + i]; per[i] = {} end
 local own, most, notify = ARGV[#ARGV - 2], tonumber(ARGV[#ARGV - 1]), ARGV[#ARGV]
 local fresh = {}
-for i = 7 + nq, #ARGV - 3, 4 do
+for i = 7 + nq, #ARGV - 3, 5 do
   if redis.call('EXISTS', jp .. ARGV[i]) == 0 then table.insert(fresh, i) end
 end
 if #fresh == 0 then return tonumber(redis.call('HGET', KEYS[2], 'total') or 0) end
@@ -46,6 +47,7 @@ for _, i in ipairs(fresh) do
   local id, q = ARGV[i], tonumber(ARGV[i + 1])
   redis.call('HSET', jp .. id, 'data', ARGV[i + 2], 'status', 'queued', 'origin', lists[q],
     'enqueued_at', at, 'timeout', timeout, 'description', ARGV[i + 3])
+  if ARGV[i + 4] ~= '' then redis.call('HSET', jp .. id, 'model', ARGV[i + 4]) end
   table.insert(per[q], id)
   table.insert(ids, id)
 end

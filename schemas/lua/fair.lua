@@ -88,18 +88,21 @@ local function lane_join(name, front)
   end
   redis.call(front and 'LPUSH' or 'RPUSH', ring, name)
 end
+local function fair_lpop(key) return redis.call('LPOP', key) end
 -- The next job of the lane, from the list whose turn it is, and that list (a list found
--- empty leaves the ring); with no ring, the lane's own list's first.
-local function lane_pop(lane)
+-- empty leaves the ring); with no ring, the lane's own list's first. ``pop`` takes a job
+-- from a list's key (default its first; the take's is model-affine, ``affine.lua``).
+local function lane_pop(lane, pop)
+  pop = pop or fair_lpop
   local ring = {{RING_PREFIX}} .. lane
   for _ = 1, {{FAIR_SCAN}} do
     local name = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
     if not name then break end
-    local id = redis.call('LPOP', {{QUEUE_PREFIX}} .. name)
+    local id = pop({{QUEUE_PREFIX}} .. name)
     if id then return id, name end
     redis.call('LREM', ring, -1, name)
   end
-  return redis.call('LPOP', {{QUEUE_PREFIX}} .. lane), lane
+  return pop({{QUEUE_PREFIX}} .. lane), lane
 end
 -- ``front``: a job went back to the front of its list (handed back, recovered): that
 -- list's turn comes next within its lane.
@@ -159,14 +162,14 @@ local function fair_full(member, held)
   end
   return n >= limit
 end
-local function fair_pop(name)
+local function fair_pop(name, pop)
   local fair = {{FAIR_PREFIX}} .. name
   local members = redis.call('ZRANGE', fair, 0, {{FAIR_SCAN}} - 1, 'WITHSCORES')
   local held = {}
   for j = 1, #members, 2 do
     local member = members[j]
     if not fair_full(member, held) then
-      local id, from = lane_pop(member)
+      local id, from = lane_pop(member, pop)
       if id then
         local _, tenant = fair_parts(member)
         fair_move(fair, member, fair_time(member, members[j + 1]) + 1 / fair_weight(tenant))
@@ -175,5 +178,5 @@ local function fair_pop(name)
       fair_leave(fair, member)
     end
   end
-  return lane_pop(name)
+  return lane_pop(name, pop)
 end

@@ -3,10 +3,14 @@
 -- reply names the list it came from.
 -- Jobs of a cancelled batch (its hash has ``cancelled_at``) are dropped on the way,
 -- up to 1,000 per call (``schemas.cancel``), never started.
+-- From each list, a job for a model the worker has loaded comes first, within a bound
+-- per queue (``affine.lua``).
 -- KEYS: running, leases, inbox, rq worker hash, rq:suspended, queue lists...
 -- ARGV: token, lease ms, worker name, now (RQ time format), job key prefix,
 --       result key prefix, started key prefix, batch key prefix, the inbox's queue
---       name, queue names (in the order of the queue keys)...
+--       name, queue names (in the order of the queue keys)..., then per queue the
+--       milliseconds a job for a model not loaded may be passed over (0: never), then
+--       the names of the models the worker has loaded...
 -- Returns false (nothing queued), {"suspended"}, {"dropped", n} (only cancelled jobs
 -- came: call again), {"held"|"done"|"missing", id, queue} (a copy of a job held now /
 -- one that has its record / an id with no hash: popped, not started) or
@@ -14,7 +18,11 @@
 --! include now_ms
 --! include drop
 --! include fair
+--! include affine
 
+local nq = #KEYS - 5
+local warm = {}
+for i = 10 + 2 * nq, #ARGV do warm[ARGV[i]] = true end
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), ARGV[1])
 if redis.call('EXISTS', KEYS[5]) == 1 and redis.call('LLEN', KEYS[3]) == 0 then
   return {'suspended'}
@@ -25,7 +33,10 @@ while dropped < 1000 do
   queue = ARGV[9]
   if not id then
     for i = 6, #KEYS do
-      id, queue = fair_pop(ARGV[i + 4])
+      local wait_ms = tonumber(ARGV[i + 4 + nq]) or 0
+      id, queue = fair_pop(ARGV[i + 4], function(key)
+        return affine_pop(key, warm, wait_ms, ARGV[5])
+      end)
       if id then break end
     end
   end

@@ -266,6 +266,10 @@ class ModelCache:
     def __contains__(self, key: CacheKey) -> bool:
         return key in self._entries
 
+    def loaded_models(self) -> list[str]:
+        """The names of the models loaded (as jobs name them), each once."""
+        return list(dict.fromkeys(name for name, _ in self._entries))
+
     @property
     def model_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())

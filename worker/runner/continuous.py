@@ -152,7 +152,7 @@ class Host(Protocol):
 
     def may_take(self) -> bool: ...
 
-    def take_from(self, queue: str) -> Job | None: ...
+    def take_from(self, queue: str, model: str | None = None) -> Job | None: ...
 
     def run_alone(self, job: Job, r: Route) -> None: ...
 
@@ -328,7 +328,7 @@ class ContinuousBatch:
                 if not self._admission(self._held).join:
                     return  # the job at the head waits for room; nothing overtakes it
                 self._held = None
-            job = self.host.take_from(self.queue)
+            job = self.host.take_from(self.queue, self.key.model)  # its model's first
             if job is None:
                 self._reason = QUEUE_EMPTY
                 return

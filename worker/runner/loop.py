@@ -39,6 +39,7 @@ from worker.lifecycle.held import (
     BLOCK_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_CRASHES,
+    DEFAULT_MODEL_WAIT_S,
     Job,
     Lifecycle,
     Refused,
@@ -79,6 +80,7 @@ class Worker:
         burst: bool = False,
         max_jobs: int | None = None,
         wait_replicas: int = 0,
+        model_wait_s: float = DEFAULT_MODEL_WAIT_S,
     ) -> None:
         self.conn, self.queues, self.rt, self.name = conn, list(queues), rt, name
         self.lifecycle = Lifecycle(
@@ -88,6 +90,7 @@ class Worker:
             lease_s=lease_s,
             max_crashes=max_crashes,
             wait_replicas=wait_replicas,
+            model_wait_s=model_wait_s,
         )
         # max_batch None is ``--max-batch auto``: memory and measured speed decide.
         self.max_batch, self.burst, self.max_jobs = max_batch, burst, max_jobs
@@ -168,7 +171,9 @@ class Worker:
     def _loop(self) -> None:
         while self.may_take():
             # a stop signal interrupts the take's waits (StopWaiting), not its scripts
-            got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S)
+            # jobs for the models loaded here first (a mixed queue does not thrash them)
+            warm = self.rt.cache.loaded_models()
+            got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S, warm=warm)
             if got is None and self._stop:  # the stop came just before the wait
                 raise StopWaiting("stop requested")
             if got is None:
@@ -244,11 +249,12 @@ class Worker:
         self.finish(ended)
 
     # -- what a continuous batch asks of its worker -----------------------
-    def take_from(self, queue: str) -> Job | None:
+    def take_from(self, queue: str, model: str | None = None) -> Job | None:
         """The next job of ``queue`` to join a batch (refused ones are ended on the way), or
-        None if the queue is empty or the worker must not take more."""
+        None if the queue is empty or the worker must not take more. ``model``: the
+        batch's, whose jobs come first (``--model-wait``)."""
         while self.may_take():
-            got = self.lifecycle.take([queue])
+            got = self.lifecycle.take([queue], warm=(model,) if model else ())
             if got is None:
                 return None
             job = self._accept(got)
