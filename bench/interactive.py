@@ -27,7 +27,8 @@ the arms are *batch + requests*, *one at a time (before)* and *whole chunks (bef
 512-token chunks of 8 prompts, a request joins the batch whatever it is prefilling, and
 a prefix prefilled to keep as a job joins does not look at the interactive queue (the
 rules before ``PREFILL_BUDGET_S``). ``--only-long``: idle and the long arms only;
-``--arms now,alone,...``: only those arms (now, alone, bank0, nolook, whole).
+``--arms now,alone,...``: only those arms (now, always, alone, bank0, nolook, whole;
+*always*: the prefill budget on every step, the rule before issue 69).
 
     .venv/bin/python -m bench.interactive [--batch-jobs 96] [--requests 12] [--long 2000]
 """
@@ -170,7 +171,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=0, help="also with batch prompts this long")
     ap.add_argument("--long-jobs", type=int, default=12, help="batch jobs with long prompts")
     ap.add_argument("--only-long", action="store_true", help="idle and the long arms only")
-    ap.add_argument("--arms", default="now,alone,bank0,nolook,whole", help="arms to run")
+    ap.add_argument("--arms", default="now,always,alone,bank0,nolook,whole", help="arms to run")
     ap.add_argument("--target", default=None)
     args = ap.parse_args()
     chosen = set(args.arms.split(","))
@@ -202,6 +203,7 @@ def main() -> None:
                 bank, budget = continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S
                 arms = [
                     ("batch + requests", "now"),
+                    ("prefill budget always (before)", "always"),
                     ("one at a time (before)", "alone"),
                     *(
                         [("whole chunks (before)", "whole")]
@@ -217,6 +219,9 @@ def main() -> None:
                         continue
                     cls = continuous.ContinuousBatch
                     saved = (cls._urgent, cls._join_pays, cls._between_chunks, cls._beside_pays)
+                    waits = cls._someone_waits
+                    if how == "always":  # the budget on every step (before issue 69)
+                        cls._someone_waits = lambda self: True  # type: ignore[method-assign]
                     continuous.URGENT_BANK_S = 0.0 if how == "bank0" else bank
                     if how != "now":  # the rules before the side batch
                         cls._beside_pays = lambda self, r: False  # type: ignore[method-assign]
@@ -229,7 +234,7 @@ def main() -> None:
                     try:
                         rt.policy.sizes = BatchMemory()
                         t0 = time.time()
-                        tag = f"{'bdce'[i]}{prompt}"
+                        tag = f"{'bdcef'[i]}{prompt}"
                         ids = submit_batch(conn, target, jobs, args.batch_tokens, prompt, tag)
                         while not conn.hlen(keys.RUNNING):  # until the batch runs
                             time.sleep(0.05)
@@ -246,6 +251,7 @@ def main() -> None:
                             cls._between_chunks,
                             cls._beside_pays,
                         ) = saved  # type: ignore[method-assign]
+                        cls._someone_waits = waits  # type: ignore[method-assign]
                         continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S = bank, budget
                     row = {
                         "p50_s": pct(lat, 0.5),

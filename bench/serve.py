@@ -17,8 +17,10 @@ def burst(
     bodies: list[dict],
     rt: runtime.WorkerRuntime | None = None,
     max_batch: int | None = 1,
+    queues: tuple[str, ...] = ("mlxq",),
 ) -> tuple[list[ResultRecord], float]:
-    """Submit ``bodies`` and serve them with a burst worker (a fresh runtime without ``rt``).
+    """Submit ``bodies`` (to ``mlxq``) and serve them with a burst worker serving ``queues``
+    (a fresh runtime without ``rt``).
 
     Returns every job's result record, in order, and the seconds from submit to
     the last result. Exits if a job did not succeed: a benchmark of failures
@@ -29,7 +31,7 @@ def burst(
     start = time.perf_counter()
     s = client.submit(bodies)
     name = f"bench{time.monotonic_ns()}"
-    Worker(conn, ["mlxq"], rt, name=name, max_batch=max_batch, burst=True).work()
+    Worker(conn, list(queues), rt, name=name, max_batch=max_batch, burst=True).work()
     elapsed = time.perf_counter() - start
     records = client.results(s.batch_id)
     failed = [r for r in records if r is None or r.status != "succeeded"]

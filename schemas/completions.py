@@ -41,6 +41,7 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = None
     draft_model: str | None = None  # mlxq, as on chat
     num_draft_tokens: int | None = None
+    time_limit_s: float | None = Field(default=None, gt=0)  # mlxq: as on chat
 
     def refused(self) -> str | None:
         for name, why in UNSUPPORTED.items():

@@ -79,6 +79,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     reasoning: dict[str, Any] | None = None
     seed: int | None = None  # mlxq: a seeded sample (chat's ``seed``)
+    time_limit_s: float | None = Field(default=None, gt=0)  # mlxq: as on chat
     # refused by name below unless off
     background: Any = None
     conversation: Any = None
@@ -190,6 +191,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, A
         ("top_p", "top_p"),
         ("seed", "seed"),
         ("user", "user"),
+        ("time_limit_s", "time_limit_s"),
     ):
         value = getattr(req, src)
         if value is not None:

@@ -53,6 +53,8 @@ QUICK_FILES = {
 }
 QUICK_TESTS = {
     "tests/test_stop.py::test_the_least_time_limit_wins_and_is_named",
+    "tests/test_stop.py::test_a_bad_time_limit_is_refused_by_name",
+    "tests/test_stop.py::test_responses_and_completions_carry_the_time_limit",
     "tests/test_stop.py::test_cancel_flags_are_read_from_redis_and_a_passed_limit_stops",
     "tests/test_stop.py::test_a_batch_cancel_stops_its_running_jobs_and_spares_the_rest",
     "tests/test_group.py::test_a_transport_failure_inside_any_group_call_is_a_lost_group",

@@ -371,6 +371,38 @@ def test_the_join_rule_counts_prefilling_steps_until_a_step_only_decodes(decode_
     assert batch._join_pays() is joins
 
 
+def test_a_plain_batchs_prefill_is_budgeted_only_while_someone_may_wait():
+    """Serving the interactive queue, a batch on ``mlxq`` cuts its steps' prefill to
+    ``PREFILL_BUDGET_S`` only while an interactive job is in it or beside it, or one was
+    seen waiting within ``QUIET_S``; otherwise to the looser ``QUIET_BUDGET_S``."""
+    import time
+    from types import SimpleNamespace
+
+    from worker.runner.continuous import QUIET_S, ContinuousBatch, _Slot
+    from worker.schedule.grouping import BatchKey
+
+    lifecycle = SimpleNamespace(conn=None)
+    host = SimpleNamespace(rt=_rt(), max_batch=None, queues=list(QUEUES), lifecycle=lifecycle)
+    batch = ContinuousBatch(host, keys.DEFAULT_QUEUE, BatchKey("m", None, None, 0))
+    assert batch._budgeted and not batch._someone_waits()  # a batch of its own jobs
+    own = SimpleNamespace(id="own", queue=keys.DEFAULT_QUEUE)
+    batch.slots["own"] = _Slot(own, None)
+    assert not batch._someone_waits()
+    batch._seen_ahead = time.monotonic()  # one was waiting just now
+    assert batch._someone_waits()
+    batch._seen_ahead = time.monotonic() - QUIET_S - 1  # quiet since
+    assert not batch._someone_waits()
+    asking = SimpleNamespace(id="asks", queue=f"{keys.INTERACTIVE_QUEUE}@team")
+    batch.slots["asks"] = _Slot(asking, None)  # an interactive job decodes in the batch
+    assert batch._someone_waits()
+    alone = ContinuousBatch(
+        SimpleNamespace(rt=_rt(), max_batch=None, queues=["mlxq"], lifecycle=lifecycle),
+        keys.DEFAULT_QUEUE,
+        BatchKey("m", None, None, 0),
+    )
+    assert not alone._budgeted  # a worker serving only the batch queue never budgets
+
+
 def _texts(conn, ids: list[str]) -> list[str]:
     return [read_result(conn, j).response.choices[0].message.content for j in ids]
 

@@ -307,3 +307,21 @@ def test_sigkill_while_stopping_loses_nothing(conn, tiny, workers):
     assert result is not None and result.status == "cancelled"
     status = client.status("doomed")
     assert (status.cancelled, status.succeeded, status.failed) == (1, 0, 0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "soon", 1e9])
+def test_a_bad_time_limit_is_refused_by_name(bad):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="time_limit_s"):
+        ChatRequest.model_validate(chat("m", time_limit_s=bad))
+
+
+def test_responses_and_completions_carry_the_time_limit():
+    from schemas.completions import CompletionRequest
+    from schemas.responses import ResponsesRequest, to_chat
+
+    asked = to_chat(ResponsesRequest(model="m", input="hi", time_limit_s=3), [])
+    assert ChatRequest.model_validate(asked).time_limit_s == 3
+    legacy = CompletionRequest(model="m", prompt="x", time_limit_s=2).to_chat()
+    assert ChatRequest.model_validate(legacy).time_limit_s == 2

@@ -60,7 +60,9 @@ round trip; none in between). A job waiting there does not wait for the batch:
 
 While the worker serves such queues, a step prefills about :data:`PREFILL_BUDGET_S` of
 prompt chunks at most (``worker.engine.batch``: smaller chunks where prefill is slow,
-whole ones where it is fast; a speculative batch's joining rows alike), and a shared
+whole ones where it is fast; a speculative batch's joining rows alike) while a job from
+them is in the batch or beside it, or was seen waiting in the last :data:`QUIET_S` (a
+plain batch's steps prefill up to :data:`QUIET_BUDGET_S` when none was), and a shared
 prefix prefilled to keep as a job joins (its company's, ``worker.runner.company``) looks
 at them between its chunks, where jobs may run beside or alone as between steps (never
 join: the batch is mid-join), the prefill counting as the batch's steps for their share.
@@ -138,6 +140,12 @@ SMALL_SIZE = 2
 #: Seconds of prompt prefill one step of a plain batch takes at most, about, while the
 #: worker serves queues before the batch's (someone may be waiting for the next step).
 PREFILL_BUDGET_S = 0.5
+#: Seconds after a job from those queues was last seen waiting that a plain batch's steps
+#: keep to that budget (requests come in streams); after them, to :data:`QUIET_BUDGET_S`.
+QUIET_S = 5.0
+#: Seconds of prompt prefill a plain batch's step takes at most, about, while nobody waits
+#: (larger chunks: more throughput; a request arriving meanwhile waits at most that step).
+QUIET_BUDGET_S = 4.0
 
 
 class Host(Protocol):
@@ -212,6 +220,7 @@ class ContinuousBatch:
         self._decode_s: float | None = None  # steps' seconds that only decoded (running)
         # someone may wait for the next step: prefill is cut to fit (not in a group)
         self._budgeted = bool(self.ahead) and self.rt.cache.group is None
+        self._seen_ahead = -float("inf")  # when a job was last seen waiting ahead
         self._joining = False  # inside a join (a kept prefix prefilling): none may join now
         self._chunk_at = 0.0  # when the last chunk of such a prefill ended
 
@@ -267,6 +276,9 @@ class ContinuousBatch:
         self.meter.held(size)
         for slot in self.slots.values():
             slot.peak = max(slot.peak, size)
+        if self._budgeted and isinstance(self.engine, BatchEngine):
+            waits = self._someone_waits()
+            self.engine.prefill_budget_s = PREFILL_BUDGET_S if waits else QUIET_BUDGET_S
         t = time.perf_counter()
         with self.host.computing():
             step = self.engine.step()
@@ -373,9 +385,19 @@ class ContinuousBatch:
             return  # the batch steps first: jobs run alone took their share
         self._look_at = time.monotonic() + LOOK_EVERY_S
         while (queue := self._first_waiting()) is not None:
+            self._seen_ahead = time.monotonic()
             job = self.host.take_from(queue)
             if job is None or not self._urgent_one(job):
                 return
+
+    def _someone_waits(self) -> bool:
+        """Whether a job from the queues ahead may wait on the next step: one in the batch
+        or beside it, or one seen waiting within :data:`QUIET_S`."""
+        if self.side is not None and self.side.slots:
+            return True
+        if any(keys.base_queue(s.job.queue) != self.queue for s in self.slots.values()):
+            return True
+        return time.monotonic() - self._seen_ahead < QUIET_S
 
     def _urgent_embeddings(self, job: Job) -> bool:
         """An embedding job from a queue ahead: embedded between two steps when its model
