@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from redis import Redis
@@ -34,21 +35,19 @@ from bench.serve import burst
 from producer.localredis import LocalRedis
 from schemas import keys
 from worker.engine.models import ModelCache
-from worker.runner import continuous, runtime
+from worker.runner import runtime
+from worker.schedule.step import StepConfig
 
 OUT = Path(__file__).parent / "out"
 DEFAULT = (keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE)
 
 
 def worker_arm(conn: Redis, jobs: list[dict], cache: ModelCache, queues, always: bool) -> dict:
-    real = continuous.ContinuousBatch._someone_waits
+    step = StepConfig()
     if always:  # the rule before: a budget on every step while the queues ahead are served
-        continuous.ContinuousBatch._someone_waits = lambda self: True  # type: ignore[method-assign]
-    try:
-        rt = runtime.WorkerRuntime(cache=cache, worker_id="bench-budget")
-        records, elapsed = burst(conn, jobs, rt, None, queues)
-    finally:
-        continuous.ContinuousBatch._someone_waits = real  # type: ignore[method-assign]
+        step = replace(step, quiet_budget_s=step.prefill_budget_s or 0.0)
+    rt = runtime.WorkerRuntime(cache=cache, worker_id="bench-budget", step=step)
+    records, elapsed = burst(conn, jobs, rt, None, queues)
     tokens = sum(r.response.usage.completion_tokens for r in records)
     return {
         "tok_s": tokens / elapsed,

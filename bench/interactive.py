@@ -12,7 +12,7 @@ Arms, in one run:
 - one at a time (before): the same with no side batch: a request that does not join
   runs alone between the batch's steps, one after another (the rule before it);
 - one step between: no side batch and no credit banked for jobs run alone between the
-  batch's steps (``URGENT_BANK_S = 0``: the batch steps once between two of them, the
+  batch's steps (``urgent_bank_s = 0``: the batch steps once between two of them, the
   rule before the bank);
 - before: the same with the running batch not looking at the interactive queue
   (how it was: requests waited for the batch to end).
@@ -26,7 +26,7 @@ the arms are *batch + requests*, *one at a time (before)* and *whole chunks (bef
 (no side batch, and): steps prefill whole
 512-token chunks of 8 prompts, a request joins the batch whatever it is prefilling, and
 a prefix prefilled to keep as a job joins does not look at the interactive queue (the
-rules before ``PREFILL_BUDGET_S``). ``--only-long``: idle and the long arms only;
+rules before the prefill budget). ``--only-long``: idle and the long arms only;
 ``--arms now,alone,...``: only those arms (now, always, alone, bank0, nolook, whole;
 *always*: the prefill budget on every step, the rule before issue 69).
 
@@ -40,6 +40,7 @@ import json
 import statistics
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -147,12 +148,12 @@ def batch_rate(conn: Redis, ids: list[str], started: float) -> float:
 
 
 def joined_whatever_prefilled(self: continuous.ContinuousBatch) -> bool:
-    """The join rule before ``PREFILL_BUDGET_S``: every step counted, prefill or not, and
+    """The join rule before the prefill budget: every step counted, prefill or not, and
     a join paid while no size-1 step was measured."""
     smallest = self.rt.policy.sizes.smallest_step_s(*self.key)
     if smallest is None or self._step_s is None:
         return True
-    return self._step_s <= continuous.JOIN_SLOWDOWN * smallest
+    return self._step_s <= self.cfg.join_slowdown * smallest
 
 
 def pct(values: list[float], q: float) -> float:
@@ -200,7 +201,7 @@ def main() -> None:
                     time.sleep(0.2)
                 alone = batch_rate(conn, ids, t0)
                 report["arms"][f"batch{suffix}"] = {"tok_s": alone}
-                bank, budget = continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S
+                cfg = rt.step
                 arms = [
                     ("batch + requests", "now"),
                     ("prefill budget always (before)", "always"),
@@ -219,16 +220,16 @@ def main() -> None:
                         continue
                     cls = continuous.ContinuousBatch
                     saved = (cls._urgent, cls._join_pays, cls._between_chunks, cls._beside_pays)
-                    waits = cls._someone_waits
                     if how == "always":  # the budget on every step (before issue 69)
-                        cls._someone_waits = lambda self: True  # type: ignore[method-assign]
-                    continuous.URGENT_BANK_S = 0.0 if how == "bank0" else bank
+                        rt.step = replace(cfg, quiet_budget_s=cfg.prefill_budget_s or 0.0)
+                    if how == "bank0":
+                        rt.step = replace(cfg, urgent_bank_s=0.0)
                     if how != "now":  # the rules before the side batch
                         cls._beside_pays = lambda self, r: False  # type: ignore[method-assign]
                     if how == "nolook":
                         continuous.ContinuousBatch._urgent = lambda self: None  # type: ignore[method-assign]
                     if how == "whole":
-                        continuous.PREFILL_BUDGET_S = None  # type: ignore[assignment]
+                        rt.step = replace(cfg, prefill_budget_s=None)
                         continuous.ContinuousBatch._between_chunks = lambda self: None  # type: ignore[method-assign]
                         continuous.ContinuousBatch._join_pays = joined_whatever_prefilled  # type: ignore[method-assign]
                     try:
@@ -251,8 +252,7 @@ def main() -> None:
                             cls._between_chunks,
                             cls._beside_pays,
                         ) = saved  # type: ignore[method-assign]
-                        cls._someone_waits = waits  # type: ignore[method-assign]
-                        continuous.URGENT_BANK_S, continuous.PREFILL_BUDGET_S = bank, budget
+                        rt.step = cfg
                     row = {
                         "p50_s": pct(lat, 0.5),
                         "p99_s": pct(lat, 0.99),

@@ -27,6 +27,7 @@ from tests.waiting import clear, seconds, wait_for, watch
 #: streamed, ``n``, a reused prefix, a schema, tools, reasoning, embeddings). CI runs
 #: everything.
 QUICK_FILES = {
+    "test_step.py",
     "test_batching.py",
     "test_blas.py",
     "test_cache.py",
@@ -76,7 +77,6 @@ QUICK_TESTS = {
     "tests/test_interactive.py::test_an_interactive_prompt_prefills_before_batch_prompts_still_waiting",
     "tests/test_interactive.py::test_preemptions_and_latencies_per_queue_are_exported",
     "tests/test_interactive.py::test_a_side_batch_reserves_its_kv_room_beside_the_batch",
-    "tests/test_interactive.py::test_the_join_rule_counts_prefilling_steps_until_a_step_only_decodes",
     "tests/test_embeddings.py::test_every_input_shape_embeds_the_same_alone_and_in_company",
     "tests/test_embeddings.py::test_bad_inputs_fail_alone_with_a_400_naming_what",
     "tests/test_embeddings.py::test_batch_lines_mix_chat_and_embeddings_and_refuse_bad_ones_by_line",

@@ -30,6 +30,7 @@ from worker.engine.models import ModelCache
 from worker.engine.specbatch import SpecBatchEngine
 from worker.runner import runtime
 from worker.schedule.policy import SpeculationPolicy
+from worker.schedule.step import StepConfig
 
 QUEUES = (keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE)
 
@@ -72,10 +73,14 @@ def _wait(cond, timeout: float = 120.0) -> None:
     wait_for(cond, timeout)
 
 
-def _rt(policy: SpeculationPolicy | None = None, join: str = "auto") -> runtime.WorkerRuntime:
-    """(``join``: ``worker --interactive-join``.)"""
+def _rt(
+    policy: SpeculationPolicy | None = None, join: str = "auto", **step: float
+) -> runtime.WorkerRuntime:
+    """(``join``: ``worker --interactive-join``; ``step``: other ``StepConfig`` fields.)"""
     return runtime.WorkerRuntime(
-        cache=ModelCache(), policy=policy or SpeculationPolicy("never"), interactive_join=join
+        cache=ModelCache(),
+        policy=policy or SpeculationPolicy("never"),
+        step=StepConfig(join_mode=join, **step),
     )
 
 
@@ -187,17 +192,12 @@ def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tin
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(
-    conn, redis_url, tiny, stream, monkeypatch
-):
+def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(conn, redis_url, tiny, stream):
     """(``stream``: each runs alone; else they join, or run in a side batch beside it.)
     The floor is of time (a quarter of it, once the bank the batch saved while none
     waited is spent: made small here, or this tiny model's flood would run on it)."""
-    from worker.runner import continuous
-
-    monkeypatch.setattr(continuous, "URGENT_BANK_S", 0.05)
     batch = _batch(conn, tiny.target, 40, 12)
-    worker = _serve(redis_url, _rt(), max_batch=4)
+    worker = _serve(redis_url, _rt(urgent_bank_s=0.05), max_batch=4)
     _wait(lambda: _ended(conn, batch) >= 1)
     flood = _interactive(conn, tiny.target, 60, stream=stream)
     _wait(lambda: _ended(conn, flood) >= 10)
@@ -342,67 +342,6 @@ def test_interactive_jobs_join_where_a_step_measured_cheap_else_run_beside(
     assert min(sizes) >= 5 if measured == "cheap" else sizes == [2, 2], sizes
 
 
-@pytest.mark.parametrize(
-    ("decode_s", "step_s", "joins"),
-    [
-        (None, None, True),  # no step yet: it joins
-        (None, 1.0, False),  # every step so far prefilled, each 10x a single one: beside
-        (None, 0.15, True),  # ... each 1.5x: it joins
-        (0.15, 1.0, True),  # steps that only decoded count once measured
-        (1.0, 0.15, False),
-    ],
-)
-def test_the_join_rule_counts_prefilling_steps_until_a_step_only_decodes(decode_s, step_s, joins):
-    """Early in a batch every step carries prompts: those steps stand for the batch's
-    (joining on "nothing measured" sent 4 requests into a batch of 32 on a CPU: 14 s
-    each, against 1.1 s beside it)."""
-    from types import SimpleNamespace
-
-    from worker.runner.continuous import ContinuousBatch
-    from worker.schedule.grouping import BatchKey
-
-    rt = _rt()
-    rt.policy.sizes.record("m", None, 1, 10, 1.0)  # one sequence: 0.1 s a step
-    lifecycle = SimpleNamespace(conn=None)  # (no Redis: nothing is taken or ended)
-    host = SimpleNamespace(rt=rt, max_batch=None, queues=list(QUEUES), lifecycle=lifecycle)
-    batch = ContinuousBatch(host, keys.DEFAULT_QUEUE, BatchKey("m", None, None, 0))
-    batch.engine = SimpleNamespace(prefill_steps=0)
-    batch._decode_s, batch._step_s = decode_s, step_s
-    assert batch._join_pays() is joins
-
-
-def test_a_plain_batchs_prefill_is_budgeted_only_while_someone_may_wait():
-    """Serving the interactive queue, a batch on ``mlxq`` cuts its steps' prefill to
-    ``PREFILL_BUDGET_S`` only while an interactive job is in it or beside it, or one was
-    seen waiting within ``QUIET_S``; otherwise to the looser ``QUIET_BUDGET_S``."""
-    import time
-    from types import SimpleNamespace
-
-    from worker.runner.continuous import QUIET_S, ContinuousBatch, _Slot
-    from worker.schedule.grouping import BatchKey
-
-    lifecycle = SimpleNamespace(conn=None)
-    host = SimpleNamespace(rt=_rt(), max_batch=None, queues=list(QUEUES), lifecycle=lifecycle)
-    batch = ContinuousBatch(host, keys.DEFAULT_QUEUE, BatchKey("m", None, None, 0))
-    assert batch._budgeted and not batch._someone_waits()  # a batch of its own jobs
-    own = SimpleNamespace(id="own", queue=keys.DEFAULT_QUEUE)
-    batch.slots["own"] = _Slot(own, None)
-    assert not batch._someone_waits()
-    batch._seen_ahead = time.monotonic()  # one was waiting just now
-    assert batch._someone_waits()
-    batch._seen_ahead = time.monotonic() - QUIET_S - 1  # quiet since
-    assert not batch._someone_waits()
-    asking = SimpleNamespace(id="asks", queue=f"{keys.INTERACTIVE_QUEUE}@team")
-    batch.slots["asks"] = _Slot(asking, None)  # an interactive job decodes in the batch
-    assert batch._someone_waits()
-    alone = ContinuousBatch(
-        SimpleNamespace(rt=_rt(), max_batch=None, queues=["mlxq"], lifecycle=lifecycle),
-        keys.DEFAULT_QUEUE,
-        BatchKey("m", None, None, 0),
-    )
-    assert not alone._budgeted  # a worker serving only the batch queue never budgets
-
-
 def _texts(conn, ids: list[str]) -> list[str]:
     return [read_result(conn, j).response.choices[0].message.content for j in ids]
 
@@ -513,15 +452,10 @@ def test_a_prefill_budget_cuts_prompts_into_short_steps_with_the_same_text(tiny,
 
 
 @pytest.mark.parametrize("kind", ["plain", "draft", "lookup"])
-def test_an_interactive_job_does_not_join_while_batch_prompts_prefill(
-    conn, redis_url, tiny, monkeypatch, kind
-):
+def test_an_interactive_job_does_not_join_while_batch_prompts_prefill(conn, redis_url, tiny, kind):
     """It does not join a batch whose steps carry other prompts' chunks: each of its
     tokens would wait for them (seen on a CPU: 94 s to a first token). A speculative
     batch's joiners prefill in chunks too."""
-    from worker.runner import continuous
-
-    monkeypatch.setattr(continuous, "PREFILL_BUDGET_S", 1e-9)  # chunks of MIN_CHUNK
     fields = {
         "draft": {"draft_model": tiny.draft, "num_draft_tokens": 3},
         "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
@@ -533,7 +467,8 @@ def test_an_interactive_job_does_not_join_while_batch_prompts_prefill(
         f"b{i}": chat(model, f"{i} {long}", max_tokens=8, temperature=0, **fields) for i in range(4)
     }
     batch = Client(connection=conn).submit(jobs, batch_id="b").job_ids
-    rt = _rt(SpeculationPolicy("always" if fields else "never"))
+    policy = SpeculationPolicy("always" if fields else "never")
+    rt = _rt(policy, prefill_budget_s=1e-9, quiet_budget_s=1e-9)  # chunks of MIN_CHUNK
     worker = _serve(redis_url, rt, max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
     asked = _interactive(conn, model, 1, **fields)

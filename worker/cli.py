@@ -398,6 +398,7 @@ def main(
     from worker.runner.imagehosts import ImageHosts
     from worker.runner.loop import ColdShutdown, StopWaiting, Worker
     from worker.schedule.policy import SpeculationPolicy
+    from worker.schedule.step import StepConfig
 
     kv_quant = KVQuant(int(kv_bits), int(kv_group_size or 0)) if kv_bits else None
     group = None
@@ -451,7 +452,7 @@ def main(
         max_n=max_n,
         share_figures=share_figures,
         machine_kind=machine_kind,
-        interactive_join=interactive_join,
+        step=StepConfig(join_mode=interactive_join),
         time_limit_s=time_limit,
     )
     if name:

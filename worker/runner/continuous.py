@@ -1,76 +1,20 @@
 """Continuous batching of jobs: while a batch runs, the worker keeps taking jobs into it.
 
-When the worker takes a job whose route (``worker.schedule.route``) names a batch (not
-streaming, one choice, greedy or unseeded, since a seeded sampling job runs
-alone so that its seed means what it says; a job with a draft when the
-speculation policy says how to batch it; ``worker.schedule.grouping``), it runs a
-:class:`ContinuousBatch`:
-further jobs of the same queue on the same (model, adapter, draft, k) join,
-also while the batch runs (a slot freed by a finished job is filled at the next
-step). A batch with a draft decodes speculatively (``worker.engine.specbatch``), one
-without through ``worker.engine.batch``.
+A job whose route (``worker.schedule.route``) names a batch runs a :class:`ContinuousBatch`:
+further jobs of its queue on the same (model, adapter, draft or lookup, k) join, also
+while it runs (a freed slot is filled at the next step), decoded by ``worker.engine.batch``
+or, with a draft, ``worker.engine.specbatch``. Memory admits each joiner (the KV bytes the
+batch can grow to; one that does not fit waits at the front of its queue, first in first
+out), ``--max-batch auto`` grows the batch while a larger one measures faster, and a job
+that cannot join goes back to the front of its queue.
 
-How many join (admission), checked before each job joins:
-
-- memory: the KV bytes the batch can grow to with the newcomer (every sequence
-  run to its ``max_tokens``; ``worker.schedule.admission.batch_peak_bytes``) must fit in
-  what the memory budget leaves after models and kept prefixes. A job that
-  does not fit now goes back to the front of its queue and the batch takes
-  nothing more until it would fit (first in, first out: smaller jobs behind it
-  do not overtake it). A job that would not fit even alone fails with
-  ``context_too_large``, naming the numbers.
-- speed (``--max-batch auto``): the batch grows while a larger batch measures
-  faster (``worker.schedule.batchsize.BatchMemory.limit``);
-- ``--max-batch N``: never more than N.
-
-A job that cannot join (another model, streaming...) is given back to the
-front of its queue and the batch stops taking for a second, so first-in-
-first-out order holds.
-
-Queues the worker serves before the batch's (the gateway's ``mlxq.interactive``
-first) are looked at between steps, every :data:`LOOK_EVERY_S` (one ``LLEN``
-round trip; none in between). A job waiting there does not wait for the batch:
-
-- one the batch can hold joins it at once while a step of the batch costs at most
-  :data:`JOIN_SLOWDOWN` steps at the smallest batch size measured, and while other
-  prompts prefill for more than the next step only then (its every token would wait
-  for steps that carry their chunks); else it runs alone between steps, as below, when
-  it can. It joins ahead of the batch's own queue (under ``--max-batch auto`` also
-  above the size measured fastest, memory permitting);
-  at the cap (``--max-batch N``) it takes the place of the batch job that joined
-  last (the least work lost), which goes back to the front of its queue,
-  unstarted and without a crash counted, and runs again from its start later
-  (greedy text unchanged). The batch's own jobs keep at least :data:`OWN_FLOOR`
-  of its slots (at least one), so a flood of interactive jobs cannot stop it;
-- one that does not join but could be batched (the batch's steps cost too much, its
-  prompts prefill, another loaded model) runs in the *side batch*: a second
-  continuous batch with its own engine and KV caches, stepped between the batch's
-  steps, which jobs like it join as they come (from its queue too), so requests that
-  arrive together decode together instead of one after another. One side batch at a
-  time; a job for another key runs alone;
-- one that cannot be batched (streamed, seeded sampling, ``n``) runs alone between two
-  steps while the batch waits, its KV cache held;
-- either way only if every model it needs is loaded already and its KV cache fits
-  beside the batch's (and the side batch's); otherwise it waits for the batch to end.
-  Side steps and jobs run alone take at most :data:`URGENT_SHARE` of the time: each
-  owes the batch a third of what it took, which the batch's steps pay back; while
-  nothing is owed the next runs at once (the batch banks at most
-  :data:`URGENT_BANK_S` of credit while none wait), else after the steps that pay it.
-  ``--max-batch N`` caps each of the two batches; memory is counted for both.
-
-While the worker serves such queues, a step prefills about :data:`PREFILL_BUDGET_S` of
-prompt chunks at most (``worker.engine.batch``: smaller chunks where prefill is slow,
-whole ones where it is fast; a speculative batch's joining rows alike) while a job from
-them is in the batch or beside it, or was seen waiting in the last :data:`QUIET_S` (a
-plain batch's steps prefill up to :data:`QUIET_BUDGET_S` when none was), and a shared
-prefix prefilled to keep as a job joins (its company's, ``worker.runner.company``) looks
-at them between its chunks, where jobs may run beside or alone as between steps (never
-join: the batch is mid-join), the prefill counting as the batch's steps for their share.
-So a job from them waits about a step, not minutes of other prompts' prefill, before its
-turn. Not in a worker group: its ranks step alike.
-
-Jobs are taken, refused, ended and given back through the same lifecycle as
-jobs run alone (``worker.lifecycle.held``).
+Queues served before the batch's (``mlxq.interactive``) are looked at between steps: a job
+there joins the batch, runs in a *side batch* beside it, runs alone between two steps, or
+waits for the batch to end; the rules (join or beside, a place at the cap, the prefill
+budget, the time share of jobs beside) are ``worker.schedule.step``'s, pure, with their
+constants in ``WorkerRuntime.step``; docs/worker.md tells them with their reasons. Jobs are
+taken, ended and given back through ``worker.lifecycle.held``; a job that must stop (a
+cancel, a time limit) leaves at the next step (``worker.runner.stops``).
 """
 
 from __future__ import annotations
@@ -110,6 +54,14 @@ from worker.schedule.grouping import BatchKey, batchable
 from worker.schedule.meter import BatchMeter
 from worker.schedule.policy import LOOKUP, Decision
 from worker.schedule.route import Route, route
+from worker.schedule.step import (
+    BatchView,
+    joins,
+    owed_after_alone,
+    owed_after_step,
+    place_for_one,
+    prefill_budget,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,29 +75,8 @@ QUEUE_EMPTY = "queue: no more jobs waiting"
 AUTO_CAP = 256
 #: Seconds between two looks at the queues served before the batch's.
 LOOK_EVERY_S = 0.1
-#: The share of a batch's slots its own queue's jobs keep when interactive jobs take
-#: places (at least one slot).
-OWN_FLOOR = 0.25
-#: The most of the wall time jobs run alone between a batch's steps may take.
-URGENT_SHARE = 0.75
-#: The most step seconds a batch banks for jobs run alone between its steps (they may
-#: run back to back until it is spent: up to 3x this while none had waited).
-URGENT_BANK_S = 2.0
-#: An interactive job joins the batch while a step of it takes at most this many times a
-#: step at the smallest batch size measured (at most :data:`SMALL_SIZE`); above, it runs
-#: beside it (a compute-bound device, where a large batch's step costs many single steps).
-JOIN_SLOWDOWN = 2.0
-#: The largest batch size whose measured step stands for one sequence's in that rule.
-SMALL_SIZE = 2
-#: Seconds of prompt prefill one step of a plain batch takes at most, about, while the
-#: worker serves queues before the batch's (someone may be waiting for the next step).
-PREFILL_BUDGET_S = 0.5
-#: Seconds after a job from those queues was last seen waiting that a plain batch's steps
-#: keep to that budget (requests come in streams); after them, to :data:`QUIET_BUDGET_S`.
-QUIET_S = 5.0
-#: Seconds of prompt prefill a plain batch's step takes at most, about, while nobody waits
-#: (larger chunks: more throughput; a request arriving meanwhile waits at most that step).
-QUIET_BUDGET_S = 4.0
+#: The rules between steps (join or beside, a place at the cap, the prefill budget, the
+#: time share) and their constants: ``worker.schedule.step`` (``WorkerRuntime.step``).
 
 
 class Host(Protocol):
@@ -202,6 +133,7 @@ class ContinuousBatch:
         self.decision: Decision | None = None  # the first job's: how the policy batched it
         self.draft_named: str | None = None  # the draft the first job named (k left to policy)
         self.meter = BatchMeter(self.rt.policy, key)
+        self.cfg = self.rt.step  # the step rules' constants
         self.stops = Stops(host.lifecycle.conn, self.rt.time_limit_s)  # cancels, time limits
         self._pause_until = 0.0
         self._held: Length | None = None  # (prompt, max_tokens) waiting for memory
@@ -242,7 +174,7 @@ class ContinuousBatch:
             while self.slots or self.side is not None:
                 if self.slots:
                     seconds = self._step()
-                    self._owed = max(self._owed - seconds, -URGENT_BANK_S)
+                    self._owed = owed_after_step(self._owed, seconds, self.cfg)
                 self._urgent()
                 self._step_side()
                 self._fill()
@@ -277,8 +209,7 @@ class ContinuousBatch:
         for slot in self.slots.values():
             slot.peak = max(slot.peak, size)
         if self._budgeted and isinstance(self.engine, BatchEngine):
-            waits = self._someone_waits()
-            self.engine.prefill_budget_s = PREFILL_BUDGET_S if waits else QUIET_BUDGET_S
+            self.engine.prefill_budget_s = prefill_budget(self._view(), self.cfg)
         t = time.perf_counter()
         with self.host.computing():
             step = self.engine.step()
@@ -367,7 +298,7 @@ class ContinuousBatch:
         """Between two chunks of a shared prefix prefilled as a job joins: that prefill is
         the batch's work, paid to it as a step's, and waiting jobs may run alone."""
         now = time.perf_counter()
-        self._owed = max(self._owed - (now - self._chunk_at), -URGENT_BANK_S)
+        self._owed = owed_after_step(self._owed, now - self._chunk_at, self.cfg)
         self._joining = True
         try:
             self._urgent()
@@ -390,14 +321,22 @@ class ContinuousBatch:
             if job is None or not self._urgent_one(job):
                 return
 
-    def _someone_waits(self) -> bool:
-        """Whether a job from the queues ahead may wait on the next step: one in the batch
-        or beside it, or one seen waiting within :data:`QUIET_S`."""
-        if self.side is not None and self.side.slots:
-            return True
-        if any(keys.base_queue(s.job.queue) != self.queue for s in self.slots.values()):
-            return True
-        return time.monotonic() - self._seen_ahead < QUIET_S
+    def _view(self) -> BatchView:
+        """What the step rules (``worker.schedule.step``) read of this batch now."""
+        own = sum(keys.base_queue(s.job.queue) == self.queue for s in self.slots.values())
+        smallest = self.rt.policy.sizes.smallest_step_s(*self.key, most=self.cfg.small_size)
+        return BatchView(
+            size=len(self.slots),
+            cap=self.cap,
+            own=own,
+            step_s=self._step_s,
+            decode_s=self._decode_s,
+            smallest_step_s=smallest,
+            prefill_steps=self.engine.prefill_steps if self.engine is not None else 0,
+            in_group=self.rt.cache.group is not None,
+            beside=len(self.side.slots) if self.side is not None else 0,
+            since_ahead_s=time.monotonic() - self._seen_ahead,
+        )
 
     def _urgent_embeddings(self, job: Job) -> bool:
         """An embedding job from a queue ahead: embedded between two steps when its model
@@ -413,7 +352,7 @@ class ContinuousBatch:
     def _ran_alone(self, took: float) -> bool:
         """A job ran alone between two steps for ``took`` seconds: the batch is owed its
         share of that. Whether the next one may run at once (nothing owed)."""
-        self._owed += took * (1 - URGENT_SHARE) / URGENT_SHARE
+        self._owed = owed_after_alone(self._owed, took, self.cfg)
         return self._owed <= 0
 
     def _first_waiting(self) -> str | None:
@@ -488,7 +427,7 @@ class ContinuousBatch:
 
     def _step_side(self) -> None:
         """Steps of the side batch: while the batch is owed nothing (its jobs take at most
-        :data:`URGENT_SHARE` of the time, as jobs run alone), or always while the batch
+        ``urgent_share`` of the time, as jobs run alone), or always while the batch
         holds no job (one step at a time: it may take jobs again). A side batch that fails
         fails its own jobs, not the batch's."""
         while (side := self.side) is not None:
@@ -517,46 +456,19 @@ class ContinuousBatch:
             self._ran_alone(time.perf_counter() - t)
 
     def _join_pays(self) -> bool:
-        """Whether a step of this batch costs at most :data:`JOIN_SLOWDOWN` steps at the
-        smallest size measured. On a GPU a batch step costs little more than one
-        sequence's; on a CPU a large batch's costs many. While other prompts prefill for
-        more than the next step, a joiner's tokens wait for steps that carry their
-        chunks: the steps measured with them count, and with nothing to compare them to
-        it does not join. Otherwise the steps that only decoded count (none yet: every
-        step so far; no step at all: it joins). The smallest size counts only up to
-        :data:`SMALL_SIZE`: with none that small measured it runs beside the batch, whose
-        side batch's steps measure small sizes (seen on a CPU: requests that joined a
-        batch of 96, the only size measured, took 9 s, 3x the others); it joins in a
-        worker group, which has no side batch."""
-        assert self.engine is not None
-        if self.rt.interactive_join != "auto":  # the operator's choice (--interactive-join)
-            return self.rt.interactive_join == "always"
-        smallest = self.rt.policy.sizes.smallest_step_s(*self.key, most=SMALL_SIZE)
-        if self.engine.prefill_steps > 1:
-            return smallest is not None and (self._step_s or 0.0) <= JOIN_SLOWDOWN * smallest
-        if smallest is None:
-            return self.rt.cache.group is not None
-        # no step that only decoded yet (every one so far carried prompts): the steps
-        # measured with them stand for the batch's (seen: 4 requests that joined a batch
-        # of 32 whose first steps all prefilled took 14 s, against 1.1 s beside it)
-        step = self._decode_s if self._decode_s is not None else self._step_s
-        if step is None:
-            return True
-        return step <= JOIN_SLOWDOWN * smallest
+        """Whether an interactive job joins this batch (``worker.schedule.step.joins``)."""
+        return joins(self._view(), self.cfg)
 
     def _place_for_one(self) -> bool:
-        """Whether an interactive job may join now. Under ``--max-batch auto`` it joins
-        above the size measured fastest (that limit is a preference, not a cap: memory
-        still decides, in :meth:`_admit`); at the cap (``--max-batch N``, or
-        :data:`AUTO_CAP`) it takes the place of one of the batch's own jobs, which keep
-        at least :data:`OWN_FLOOR` of the slots."""
-        if len(self.slots) < self.cap:
-            return True
-        own = [s for s in self.slots.values() if keys.base_queue(s.job.queue) == self.queue]
-        if len(own) <= max(1, int(self.cap * OWN_FLOOR)):
-            return False
-        self._preempt(own[-1])  # the last to join: the least work lost
-        return True
+        """Whether an interactive job may join now (``worker.schedule.step.place_for_one``).
+        Under ``--max-batch auto`` it joins above the size measured fastest (a preference,
+        not a cap: memory still decides, in :meth:`_admit`); at the cap the batch job that
+        joined last gives its place up."""
+        place = place_for_one(self._view(), self.cfg)
+        if place == "preempt":
+            own = [s for s in self.slots.values() if keys.base_queue(s.job.queue) == self.queue]
+            self._preempt(own[-1])  # the last to join: the least work lost
+        return place != "full"
 
     def _preempt(self, slot: _Slot) -> None:
         """Take ``slot``'s job out of the batch, back to the front of its queue unstarted."""
@@ -706,7 +618,7 @@ class ContinuousBatch:
             model, adapter, draft, k, adaptive = self.key
             named = draft if draft != LOOKUP else None  # a draft model to load
             self.generator = ChatGenerator.get_or_create(model, named, adapter, cache=self.rt.cache)
-            budget = PREFILL_BUDGET_S if self._budgeted else None
+            budget = self.cfg.prefill_budget_s if self._budgeted else None
             if draft is not None:
                 target, draft_model = self.generator.target, self.generator.draft
                 planner = None

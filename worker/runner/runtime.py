@@ -15,6 +15,7 @@ from worker.runner.company import Scout
 from worker.runner.imagehosts import ImageHosts
 from worker.runner.stats import WorkerStats
 from worker.schedule.policy import SpeculationPolicy
+from worker.schedule.step import StepConfig
 
 
 @dataclass
@@ -37,9 +38,9 @@ class WorkerRuntime:
     machine_kind: str | None = None
     # The hosts jobs' image URLs are fetched from (``--allow-image-host``; none: no URLs).
     image_hosts: ImageHosts = field(default_factory=ImageHosts)
-    # Whether interactive jobs join a running batch (``--interactive-join``): "auto" (the
-    # measured rule, ``ContinuousBatch._join_pays``), "always", "never" (beside it).
-    interactive_join: str = "auto"
+    # The rules between a batch's steps and their constants (``worker.schedule.step``);
+    # ``--interactive-join`` sets its ``join_mode``.
+    step: StepConfig = field(default_factory=StepConfig)
     # The most seconds a job may run here once taken (``--time-limit``; None: no limit of
     # the worker's own; a batch's job timeout and a request's ``time_limit_s`` still hold).
     time_limit_s: float | None = None

@@ -11,5 +11,7 @@ milliseconds. The runner feeds it measurements and asks it questions:
 - ``route``: a job's route, decided once when it is taken (every question above);
 - ``grouping``: which jobs may share a batch;
 - ``admission``: the KV bytes a batch can grow to;
+- ``step``: the rules between a running batch's steps (join or beside, a place at the
+  cap, the prefill budget, the time share of jobs beside it), with their constants;
 - ``estimators``: the running averages, cost lines and acceptance they all use.
 """

@@ -1,0 +1,99 @@
+"""The step rules of a running batch (``worker.schedule.step``): pure, on constructed views.
+
+No Redis, no MLX, no monkeypatching: each rule is a function of a view of the batch and
+the frozen config. The end-to-end behaviour these rules make (jobs joining, running
+beside, preempting, the time share) is ``tests/test_interactive.py``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from worker.schedule.step import (
+    BatchView,
+    StepConfig,
+    joins,
+    owed_after_alone,
+    owed_after_step,
+    place_for_one,
+    prefill_budget,
+)
+
+CFG = StepConfig()
+SINGLE = 0.1  # a step of one sequence, measured: 0.1 s
+
+
+@pytest.mark.parametrize(
+    ("decode_s", "step_s", "expected"),
+    [
+        (None, None, True),  # no step yet: it joins
+        (None, 1.0, False),  # every step so far prefilled, each 10x a single one: beside
+        (None, 0.15, True),  # ... each 1.5x: it joins
+        (0.15, 1.0, True),  # steps that only decoded count once measured
+        (1.0, 0.15, False),
+    ],
+)
+def test_the_join_rule_counts_prefilling_steps_until_a_step_only_decodes(
+    decode_s, step_s, expected
+):
+    """Early in a batch every step carries prompts: those steps stand for the batch's
+    (joining on "nothing measured" sent 4 requests into a batch of 32 on a CPU: 14 s
+    each, against 1.1 s beside it)."""
+    view = BatchView(size=8, decode_s=decode_s, step_s=step_s, smallest_step_s=SINGLE)
+    assert joins(view, CFG) is expected
+
+
+def test_while_prompts_prefill_a_joiner_compares_the_steps_that_carry_them():
+    prefilling = BatchView(size=8, step_s=0.15, prefill_steps=3, smallest_step_s=SINGLE)
+    assert joins(prefilling, CFG)
+    assert not joins(dataclasses.replace(prefilling, step_s=0.5), CFG)
+    assert not joins(dataclasses.replace(prefilling, smallest_step_s=None), CFG)
+
+
+def test_with_no_small_size_measured_it_runs_beside_except_in_a_group():
+    view = BatchView(size=96, step_s=1.5, decode_s=1.5)
+    assert not joins(view, CFG)
+    assert joins(dataclasses.replace(view, in_group=True), CFG)  # (no side batch there)
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_the_operators_choice_overrides_the_measured_rule(mode):
+    cheap = BatchView(size=2, decode_s=SINGLE, smallest_step_s=SINGLE)
+    dear = BatchView(size=96, decode_s=10.0, smallest_step_s=SINGLE)
+    cfg = StepConfig(join_mode=mode)
+    assert joins(cheap, cfg) is joins(dear, cfg) is (mode == "always")
+    with pytest.raises(ValueError, match="join mode"):
+        StepConfig(join_mode="sometimes")
+
+
+def test_a_place_at_the_cap_is_taken_from_the_batch_down_to_its_floor():
+    assert place_for_one(BatchView(size=7, cap=8, own=7), CFG) == "free"
+    assert place_for_one(BatchView(size=8, cap=8, own=8), CFG) == "preempt"
+    assert place_for_one(BatchView(size=8, cap=8, own=3), CFG) == "preempt"
+    assert place_for_one(BatchView(size=8, cap=8, own=2), CFG) == "full"  # a quarter of 8
+    assert place_for_one(BatchView(size=1, cap=1, own=1), CFG) == "full"  # at least one
+
+
+def test_the_prefill_budget_holds_only_while_someone_may_wait():
+    alone = BatchView(size=32, own=32)
+    assert prefill_budget(alone, CFG) == CFG.quiet_budget_s
+    assert prefill_budget(dataclasses.replace(alone, own=31), CFG) == CFG.prefill_budget_s
+    assert prefill_budget(dataclasses.replace(alone, beside=1), CFG) == CFG.prefill_budget_s
+    seen = dataclasses.replace(alone, since_ahead_s=CFG.quiet_s - 0.1)
+    assert prefill_budget(seen, CFG) == CFG.prefill_budget_s
+    quiet = dataclasses.replace(alone, since_ahead_s=CFG.quiet_s + 0.1)
+    assert prefill_budget(quiet, CFG) == CFG.quiet_budget_s
+    whole = StepConfig(prefill_budget_s=None)  # (no budget at all: whole chunks)
+    assert prefill_budget(seen, whole) is None
+
+
+def test_jobs_beside_take_at_most_their_share_and_the_batch_banks_a_little():
+    owed = owed_after_alone(0.0, 3.0, CFG)  # 3 s beside: the batch is owed 1 s
+    assert owed == pytest.approx(1.0)
+    owed = owed_after_step(owed, 0.4, CFG)
+    assert owed == pytest.approx(0.6)  # still owed: the next waits
+    owed = owed_after_step(owed, 10.0, CFG)
+    assert owed == -CFG.urgent_bank_s  # banked, up to the bound
+    assert owed_after_alone(owed, 1.5, CFG) <= 0  # the next may run at once

@@ -1,0 +1,129 @@
+"""The step rules of a running batch, pure (no Redis, no MLX), with every constant in one place.
+
+Between two steps of a batch the runner (``worker.runner.continuous``) asks:
+
+- :func:`joins`: does an interactive job join the batch, or run beside it?
+- :func:`place_for_one`: is there a place for it, or does a batch job give one up?
+- :func:`prefill_budget`: how many seconds of prompt may the next step prefill?
+- :func:`owed_after_alone` / :func:`owed_after_step`: the time share of jobs run beside
+  the batch (they take at most ``urgent_share`` of the time; the batch banks a little
+  credit while none wait).
+
+Each reads a :class:`BatchView` (what the runner measured and holds) and a
+:class:`StepConfig` (the constants, frozen; ``WorkerRuntime.step``), and returns a
+decision the runner applies. Tests construct views and check decisions in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+#: ``--interactive-join``: the measured rule, or the operator's choice.
+JOIN_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Every constant the step rules use, with the reason each has its value."""
+
+    #: An interactive job joins while a step costs at most this many steps at the
+    #: smallest size measured (above: a compute-bound device; it runs beside instead).
+    join_slowdown: float = 2.0
+    #: The largest batch size whose measured step stands for one sequence's.
+    small_size: int = 2
+    #: ``--interactive-join``: "auto" (the rule above), "always" or "never".
+    join_mode: str = "auto"
+    #: The share of a batch's slots its own queue's jobs keep when interactive jobs take
+    #: places (at least one slot).
+    own_floor: float = 0.25
+    #: The most of the wall time jobs run beside the batch may take.
+    urgent_share: float = 0.75
+    #: The most step seconds a batch banks for them while none wait.
+    urgent_bank_s: float = 2.0
+    #: Seconds of prompt prefill a step takes at most while someone may wait on it.
+    prefill_budget_s: float | None = 0.5
+    #: Seconds after an interactive job was last seen waiting that the budget holds
+    #: (requests come in streams).
+    quiet_s: float = 5.0
+    #: Seconds of prompt prefill a plain batch's step takes at most while nobody waits
+    #: (larger chunks; a request arriving meanwhile waits at most that step).
+    quiet_budget_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.join_mode not in JOIN_MODES:
+            raise ValueError(f"join mode must be one of {JOIN_MODES}, not {self.join_mode!r}")
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What the step rules read of one running batch."""
+
+    size: int = 0  # rows held
+    cap: int = 256  # the most rows it may hold (``--max-batch N``, or the auto cap)
+    own: int = 0  # rows from the batch's own queue (the others came from queues ahead)
+    step_s: float | None = None  # its steps' seconds, prefills too (running average)
+    decode_s: float | None = None  # its steps' seconds that only decoded (running)
+    smallest_step_s: float | None = None  # a step at the smallest size measured (<= small)
+    prefill_steps: int = 0  # steps still to carry prompt chunks of its rows, about
+    in_group: bool = False  # a worker group's (its ranks step alike; no side batch)
+    beside: int = 0  # rows of the side batch beside it
+    since_ahead_s: float = float("inf")  # since a job was last seen waiting ahead
+
+
+def joins(view: BatchView, cfg: StepConfig) -> bool:
+    """Whether an interactive job joins the batch (else it runs beside it). On a GPU a
+    batch step costs little more than one sequence's; on a CPU a large batch's costs many:
+    it joins while a step costs at most ``join_slowdown`` steps at the smallest size
+    measured (up to ``small_size``; with none that small it runs beside, whose steps then
+    measure small sizes; in a worker group, which has no side batch, it joins). While
+    other prompts prefill for more than the next step its tokens would wait for steps
+    that carry their chunks: the steps measured with them count, and with nothing to
+    compare them to it does not join. Otherwise the steps that only decoded count (none
+    yet: every step so far; no step at all: it joins)."""
+    if cfg.join_mode != "auto":
+        return cfg.join_mode == "always"
+    smallest = view.smallest_step_s
+    if view.prefill_steps > 1:
+        return smallest is not None and (view.step_s or 0.0) <= cfg.join_slowdown * smallest
+    if smallest is None:
+        return view.in_group
+    step = view.decode_s if view.decode_s is not None else view.step_s
+    if step is None:
+        return True
+    return step <= cfg.join_slowdown * smallest
+
+
+def place_for_one(view: BatchView, cfg: StepConfig) -> Literal["free", "preempt", "full"]:
+    """Whether an interactive job that joins has a place: ``free`` under the cap;
+    ``preempt`` at the cap, where the batch job that joined last gives its place up (the
+    least work lost) while the batch's own jobs keep ``own_floor`` of the slots (at least
+    one); ``full`` when they are down to that."""
+    if view.size < view.cap:
+        return "free"
+    if view.own <= max(1, int(view.cap * cfg.own_floor)):
+        return "full"
+    return "preempt"
+
+
+def prefill_budget(view: BatchView, cfg: StepConfig) -> float | None:
+    """Seconds of prompt the next step of a plain batch may prefill (None: whole chunks):
+    ``prefill_budget_s`` while an interactive job is in the batch or beside it, or was
+    seen waiting within ``quiet_s``; else ``quiet_budget_s``."""
+    if cfg.prefill_budget_s is None:
+        return None
+    waits = view.own < view.size or view.beside > 0 or view.since_ahead_s < cfg.quiet_s
+    return cfg.prefill_budget_s if waits else cfg.quiet_budget_s
+
+
+def owed_after_alone(owed: float, took: float, cfg: StepConfig) -> float:
+    """The step seconds the batch is owed after a job ran beside it for ``took`` seconds
+    (such jobs take at most ``urgent_share`` of the time). The next may run at once while
+    nothing is owed (the result <= 0)."""
+    return owed + took * (1 - cfg.urgent_share) / cfg.urgent_share
+
+
+def owed_after_step(owed: float, seconds: float, cfg: StepConfig) -> float:
+    """What the batch is owed after its own step of ``seconds`` (it banks at most
+    ``urgent_bank_s`` of credit while none wait)."""
+    return max(owed - seconds, -cfg.urgent_bank_s)
