@@ -377,6 +377,7 @@ def test_image_urls_only_from_allowed_hosts_never_internal_by_glob(
         assert words in refused["u"].error.message, refused["u"].error
 
 
+@pytest.mark.slow  # (a lease runs out: the full suite's, not the quick tier's)
 def test_sigkill_mid_batch_of_image_jobs_gives_one_record_each(
     conn, redis_url, workers, tmp_path_factory
 ):
