@@ -612,17 +612,22 @@ def test_each_key_sees_its_tenants_batches_and_an_operator_key_sees_all(gateway,
     assert conn.zscore(keys.BATCHES, "of-a") is None
 
 
+def raw_chat(body: dict) -> bytes:
+    """A chat completion request's bytes, for a client that goes away mid-answer."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    return head + data
+
+
 def test_a_client_that_disconnects_cancels_its_unstarted_job(gateway, conn, tiny):
     import socket
 
     gw = gateway()
-    body = json.dumps({"model": tiny.target, "messages": messages(), "max_tokens": 2}).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
     with socket.create_connection(("127.0.0.1", gw.port)) as sock:
-        sock.sendall(head + body)
+        sock.sendall(raw_chat({"model": tiny.target, "messages": messages(), "max_tokens": 2}))
         wait_for(lambda: conn.llen(keys.rq_queue_key(keys.INTERACTIVE_QUEUE)) == 1, timeout=10)
     # No worker: the job is still queued when its client goes away, so it is cancelled.
     batch = wait_for(

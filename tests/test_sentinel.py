@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -66,6 +67,7 @@ def test_a_primary_killed_under_load_loses_no_job(tmp_path, tiny):
     from bench.failover import run
 
     report = run(tmp_path, str(tiny.target), tiny.root, jobs=5000, warm=1000, window_s=3)
+    print(json.dumps(report, indent=1))  # (whole, in a failure's captured output)
     assert report["new_primary"] and 0 < report["submit_total_at_kill"] < 5000, report
     resumed = report["submit_resumed"]
     assert resumed["exit"] == 0 and resumed["submitted"] + resumed["already_present"] == 5000

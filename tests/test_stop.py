@@ -254,21 +254,15 @@ def test_the_workers_time_limit_stops_a_job_that_sets_none(conn, tiny, workers):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_gateway_client_gone_stops_its_running_job(conn, tiny, workers, gateway, stream):  # noqa: F811
-    import json
     import socket
 
     from tests.test_faults import one_result, slow_job
-    from tests.test_gateway import KEY
+    from tests.test_gateway import raw_chat
 
     gw = gateway()
     w = workers()
-    body = json.dumps(slow_job(tiny, max_tokens=LONG_RUN, stream=stream)).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode()
     with socket.create_connection(("127.0.0.1", gw.port)) as sock:
-        sock.sendall(head + body)
+        sock.sendall(raw_chat(slow_job(tiny, max_tokens=LONG_RUN, stream=stream)))
         job_id = wait_for(lambda: [j.decode() for j in conn.hkeys(keys.RUNNING)], every=0.05)[0]
         w.begun(job_id)
         if stream:  # a few chunks read, then the client goes away
