@@ -25,6 +25,7 @@ from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache, weight_bytes
 from worker.lifecycle.held import Lifecycle
 from worker.runner.runtime import WorkerRuntime
+from worker.schedule.step import model_waits
 
 
 def _mixed(conn, n: int = 8, batch: str = "mixed", **kw) -> list[str]:
@@ -33,11 +34,11 @@ def _mixed(conn, n: int = 8, batch: str = "mixed", **kw) -> list[str]:
     return Client(connection=conn).submit(jobs, batch_id=batch, **kw).job_ids
 
 
-def _takes(life: Lifecycle, warm=("a",), queues=None) -> list[str]:
-    """Every job the queues hold, taken one by one by a worker holding ``warm``: the
-    custom ids in the order taken."""
-    order = []
-    while (job := life.take(queues, warm=warm)) is not None:
+def _takes(life: Lifecycle, wait_s: float, warm=("a",)) -> list[str]:
+    """Every job the worker's queues hold, taken one by one by a worker holding ``warm``
+    with ``--model-wait wait_s``: the custom ids in the order taken."""
+    order, waits = [], model_waits(life.queues, wait_s)
+    while (job := life.take(warm=warm, waits=waits)) is not None:
         order.append(job.envelope.custom_id)
         life.end(job, succeeded(job))
     return order
@@ -45,8 +46,8 @@ def _takes(life: Lifecycle, warm=("a",), queues=None) -> list[str]:
 
 def test_a_worker_takes_its_models_jobs_first_then_the_others_in_order(conn):
     _mixed(conn)
-    life = Lifecycle(conn, "w", ["mlxq"], model_wait_s=60)
-    assert _takes(life) == ["a0", "a2", "a4", "a6", "b1", "b3", "b5", "b7"]
+    life = Lifecycle(conn, "w", ["mlxq"])
+    assert _takes(life, 60) == ["a0", "a2", "a4", "a6", "b1", "b3", "b5", "b7"]
 
 
 @pytest.mark.parametrize("how", ["bound 0", "nothing loaded", "head too old", "no model"])
@@ -57,9 +58,9 @@ def test_the_queue_is_taken_in_order(conn, how):
         conn.hset(keys.rq_job_key(ids[1]), "enqueued_at", "2026-01-01T00:00:00.000000Z")
     if how == "no model":  # a hash from before model-affine takes
         conn.hdel(keys.rq_job_key(ids[1]), "model")
-    life = Lifecycle(conn, "w", ["mlxq"], model_wait_s=wait)
+    life = Lifecycle(conn, "w", ["mlxq"])
     warm = () if how == "nothing loaded" else ("a",)
-    order = _takes(life, warm)
+    order = _takes(life, wait, warm)
     if how in ("head too old", "no model"):  # a0, then b1 (it may not be passed over)
         assert order[:2] == ["a0", "b1"] and order[2:] == ["a2", "a4", "a6", "b3", "b5", "b7"]
     else:
@@ -70,15 +71,15 @@ def test_the_interactive_queue_is_taken_in_order(conn):
     Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(
         {f"{'ab'[i % 2]}{i}": chat("ab"[i % 2]) for i in range(4)}
     )
-    life = Lifecycle(conn, "w", [keys.INTERACTIVE_QUEUE], model_wait_s=60)
-    assert _takes(life) == ["a0", "b1", "a2", "b3"]
+    life = Lifecycle(conn, "w", [keys.INTERACTIVE_QUEUE])
+    assert _takes(life, 60) == ["a0", "b1", "a2", "b3"]
 
 
 def test_tenants_still_take_turns(conn):
     _mixed(conn, 4, "t1", tenant="one")
     _mixed(conn, 4, "t2", tenant="two")
-    life = Lifecycle(conn, "w", ["mlxq"], model_wait_s=60)
-    order = _takes(life)
+    life = Lifecycle(conn, "w", ["mlxq"])
+    order = _takes(life, 60)
     # turns alternate between the tenants; within each, its a jobs first
     assert order == ["a0", "a0", "a2", "a2", "b1", "b1", "b3", "b3"]
 
@@ -89,10 +90,10 @@ def test_an_age_in_rq_time_is_read_as_redis_time(conn):
     from datetime import UTC, datetime
 
     ids = _mixed(conn, 6)
-    life = Lifecycle(conn, "w", ["mlxq"], model_wait_s=30)
+    life = Lifecycle(conn, "w", ["mlxq"])
     old = datetime.fromtimestamp(time.time() - 31, UTC)
     conn.hset(keys.rq_job_key(ids[1]), "enqueued_at", keys.rq_time(old))
-    assert _takes(life) == ["a0", "b1", "a2", "a4", "b3", "b5"]  # b3 is young: passed over
+    assert _takes(life, 30) == ["a0", "b1", "a2", "a4", "b3", "b5"]  # b3 is young: passed over
 
 
 # -- end to end ---------------------------------------------------------------------

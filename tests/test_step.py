@@ -11,10 +11,12 @@ import dataclasses
 
 import pytest
 
+from schemas import keys
 from worker.schedule.step import (
     BatchView,
     StepConfig,
     joins,
+    model_waits,
     owed_after_alone,
     owed_after_step,
     place_for_one,
@@ -97,3 +99,9 @@ def test_jobs_beside_take_at_most_their_share_and_the_batch_banks_a_little():
     owed = owed_after_step(owed, 10.0, CFG)
     assert owed == -CFG.urgent_bank_s  # banked, up to the bound
     assert owed_after_alone(owed, 1.5, CFG) <= 0  # the next may run at once
+
+
+def test_a_job_for_another_model_waits_the_bound_except_on_the_interactive_queue():
+    queues = [keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE, "other"]
+    assert model_waits(queues, 30) == [0, 30_000, 30_000]
+    assert model_waits(queues, 0) == [0, 0, 0]  # --model-wait 0: every queue in order

@@ -59,9 +59,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30
 DEFAULT_MAX_CRASHES = 3
-#: Seconds a job for a model not loaded may be passed over for jobs of a loaded one
-#: (``--model-wait``): about what a load costs a Mac several times over.
-DEFAULT_MODEL_WAIT_S = 30.0
 #: Longest single blocking wait (seconds): a stop request is seen at least this often.
 BLOCK_S = 1.0
 #: Seconds a worker keeps the tenants' token quotas it read (``mlxq:tenant-quotas``).
@@ -123,16 +120,12 @@ class Lifecycle(Upkeep):
         lease_s: float = DEFAULT_LEASE_S,
         max_crashes: int = DEFAULT_MAX_CRASHES,
         wait_replicas: int = 0,
-        model_wait_s: float = DEFAULT_MODEL_WAIT_S,
     ) -> None:
         if not queues:
             raise ValueError("a worker serves at least one queue")
         self.conn, self.name, self.queues = conn, name, list(queues)
         self.lease_ms = max(1000, int(lease_s * 1000))
         self.max_crashes = max_crashes
-        #: How long (ms of its age) a job for a model not loaded here may be passed over
-        #: for one of a loaded model (``--model-wait``; 0: taken in order).
-        self.model_wait_ms = max(0, int(model_wait_s * 1000))
         # After writing records: WAIT for this many replicas (``--wait-replicas``), and
         # the writes fewer acknowledged within WAIT_TIMEOUT_MS.
         self.wait_replicas, self.wait_shortfalls = wait_replicas, 0
@@ -172,13 +165,14 @@ class Lifecycle(Upkeep):
         queues: list[str] | None = None,
         block_s: float = 0.0,
         warm: Sequence[str] = (),
+        waits: Sequence[int] = (),
     ) -> Job | Refused | None:
         """The next job of ``queues`` (default: the worker's, first queue first), started.
 
         Waits up to ``block_s`` seconds for one (only on the worker's own queues). Jobs
-        for the ``warm`` models (loaded here) come first, each queue's list passing
-        over a job for another model for at most :attr:`model_wait_ms` of its age
-        (``schemas/lua/affine.lua``; none on the interactive queue).
+        for the ``warm`` models (loaded here) come first, each queue's list passing over
+        a job for another model for at most its ``waits`` milliseconds of age (one per
+        queue: ``worker.schedule.step.model_waits``; ``schemas/lua/affine.lua``).
         Copies of a job held right now, or of one that has its record, and jobs of
         cancelled batches are dropped on the way. None when nothing came (or
         ``rq suspend`` holds the workers).
@@ -186,7 +180,7 @@ class Lifecycle(Upkeep):
         queues = queues or self.queues
         deadline = time.monotonic() + block_s
         while True:
-            reply = self._take_once(queues, warm)
+            reply = self._take_once(queues, warm, waits)
             if reply == "suspended":
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -221,12 +215,12 @@ class Lifecycle(Upkeep):
         finally:
             self.blocked = False
 
-    def _waits(self, queues: list[str]) -> list[int]:
-        """Per queue, the milliseconds a job for a model not loaded may be passed over."""
-        return [0 if q == keys.INTERACTIVE_QUEUE else self.model_wait_ms for q in queues]
-
-    def _take_once(self, queues: list[str], warm: Sequence[str] = ()) -> Job | Refused | str | None:
-        affine = [*self._waits(queues), *warm] if warm and self.model_wait_ms > 0 else []
+    def _take_once(
+        self, queues: list[str], warm: Sequence[str] = (), waits: Sequence[int] = ()
+    ) -> Job | Refused | str | None:
+        if warm and any(waits) and len(waits) != len(queues):
+            raise ValueError(f"{len(waits)} model waits for {len(queues)} queues")
+        affine = [*waits, *warm] if warm and any(waits) else []
         while True:
             now = rq_time()
             reply = self._take(

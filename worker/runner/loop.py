@@ -39,7 +39,6 @@ from worker.lifecycle.held import (
     BLOCK_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_CRASHES,
-    DEFAULT_MODEL_WAIT_S,
     Job,
     Lifecycle,
     Refused,
@@ -52,6 +51,7 @@ from worker.runner.figures import SharedFigures
 from worker.runner.fleet import worker_info
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.route import Route, route
+from worker.schedule.step import DEFAULT_MODEL_WAIT_S, model_waits
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,10 @@ class Worker:
             lease_s=lease_s,
             max_crashes=max_crashes,
             wait_replicas=wait_replicas,
-            model_wait_s=model_wait_s,
         )
+        # ``--model-wait``: how long each queue's job for another model may be passed over
+        self.model_wait_s = model_wait_s
+        self.waits = model_waits(self.queues, model_wait_s)
         # max_batch None is ``--max-batch auto``: memory and measured speed decide.
         self.max_batch, self.burst, self.max_jobs = max_batch, burst, max_jobs
         self.batch: BatchInfo | None = None  # the running batch's state (``producer fleet``)
@@ -173,7 +175,9 @@ class Worker:
             # a stop signal interrupts the take's waits (StopWaiting), not its scripts
             # jobs for the models loaded here first (a mixed queue does not thrash them)
             warm = self.rt.cache.loaded_models()
-            got = self.lifecycle.take(block_s=0.0 if self.burst else BLOCK_S, warm=warm)
+            got = self.lifecycle.take(
+                block_s=0.0 if self.burst else BLOCK_S, warm=warm, waits=self.waits
+            )
             if got is None and self._stop:  # the stop came just before the wait
                 raise StopWaiting("stop requested")
             if got is None:
@@ -254,7 +258,8 @@ class Worker:
         None if the queue is empty or the worker must not take more. ``model``: the
         batch's, whose jobs come first (``--model-wait``)."""
         while self.may_take():
-            got = self.lifecycle.take([queue], warm=(model,) if model else ())
+            warm, waits = ((model,), model_waits([queue], self.model_wait_s)) if model else ((), ())
+            got = self.lifecycle.take([queue], warm=warm, waits=waits)
             if got is None:
                 return None
             job = self._accept(got)

@@ -9,6 +9,9 @@ Between two steps of a batch the runner (``worker.runner.continuous``) asks:
   the batch (they take at most ``urgent_share`` of the time; the batch banks a little
   credit while none wait).
 
+and before each take, :func:`model_waits`: how long a queue's job for a model not loaded
+may be passed over for one of a loaded model (the take script applies it).
+
 Each reads a :class:`BatchView` (what the runner measured and holds) and a
 :class:`StepConfig` (the constants, frozen; ``WorkerRuntime.step``), and returns a
 decision the runner applies. Tests construct views and check decisions in milliseconds.
@@ -16,11 +19,17 @@ decision the runner applies. Tests construct views and check decisions in millis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from schemas import keys
+
 #: ``--interactive-join``: the measured rule, or the operator's choice.
 JOIN_MODES = ("auto", "always", "never")
+#: Seconds a job for a model not loaded may be passed over for jobs of a loaded one
+#: (``--model-wait``): about what a load costs a Mac several times over.
+DEFAULT_MODEL_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -127,3 +136,11 @@ def owed_after_step(owed: float, seconds: float, cfg: StepConfig) -> float:
     """What the batch is owed after its own step of ``seconds`` (it banks at most
     ``urgent_bank_s`` of credit while none wait)."""
     return max(owed - seconds, -cfg.urgent_bank_s)
+
+
+def model_waits(queues: Sequence[str], model_wait_s: float) -> list[int]:
+    """Per queue, the milliseconds a job for a model not loaded here may be passed over
+    for one of a loaded model (``schemas/lua/affine.lua``): ``--model-wait``, except on
+    the interactive queue, taken in order (a person waits on each request)."""
+    wait_ms = max(0, int(model_wait_s * 1000))
+    return [0 if q == keys.INTERACTIVE_QUEUE else wait_ms for q in queues]
