@@ -22,11 +22,10 @@ from worker.engine.request import (
     prepare,
     prompt_tokens,
 )
-from worker.engine.sequence import Deadline, Sequence, StopScan
+from worker.engine.sequence import Sequence, StopScan
 
 __all__ = [
     "NO_START",
-    "Deadline",
     "Engine",
     "GenerationOutput",
     "GenerationParams",

@@ -141,7 +141,7 @@ class Engine(Protocol):
 
 
 class Stop(Protocol):
-    """What may stop a running job (``worker.runner.stops``; a deadline is one)."""
+    """What may stop a running job (``worker.runner.stops.JobStop``: a cancel, a time limit)."""
 
     def check(self) -> None:
         """Raise the :class:`~schemas.MlxqError` that stops the job now, if any."""

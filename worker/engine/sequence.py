@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from schemas import JobTimeoutError, MlxqError
+from schemas import MlxqError
 from worker.engine.constrain import verify
 from worker.engine.logprobs import LogprobCollector, LogprobEntry
 from worker.engine.output import GenerationOutput
@@ -54,29 +54,6 @@ class StopScan:
     def safe(self, text: str) -> int:
         """How much of ``text`` can be shown: what follows could still begin a stop string."""
         return len(text) - max(self.longest - 1, 0)
-
-
-@dataclass(frozen=True)
-class Deadline:
-    """When a job must be done (a ``time.perf_counter()`` value), its timeout, and whose
-    limit that is (``why``: named in the error)."""
-
-    at: float
-    timeout_s: float
-    why: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return time.perf_counter() >= self.at
-
-    def error(self) -> JobTimeoutError:
-        whose = f" ({self.why})" if self.why else ""
-        return JobTimeoutError(f"job timed out after {self.timeout_s:g}s{whose}")
-
-    def check(self) -> None:
-        """Raise :class:`JobTimeoutError` once the deadline has passed."""
-        if self.passed:
-            raise self.error()
 
 
 @dataclass
@@ -194,7 +171,7 @@ class Sequence:
                 verify(self.params.constraint, self.tokens, reason)
             except MlxqError as e:
                 return e
-        return self._output(reason, prompt_tps, generation_tps)
+        return self._output(reason, kept, prompt_tps, generation_tps)
 
     def cut_short(self) -> GenerationOutput:
         """What the sequence made before it was stopped mid-way (a cancel, a time limit):
@@ -202,12 +179,15 @@ class Sequence:
         tokens and speeds, with the finish reason :data:`CUT`."""
         if self._lazy:
             self.text += self.detokenizer.last_segment
-        return self._output(CUT)
+        return self._output(CUT, self.kept_logprobs())
 
     def _output(
-        self, reason: str, prompt_tps: float | None = None, generation_tps: float | None = None
+        self,
+        reason: str,
+        kept: tuple[LogprobEntry, ...] | None,
+        prompt_tps: float | None = None,
+        generation_tps: float | None = None,
     ) -> GenerationOutput:
-        kept = self.kept_logprobs()
         end = time.perf_counter()
         first = self.first_token_at or end
         n = len(self.tokens)

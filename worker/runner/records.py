@@ -187,6 +187,7 @@ def stopped(
     the tokens used (``outs``: cut, ``worker.engine.sequence.CUT``; none: it made
     nothing yet)."""
     env = job.envelope
+    metrics = base_metrics(rt, job).model_copy(update={"batch_size": batched_with})
     partial = None
     if outs:
         first = outs[0]
@@ -200,9 +201,6 @@ def stopped(
                 prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens),
             ),
         )
-    metrics = base_metrics(rt, job).model_copy(update={"batch_size": batched_with})
-    if outs:
-        first = outs[0]
         ttft = first.time_to_first_token_s if first.completion_tokens else None
         metrics = metrics.model_copy(
             update={"time_to_first_token_s": ttft, "cached_tokens": first.cached_tokens}

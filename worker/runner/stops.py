@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from redis import Redis
 from redis.exceptions import RedisError
 
-from schemas import CancelledError, MlxqError, keys
+from schemas import CancelledError, JobTimeoutError, MlxqError, keys
 from schemas.cancel import CANCELLED_AT
-from worker.engine.sequence import Deadline
 from worker.lifecycle.held import Job
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,24 @@ CANCELLED_WHILE_RUNNING = (
     "cancelled while it ran (its batch was cancelled, or the client that asked for it "
     "went away); the text it made so far is in partial"
 )
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a job must be done (a ``time.perf_counter()`` value), its time limit, and whose
+    limit that is (``why``: named in the error)."""
+
+    at: float
+    timeout_s: float
+    why: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return time.perf_counter() >= self.at
+
+    def error(self) -> JobTimeoutError:
+        whose = f" ({self.why})" if self.why else ""
+        return JobTimeoutError(f"job timed out after {self.timeout_s:g}s{whose}")
 
 
 def deadline_of(job: Job, worker_limit_s: float | None = None) -> Deadline | None:
