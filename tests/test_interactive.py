@@ -165,19 +165,25 @@ def test_a_full_batch_preempts_a_batch_job_which_ends_once_unchanged(
 def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tiny, monkeypatch):
     """While a side batch runs, the model cache holds room for both batches' KV caches
     (kept prefixes keep out of it); once it ends, the batch's alone again."""
-    from worker.runner import continuous
+    from worker.runner import lane as lanes
 
-    seen: list[tuple[str, int, int, int]] = []  # (batch, reserved, the batch's, the side's)
-    step = continuous.ContinuousBatch._step
+    seen: list[tuple[str, int, int, int]] = []  # (lane, reserved, the batch's, the side's)
+    step = lanes.Lane.step
 
-    def stepped(self):
-        main = self.main or self
-        side = main.side._projected if main.side is not None else 0
-        kind = "side" if self.main else "main"
-        seen.append((kind, self.rt.cache.kv_reserved, main._projected, side))
-        return step(self)
+    live: dict[str, lanes.Lane] = {}  # the last lane of each kind seen stepping
 
-    monkeypatch.setattr(continuous.ContinuousBatch, "_step", stepped)
+    def stepped(self, *args):
+        kind = "side" if self.queue == keys.INTERACTIVE_QUEUE else "main"
+        live[kind] = self
+
+        def grows(k: str) -> int:  # what that lane's caches can grow to, while it lives
+            lane = live.get(k)
+            return lane.projected if lane is not None and id(lane) in self.ledger.held else 0
+
+        seen.append((kind, self.rt.cache.kv_reserved, grows("main"), grows("side")))
+        return step(self, *args)
+
+    monkeypatch.setattr(lanes.Lane, "step", stepped)
     batch = _batch(conn, tiny.target, 8, 96)
     worker = _serve(redis_url, _rt(join="never"), max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)

@@ -1,0 +1,417 @@
+"""A lane: one engine, the jobs it decodes (its rows) and their records, nothing else.
+
+One lane per batch key (model, adapter, draft or lookup and k): :meth:`Lane.add` puts a
+taken job in (prepared, its KV room checked, ``first``: its prompt before the others'),
+:meth:`Lane.step` steps the engine once and ends the jobs that finished or must stop
+(``worker.runner.stops``), :meth:`Lane.remove` takes one out unstarted (preempted),
+:meth:`Lane.close` frees its engine and room. What to take, which lane steps and how
+much it may prefill are decided by the batch loop (``worker.runner.continuous``) and the
+step rules (``worker.schedule.step``), not here. The KV bytes each live lane's caches can
+grow to are counted in one :class:`Ledger` and reserved in the model cache as their sum.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from schemas import GenerationError, MlxqError, ResultRecord
+from schemas.fleet import BatchInfo
+from worker.engine.batch import BatchEngine
+from worker.engine.generator import ChatGenerator
+from worker.engine.mirror import GroupEngine
+from worker.engine.models import ModelCache
+from worker.engine.protocol import CannotTake, Engine, Finished
+from worker.engine.request import Prepared
+from worker.engine.specbatch import SpecBatchEngine
+from worker.lifecycle.held import Job, Lifecycle
+from worker.runner import records
+from worker.runner.company import PEEK, company
+from worker.runner.images import images_of
+from worker.runner.kv import projected
+from worker.runner.runtime import WorkerRuntime
+from worker.runner.stops import Stops
+from worker.schedule.admission import Length, Verdict, admit
+from worker.schedule.estimators import ewma
+from worker.schedule.goodput import Goodput
+from worker.schedule.grouping import BatchKey, batchable
+from worker.schedule.meter import BatchMeter
+from worker.schedule.policy import LOOKUP, Decision
+from worker.schedule.route import Route
+
+log = logging.getLogger(__name__)
+
+#: The reason a lane holds what it holds when its queue has nothing more.
+QUEUE_EMPTY = "queue: no more jobs waiting"
+#: Seconds a lane stops taking jobs after one could not join (FIFO: it waits first).
+PAUSE_AFTER_HAND_BACK_S = 1.0
+
+
+class Host(Protocol):
+    """What lanes and the batch loop need from the worker (``worker.runner.loop.Worker``)."""
+
+    rt: WorkerRuntime
+    lifecycle: Lifecycle
+    max_batch: int | None  # None: auto
+    batch: BatchInfo | None  # what the running batch publishes (``producer fleet``)
+    queues: list[str]  # first ones first
+
+    def may_take(self) -> bool: ...
+
+    def take_from(self, queue: str, model: str | None = None) -> Job | None: ...
+
+    def run_alone(self, job: Job, r: Route) -> None: ...
+
+    def run_embeddings(self, first: Job) -> None: ...
+
+    def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None: ...
+
+    def computing(self) -> AbstractContextManager[None]: ...
+
+
+class Ledger:
+    """The KV bytes each live lane's caches can grow to; their sum is reserved in the model
+    cache (kept prefixes keep out of it)."""
+
+    def __init__(self, cache: ModelCache) -> None:
+        self.cache = cache
+        self.held: dict[int, int] = {}  # id(lane) -> bytes
+
+    def set(self, lane: Lane, nbytes: int) -> None:
+        self.held[id(lane)] = nbytes
+        self.cache.reserve(sum(self.held.values()))
+
+    def drop(self, lane: Lane) -> None:
+        self.held.pop(id(lane), None)
+        self.cache.reserve(sum(self.held.values()))
+
+    def others(self, lane: Lane) -> int:
+        """What the other live lanes' caches can grow to."""
+        return sum(n for k, n in self.held.items() if k != id(lane))
+
+
+@dataclass
+class Row:
+    job: Job
+    route: Route
+    peak: int = 1  # the most jobs decoding together while this one ran
+
+
+class Lane:
+    """One engine on one batch key, its rows, and the state of taking jobs into it."""
+
+    def __init__(
+        self, host: Host, queue: str, key: BatchKey, ledger: Ledger, cap: int, budgeted: bool
+    ) -> None:
+        self.host, self.queue, self.key, self.ledger = host, queue, key, ledger
+        self.rt = host.rt
+        self.cap, self.budgeted = cap, budgeted  # budgeted: prefill may be cut per step
+        self.rows: dict[str, Row] = {}
+        self.generator: ChatGenerator | None = None
+        self.engine: Engine | None = None
+        self.decision: Decision | None = None  # the first job's: how the policy batched it
+        self.draft_named: str | None = None  # the draft the first job named (k left to policy)
+        self.meter = BatchMeter(self.rt.policy, key)
+        self.stops = Stops(host.lifecycle.conn, self.rt.time_limit_s)  # cancels, time limits
+        self.pause_until = 0.0  # takes nothing before (a job could not join)
+        self.held: Length | None = None  # (prompt, max_tokens) waiting for memory
+        self.reason = QUEUE_EMPTY  # why it holds what it holds
+        self.projected = 0  # the most its KV caches can grow to (bytes)
+        self.kv_bytes = 0  # measured, after the last step
+        self.peak_kv_bytes = self.peak_projected_bytes = 0
+        self.step_s: float | None = None  # steps' seconds, prefills too (running average)
+        self.decode_s: float | None = None  # steps' seconds that only decoded (running)
+
+    def start(self, first_route: Route) -> None:
+        """The terms the first job sets: how the policy batched it, the draft it named."""
+        self.decision = first_route.decision
+        # jobs like the first join on its terms when the policy (not the job) chose them
+        fixed = first_route.fixed_k is not None
+        self.draft_named = first_route.proposer if not fixed else None
+
+    def limit(self) -> tuple[int, str]:
+        """How many jobs the lane may hold now, and why (before memory)."""
+        if self.host.max_batch is not None:
+            return self.cap, f"cap: --max-batch {self.cap}"
+        limit, reason = self.rt.policy.sizes.limit(*self.key)
+        return (limit, reason) if limit < self.cap else (self.cap, f"cap: {self.cap} (auto)")
+
+    # -- stepping ---------------------------------------------------------
+    def step(self, prefill_budget_s: float | None = None) -> float:
+        """One step of the engine (a plain batch prefills at most ``prefill_budget_s`` of
+        prompt, when budgeted): jobs that end are ended. Returns its seconds."""
+        assert self.engine is not None
+        size = len(self.rows)
+        self.meter.held(size)
+        for row in self.rows.values():
+            row.peak = max(row.peak, size)
+        if self.budgeted and isinstance(self.engine, BatchEngine):
+            self.engine.prefill_budget_s = prefill_budget_s
+        t = time.perf_counter()
+        with self.host.computing():
+            step = self.engine.step()
+        seconds = time.perf_counter() - t
+        self.kv_bytes = self.engine.kv_bytes
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes)
+        self._finish_outputs(step.done)
+        self._expire()
+        self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
+        # what a token of a job in this lane waits, prefill chunks included
+        self.step_s = ewma(self.step_s, seconds)
+        if not step.prefilled:
+            self.decode_s = ewma(self.decode_s, seconds)
+        return seconds
+
+    def close(self, requeue: bool = False) -> None:
+        """The lane has ended (``requeue``: jobs still in it go back to their queues): its
+        engine closes, its KV room is free, what it measured is counted."""
+        if requeue:
+            for row in self.drain():
+                self.host.lifecycle.requeue(row.job)
+        self.ledger.drop(self)
+        if self.engine is not None:
+            self.engine.close()
+        self.rt.stats.add_batch(self.meter.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
+        log.info(
+            "lane on %s ended: up to %d jobs, KV %.1f MB (projected up to %.1f MB)",
+            self.key[0],
+            self.meter.peak_size,
+            self.peak_kv_bytes / 1e6,
+            self.peak_projected_bytes / 1e6,
+        )
+
+    def drain(self) -> list[Row]:
+        """Every job still in the lane (the lane is empty afterwards)."""
+        rows, self.rows = list(self.rows.values()), {}
+        return rows
+
+    def fail_all(self, e: Exception) -> None:
+        """The lane failed: every job in it fails, naming why."""
+        error = GenerationError(f"{type(e).__name__}: {e}")
+        self.end([(r.job, records.failure(r.job, self.rt, error)) for r in self.drain()])
+
+    def remove(self, row: Row) -> None:
+        """Take ``row``'s job out, back to the front of its queue unstarted (preempted)."""
+        assert self.engine is not None
+        self.engine.remove(row.job.id)
+        del self.rows[row.job.id]
+        self.host.lifecycle.requeue(row.job)
+        self.rt.stats.preemptions += 1
+        self._reserve()
+        log.info("job %s preempted for an interactive job; back in %s", row.job.id, self.queue)
+
+    # -- taking jobs ------------------------------------------------------
+    def same_kind(self, job: Job, r: Route) -> bool:
+        """Whether ``job`` is like the draft jobs this lane was started for, which the
+        policy decided how to batch (not the job: it leaves k to the policy): it joins
+        on the lane's terms until the queue runs dry, so a batch (and what the policy
+        measures of it) is not starved when the policy changes its mind mid-batch."""
+        req = job.envelope.request
+        return (
+            self.decision is not None
+            and self.draft_named is not None
+            and r.proposer == self.draft_named
+            and r.fixed_k is None
+            and (req.model, req.adapter) == (self.key.model, self.key.adapter)
+            and batchable(req)
+        )
+
+    def again(self, job: Job) -> bool:
+        """True if ``job`` decodes in this lane already: it was taken again (its lease
+        here was counted lost, say across a Sentinel failover, and it was requeued, then
+        taken by this worker). The run here goes on under the new take; a second
+        sequence with the same id would end it twice and fail the lane."""
+        row = self.rows.get(job.id)
+        if row is None:
+            return False
+        log.warning("job %s was taken again while it runs in this batch; it runs on", job.id)
+        row.job = job
+        return True
+
+    def add(
+        self, job: Job, r: Route, first: bool = False, between: Callable[[], None] | None = None
+    ) -> bool:
+        """Put ``job`` into the lane (True; ``first``: its prompt prefills before those
+        of jobs still waiting to prefill; ``between``: called between two chunks of a
+        shared prefix prefilled to keep); hand it back to wait for memory, or end it at
+        once with what stops it (False)."""
+        req = job.envelope.request
+        try:
+            self.rt.check_request(req)  # the draft too: batched without it, but named
+            with self.host.computing():
+                engine = self._engine()
+            assert self.generator is not None
+            prepared = self.generator.prepare(
+                req, images=images_of(self.host.lifecycle.conn, job, self.rt.image_hosts)
+            )
+            if not self._room_for(job, prepared):
+                return False
+            upcoming = functools.partial(self.host.lifecycle.peek, job.queue, PEEK)
+            others = company(self.generator, prepared, upcoming, self.rt.scout)
+            with self.host.computing():  # a shared prefix not kept yet is prefilled once here
+                draft = self.generator.draft if self.key.draft else None
+                held = len(prepared.prompt) - 1
+                start = self.generator.starting_cache(prepared, held, draft, others, between)
+            with self.host.computing():
+                engine.add(job.id, prepared, start, first=first)
+        except CannotTake as e:
+            self._cannot_take(job, str(e))
+            return False
+        except MlxqError as e:
+            self.end([(job, records.failure(job, self.rt, e))])
+            return False
+        except Exception as e:  # never let one job's surprise take the lane down
+            log.exception("job %s could not join the batch", job.id)
+            error = GenerationError(f"{type(e).__name__}: {e}")
+            self.end([(job, records.failure(job, self.rt, error))])
+            return False
+        self.rows[job.id] = Row(job, r)
+        self._reserve()
+        return True
+
+    def _cannot_take(self, job: Job, reason: str) -> None:
+        """The engine cannot hold ``job``. A speculative lane's refusal bars the pair from
+        speculative batches (the policy runs its jobs alone, or batched without the draft)
+        and gives the job back to the front of its queue, to be taken on those terms; any
+        other engine's refusal fails the job, naming why. Either way it has a path."""
+        if self.key.draft is None:
+            self.end([(job, records.failure(job, self.rt, GenerationError(reason)))])
+            return
+        log.warning("job %s: %s; %s runs its draft jobs another way", job.id, reason, self.key[0])
+        self.rt.policy.refuse_spec_batch(self.key.model, self.key.draft, reason)
+        self.host.lifecycle.requeue(job)
+        self.pause_until = float("inf")  # nothing more joins: the lane's key is barred now
+        self.reason = f"refused: {reason}"
+
+    def _room_for(self, job: Job, prepared: Prepared) -> bool:
+        """Whether the lane has KV memory for ``job`` now. If nothing else runs, make room
+        (kept prefixes go) or raise ContextTooLargeError; if others run and it does not
+        fit, hand it back to the front of its queue to wait."""
+        length = prepared.length()
+        alone = self._peak([length])
+        self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
+        beside = self.ledger.others(self)
+        if not self.rows and not beside:
+            self.rt.cache.make_kv_room(alone, prepared.label)
+            return True
+        if not self.rows:  # beside another lane: it waits for room there is not
+            if not self.rt.cache.fits_beside(alone):
+                self.host.lifecycle.requeue(job)
+                self.pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+                return False
+            self.rt.cache.make_kv_room(beside + alone, prepared.label)
+            return True
+        verdict = self.admission(length)
+        if verdict.join:
+            return True
+        self.host.lifecycle.requeue(job)
+        self.held, self.reason = length, verdict.reason
+        return False
+
+    # -- memory -----------------------------------------------------------
+    def room(self) -> int:
+        return self.rt.cache.kv_room() - self.ledger.others(self)
+
+    def admission(self, length: Length) -> Verdict:
+        """The scheduler's verdict on a job of ``length`` joining the lane now."""
+        assert self.engine is not None
+        return admit(self._peak, self.engine.lengths(), length, self.room())
+
+    def _peak(self, sequences: Sequence[Length]) -> int:
+        """The most the lane's KV caches can hold for ``sequences`` (the draft's too)."""
+        assert self.engine is not None
+        return projected(self.engine.models, sequences)
+
+    def _reserve(self) -> None:
+        """Count what the lane's KV caches can grow to in the ledger."""
+        assert self.engine is not None
+        self.projected = self._peak(self.engine.lengths())
+        self.peak_projected_bytes = max(self.peak_projected_bytes, self.projected)
+        self.ledger.set(self, self.projected)
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            self.generator, self.engine = _make_engine(self.rt, self.key, self.cap, self.budgeted)
+        return self.engine
+
+    def info(self) -> BatchInfo:
+        """What the worker publishes of this lane (``producer fleet``)."""
+        return BatchInfo(
+            model=self.key[0],
+            size=len(self.rows),
+            limit=self.limit()[0],
+            reason=self.reason,
+            kv_mb=round(self.kv_bytes / 1e6, 1),
+            kv_projected_mb=round(self.projected / 1e6, 1),
+            kv_room_mb=round(self.room() / 1e6, 1),
+        )
+
+    # -- ending jobs ------------------------------------------------------
+    def end(self, ended: list[tuple[Job, ResultRecord]]) -> None:
+        if ended:
+            self.host.finish(ended)
+
+    def _finish_outputs(self, done: list[Finished]) -> None:
+        ended = []
+        assert self.generator is not None
+        for job_id, out in done:
+            row = self.rows.pop(str(job_id), None)
+            if row is None:  # (never expected: one sequence per job, see again)
+                log.error("batch output for job %s, which it does not hold; dropped", job_id)
+                continue
+            if isinstance(out, MlxqError):
+                ended.append((row.job, records.failure(row.job, self.rt, out)))
+                continue
+            record = records.success(
+                row.job, self.rt, out, self.generator, batched_with=row.peak, route=row.route
+            )
+            ended.append((row.job, record))
+        if ended:
+            self._reserve()
+        self.end(ended)
+
+    def _expire(self) -> None:
+        """Jobs that must stop (a cancel, a time limit: ``worker.runner.stops``) leave the
+        lane now, each with one record of what it made."""
+        due = self.stops.due(r.job for r in self.rows.values())
+        if not due:
+            return
+        assert self.engine is not None
+        ended = []
+        for job, error in due:
+            row = self.rows.pop(job.id)
+            cut = self.engine.remove(job.id)
+            record = records.stopped(
+                job, self.rt, error, [cut] if cut else [], batched_with=row.peak
+            )
+            log.info("job %s stopped in the batch on %s: %s", job.id, self.key.model, error.code)
+            ended.append((job, record))
+        self._reserve()
+        self.end(ended)
+
+
+def _make_engine(
+    rt: WorkerRuntime, key: BatchKey, cap: int, budgeted: bool
+) -> tuple[ChatGenerator, Engine]:
+    """The generator and engine of a lane on ``key``: a speculative batch with a draft
+    or lookup, else a plain one; mirrored on every rank in a worker group."""
+    model, adapter, draft, k, adaptive = key
+    named = draft if draft != LOOKUP else None  # a draft model to load
+    generator = ChatGenerator.get_or_create(model, named, adapter, cache=rt.cache)
+    budget = rt.step.prefill_budget_s if budgeted else None
+    engine: Engine
+    if draft is not None:
+        planner = Goodput(k, rt.policy.acceptance(model, draft)) if adaptive else None
+        engine = SpecBatchEngine(
+            generator.target, generator.draft, k, planner, prefill_budget_s=budget
+        )
+    else:
+        engine = BatchEngine(generator.target, cap, prefill_budget_s=budget)
+    if (group := rt.cache.group) is not None:  # mirrored on every rank
+        engine = GroupEngine(group, engine, generator.target)
+    return generator, engine
