@@ -56,6 +56,7 @@ from worker.engine.models import ModelCache
 from worker.runner import continuous
 from worker.runner.loop import Worker
 from worker.runner.runtime import WorkerRuntime
+from worker.schedule import step
 from worker.schedule.batchsize import BatchMemory
 from worker.schedule.policy import SpeculationPolicy
 
@@ -147,13 +148,12 @@ def batch_rate(conn: Redis, ids: list[str], started: float) -> float:
     return tokens / (max(r.finished_at for r in records) - started)
 
 
-def joined_whatever_prefilled(self: continuous.ContinuousBatch) -> bool:
+def joined_whatever_prefilled(view: step.BatchView, cfg: step.StepConfig) -> bool:
     """The join rule before the prefill budget: every step counted, prefill or not, and
-    a join paid while no size-1 step was measured."""
-    smallest = self.rt.policy.sizes.smallest_step_s(*self.key)
-    if smallest is None or self._step_s is None:
+    a join paid while no small step was measured."""
+    if view.smallest_step_s is None or view.step_s is None:
         return True
-    return self._step_s <= self.cfg.join_slowdown * smallest
+    return view.step_s <= cfg.join_slowdown * view.smallest_step_s
 
 
 def pct(values: list[float], q: float) -> float:
@@ -219,7 +219,7 @@ def main() -> None:
                     if how not in chosen:
                         continue
                     cls = continuous.ContinuousBatch
-                    saved = (cls._urgent, cls._join_pays, cls._between_chunks, cls._beside_pays)
+                    saved = (cls._urgent, step.joins, cls._between_chunks, cls._beside_pays)
                     if how == "always":  # the budget on every step (before issue 69)
                         rt.step = replace(cfg, quiet_budget_s=cfg.prefill_budget_s or 0.0)
                     if how == "bank0":
@@ -231,7 +231,7 @@ def main() -> None:
                     if how == "whole":
                         rt.step = replace(cfg, prefill_budget_s=None)
                         continuous.ContinuousBatch._between_chunks = lambda self: None  # type: ignore[method-assign]
-                        continuous.ContinuousBatch._join_pays = joined_whatever_prefilled  # type: ignore[method-assign]
+                        step.joins = joined_whatever_prefilled  # (``step.where`` reads it)
                     try:
                         rt.policy.sizes = BatchMemory()
                         t0 = time.time()
@@ -248,7 +248,7 @@ def main() -> None:
                     finally:
                         (
                             cls._urgent,
-                            cls._join_pays,
+                            step.joins,
                             cls._between_chunks,
                             cls._beside_pays,
                         ) = saved  # type: ignore[method-assign]

@@ -15,12 +15,14 @@ from schemas import keys
 from worker.schedule.step import (
     BatchView,
     StepConfig,
+    Waiting,
     joins,
     model_waits,
     owed_after_alone,
     owed_after_step,
     place_for_one,
     prefill_budget,
+    where,
 )
 
 CFG = StepConfig()
@@ -105,3 +107,45 @@ def test_a_job_for_another_model_waits_the_bound_except_on_the_interactive_queue
     queues = [keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE, "other"]
     assert model_waits(queues, 30) == [0, 30_000, 30_000]
     assert model_waits(queues, 0) == [0, 0, 0]  # --model-wait 0: every queue in order
+
+
+# the batch's views a waiting job meets: joining pays (a cheap step) or not (a dear one),
+# with a place free, one to take from the batch, or none
+CHEAP = BatchView(size=4, cap=8, own=4, decode_s=SINGLE, smallest_step_s=SINGLE)
+DEAR = dataclasses.replace(CHEAP, decode_s=10 * SINGLE)
+AT_CAP = dataclasses.replace(CHEAP, size=8, own=8)
+AT_FLOOR = dataclasses.replace(CHEAP, size=8, own=2)
+
+
+@pytest.mark.parametrize(
+    ("view", "job", "expected"),
+    [
+        # joining pays and there is a place: it joins, taking one at the cap
+        (CHEAP, Waiting(joinable=True, fits_beside=True, side_lane=True), "join"),
+        (AT_CAP, Waiting(joinable=True, fits_beside=True, side_lane=True), "preempt"),
+        # joining does not pay (or the batch keeps its floor): beside, batched if it can be
+        (DEAR, Waiting(joinable=True, fits_beside=True, side_lane=True), "side"),
+        (DEAR, Waiting(joinable=True, fits_beside=True, side_lane=False), "alone"),
+        (AT_FLOOR, Waiting(joinable=True, fits_beside=True, side_lane=True), "side"),
+        # another model's job never joins: beside when it fits, else after the batch
+        (CHEAP, Waiting(joinable=False, fits_beside=True, side_lane=False), "alone"),
+        (CHEAP, Waiting(joinable=False, fits_beside=False, side_lane=True), "wait"),
+        # no room beside: joining, slower than beside, is still sooner than waiting
+        (DEAR, Waiting(joinable=True, fits_beside=False, side_lane=True), "join"),
+        (dataclasses.replace(DEAR, size=8, own=8), Waiting(True, False, True), "preempt"),
+        (AT_FLOOR, Waiting(joinable=True, fits_beside=False, side_lane=True), "wait"),
+    ],
+)
+def test_a_waiting_job_joins_runs_beside_or_waits(view, job, expected):
+    """One decision per job taken from a queue ahead, from the view and what the runner
+    found of the job (its key, whether its caches fit beside the batch's)."""
+    assert where(view, job, CFG) == expected
+
+
+def test_the_operators_join_choice_decides_where_too():
+    job = Waiting(joinable=True, fits_beside=True, side_lane=True)
+    assert where(DEAR, job, StepConfig(join_mode="always")) == "join"
+    assert where(CHEAP, job, StepConfig(join_mode="never")) == "side"
+    # "never" still joins a job that cannot run beside rather than keep it waiting
+    cramped = Waiting(joinable=True, fits_beside=False, side_lane=True)
+    assert where(CHEAP, cramped, StepConfig(join_mode="never")) == "join"

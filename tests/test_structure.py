@@ -8,7 +8,9 @@
 - ``worker`` uses no RQ code at all (it keeps RQ's data model, read and written by
   its own lifecycle scripts), so RQ upgrades cannot change its behaviour;
 - imports inside ``worker`` run one way (no cycles), and no module keeps mutable
-  state at module level behind a ``global``.
+  state at module level behind a ``global``;
+- no class in ``worker.runner`` or ``worker.schedule`` (where the scheduling lives)
+  grows past 300 lines.
 """
 
 from __future__ import annotations
@@ -138,6 +140,18 @@ def test_no_module_rebinds_module_level_state():
         if any(isinstance(n, ast.Global) for n in ast.walk(ast.parse(path.read_text())))
     ]
     assert users == []
+
+
+def test_no_scheduling_class_grows_past_300_lines():
+    """The batch loop was one class of 584 lines and 36 methods (issue 69): kept small."""
+    long = {
+        f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
+        for package in ("runner", "schedule")
+        for path in sorted((ROOT / "worker" / package).glob("*.py"))
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300
+    }
+    assert long == {}
 
 
 @pytest.mark.parametrize(

@@ -31,11 +31,11 @@ from worker.schedule.grouping import BatchKey
 from worker.schedule.route import Route, route
 from worker.schedule.step import (
     BatchView,
-    joins,
+    Waiting,
     owed_after_alone,
     owed_after_step,
-    place_for_one,
     prefill_budget,
+    where,
 )
 
 log = logging.getLogger(__name__)
@@ -72,14 +72,6 @@ class ContinuousBatch:
         self._chunk_at = 0.0  # when the last chunk of such a prefill ended
         self._published_at = -PUBLISH_EVERY_S
 
-    @property
-    def key(self) -> BatchKey:
-        return self.lane.key
-
-    @property
-    def peak_size(self) -> int:
-        return self.lane.meter.peak_size
-
     def run(self, first: Job, first_route: Route) -> None:
         """Decode ``first`` (routed to this batch) and every job that joins until both
         lanes are empty.
@@ -102,16 +94,14 @@ class ContinuousBatch:
                 self._publish()
             lane.meter.close()
         except Exception as e:
-            log.exception("batch on %s failed; failing its %d job(s)", self.key[0], len(lane.rows))
+            log.exception("batch on %s failed; failing its %d job(s)", lane.key[0], len(lane.rows))
             lane.fail_all(e)
         except BaseException:
             for row in lane.drain():
                 self.host.lifecycle.requeue(row.job)
             raise
         finally:
-            if self.side is not None:  # (the batch failed beside it: its jobs run later)
-                self.side.close(requeue=True)
-                self.side = None
+            self._close_side(requeue=True)  # (the batch failed beside it: they run later)
             self.host.batch = None
             lane.close()
 
@@ -228,9 +218,10 @@ class ContinuousBatch:
             return None
 
     def _urgent_one(self, job: Job) -> bool:
-        """Run ``job`` from a queue ahead of the batch's: True when the next may come now
-        (it joined, ended at once, or ran beside with the batch owed nothing), False when
-        the batch steps first (it went back to wait, or the batch is owed its share)."""
+        """Run ``job`` from a queue ahead of the batch's where the step rules say
+        (``worker.schedule.step.where``): True when the next may come now (it joined,
+        ended at once, or ran beside with the batch owed nothing), False when the batch
+        steps first (it went back to wait, or the batch is owed its share)."""
         lane = self.lane
         if lane.again(job) or (self.side is not None and self.side.again(job)):
             return True
@@ -239,18 +230,24 @@ class ContinuousBatch:
         req = job.envelope.request
         assert isinstance(req, ChatRequest)
         r = self._route(lane, job)
-        joinable = r.batch == lane.key and not self._joining
-        if joinable and joins(self._view(), self.cfg) and self._place_for_one():
-            self._add(lane, job, r, first=True)
-            return True
         alone = route(req, self.rt.policy, batching=False)
         need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)
-        if need is not None and self._beside_pays(r) and self.rt.cache.fits_beside(need):
+        waiting = Waiting(
+            joinable=r.batch == lane.key and not self._joining,
+            fits_beside=need is not None and self.rt.cache.fits_beside(need),
+            side_lane=self._beside_pays(r),
+        )
+        to = where(self._view(), waiting, self.cfg)
+        if to in ("join", "preempt"):
+            if to == "preempt":  # the batch job that joined last: the least work lost
+                rows = lane.rows.values()
+                own = [w for w in rows if keys.base_queue(w.job.queue) == self.queue]
+                lane.remove(own[-1])
+            self._add(lane, job, r, first=True)
+            return True
+        if to == "side":
             return self._to_side(job, r)
-        if need is None or not self.rt.cache.fits_beside(need):
-            if joinable and self._place_for_one():  # slower than alone, sooner than waiting
-                self._add(lane, job, r, first=True)
-                return True
+        if to == "wait":
             self.host.lifecycle.requeue(job)  # first in its queue still: after the batch
             self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
             log.info("job %s waits for the batch on %s to end", job.id, lane.key.model)
@@ -275,18 +272,6 @@ class ContinuousBatch:
         that. Whether the next one may run at once (nothing owed)."""
         self._owed = owed_after_alone(self._owed, took, self.cfg)
         return self._owed <= 0
-
-    def _place_for_one(self) -> bool:
-        """Whether an interactive job may join now (``worker.schedule.step.place_for_one``).
-        Under ``--max-batch auto`` it joins above the size measured fastest (a preference,
-        not a cap: memory still decides, in ``Lane.add``); at the cap the batch job that
-        joined last gives its place up."""
-        place = place_for_one(self._view(), self.cfg)
-        if place == "preempt":
-            rows = self.lane.rows.values()
-            own = [r for r in rows if keys.base_queue(r.job.queue) == self.queue]
-            self.lane.remove(own[-1])  # the last to join: the least work lost
-        return place != "full"
 
     # -- the side lane ----------------------------------------------------
     def _beside_pays(self, r: Route) -> bool:

@@ -2,8 +2,10 @@
 
 Between two steps of a batch the runner (``worker.runner.continuous``) asks:
 
-- :func:`joins`: does an interactive job join the batch, or run beside it?
-- :func:`place_for_one`: is there a place for it, or does a batch job give one up?
+- :func:`where`: where does a job waiting ahead (``mlxq.interactive``) run: joining
+  the batch, in the side lane, alone between two steps, or after the batch? It reads
+  :func:`joins` (join, or run beside?) and :func:`place_for_one` (a place, or does a
+  batch job give one up?).
 - :func:`prefill_budget`: how many seconds of prompt may the next step prefill?
 - :func:`owed_after_alone` / :func:`owed_after_step`: the time share of jobs run beside
   the batch (they take at most ``urgent_share`` of the time; the batch banks a little
@@ -113,6 +115,38 @@ def place_for_one(view: BatchView, cfg: StepConfig) -> Literal["free", "preempt"
     if view.own <= max(1, int(view.cap * cfg.own_floor)):
         return "full"
     return "preempt"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What the rules read of a job taken from a queue ahead of the batch's."""
+
+    joinable: bool  # its batch key is the batch's, and no prefix is prefilling to keep
+    fits_beside: bool  # its KV caches, alone, fit beside what the batch reserves
+    side_lane: bool  # it can be batched in the side lane (its key's, or none open; no group)
+
+
+#: Where a waiting job runs: ``join`` the batch (``preempt``: after the batch job that
+#: joined last gives its place up), the ``side`` lane, ``alone`` between two steps, or
+#: ``wait`` (back to the front of its queue, until the batch ends).
+Where = Literal["join", "preempt", "side", "alone", "wait"]
+
+
+def where(view: BatchView, job: Waiting, cfg: StepConfig) -> Where:
+    """Where a job waiting ahead runs. It joins when joining pays (:func:`joins`) and
+    there is a place (:func:`place_for_one`); else beside the batch, in the side lane
+    when it can be batched, alone otherwise, when its caches fit beside the batch's; when
+    they do not, it joins even where joining does not pay (slower than beside, sooner
+    than waiting) if there is a place, and waits for the batch to end if there is none."""
+    place = place_for_one(view, cfg) if job.joinable else "full"
+    can_join = place != "full"
+    if can_join and joins(view, cfg):
+        return "join" if place == "free" else "preempt"
+    if job.fits_beside:
+        return "side" if job.side_lane else "alone"
+    if can_join:
+        return "join" if place == "free" else "preempt"
+    return "wait"
 
 
 def prefill_budget(view: BatchView, cfg: StepConfig) -> float | None:
