@@ -72,6 +72,8 @@ class Choice(BaseModel):
     message: AssistantMessage
     finish_reason: FinishReason
     logprobs: ChoiceLogprobs | None = None
+    #: mlxq, as vLLM: the stop string that ended the choice (None: EOS, length, a call).
+    stop_reason: str | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -257,5 +259,7 @@ class BatchInputLine(BaseModel):
 
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/completions"]
+    url: Literal[
+        "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/completions", "/v1/messages"
+    ]
     body: dict[str, Any]

@@ -30,6 +30,7 @@ class GenerationOutput:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
     logprobs: tuple[LogprobEntry, ...] | None = None  # per token of the text, if asked
     in_reasoning: bool = False  # the prompt left the model inside a thinking block
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
     # n > 1: choices 1..n-1 (this one is choice 0; completion_tokens counts them all)
     others: tuple[GenerationOutput, ...] = ()
 

@@ -51,6 +51,10 @@ class StopScan:
         hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
         return min(hits) if hits else -1
 
+    def which(self, text: str, at: int) -> str | None:
+        """The stop string found at ``at`` (:meth:`find`'s index): the longest there."""
+        return max((s for s in self.stops if text.startswith(s, at)), key=len, default=None)
+
     def safe(self, text: str) -> int:
         """How much of ``text`` can be shown: what follows could still begin a stop string."""
         return len(text) - max(self.longest - 1, 0)
@@ -79,6 +83,7 @@ class Sequence:
     cut: bool = False  # a stop string cut the text
     collector: LogprobCollector | None = field(init=False)
     _scan: StopScan = field(init=False)
+    stop_hit: str | None = None  # the stop string that ended it, if one did
     _shown: int = 0  # text streamed so far (characters)
     _shown_entries: int = 0  # logprob entries streamed so far
 
@@ -125,6 +130,7 @@ class Sequence:
         if self.collector is not None and logprobs is not None:
             self.collector.add(token, logprobs, len(self.text))
         if (at := self._scan.find(self.text, grown_from)) >= 0:
+            self.stop_hit = self._scan.which(self.text, at)
             self.text, self.cut = self.text[:at], True
             return "stop"
         self._stream()
@@ -198,6 +204,7 @@ class Sequence:
         return GenerationOutput(
             text=self.text,
             finish_reason=reason,
+            stop_sequence=self.stop_hit if reason == "stop" else None,
             prompt_tokens=self.prompt_len,
             completion_tokens=n,
             time_to_first_token_s=first - self.admitted_at,

@@ -82,6 +82,7 @@ def completion_for(
                 index=i,
                 message=msg,
                 finish_reason=reason,
+                stop_reason=o.stop_sequence if reason == "stop" else None,
                 logprobs=render(o.logprobs, bytes_of)
                 if o.logprobs is not None and bytes_of
                 else None,
