@@ -14,7 +14,7 @@ from schemas import BatchInputLine, ChatRequest, describe_validation_error
 from schemas.embeddings import CHAT_URL, EMBEDDINGS_URL, EmbeddingRequest, parse_request
 from schemas.images import ImageInvalid, check_images
 from schemas.responses import TranslationError
-from schemas.shapes import SHAPED_URLS, to_chat_job
+from schemas.shapes import MESSAGES_URL, SHAPED_URLS, to_chat_job
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,12 @@ def parse_line(text: str, lineno: int, defaults: Defaults = Defaults()) -> Line:
         raise LineInvalid(f"expected a JSON object, got {type(obj).__name__}")
     if {"url", "method", "body"} & obj.keys():
         (custom_id, url), body, prefix = _batch_line(obj), obj["body"], "body"
+    elif obj.keys() == {"custom_id", "params"}:  # an Anthropic Message Batches request
+        custom_id, url, body, prefix = obj["custom_id"], MESSAGES_URL, obj["params"], "params"
+        if not isinstance(custom_id, str) or not 0 < len(custom_id) <= 512:
+            raise LineInvalid("custom_id: must be a string of 1 to 512 characters")
+        if not isinstance(body, dict):
+            raise LineInvalid("params: must be an object (a Messages API request)")
     else:
         url = None
         custom_id = obj.pop("custom_id", None) or f"line-{lineno}"

@@ -1,4 +1,5 @@
-"""Batch lines of endpoints that run as chat jobs: ``/v1/responses`` and ``/v1/completions``.
+"""Batch lines of endpoints that run as chat jobs: ``/v1/responses``, ``/v1/completions``
+and Anthropic's ``/v1/messages`` (a Message Batches request, ``{custom_id, params}``).
 
 A file's (or a Batch API batch's) line for one of these endpoints is translated to a
 chat job when it is submitted (as the gateway does for its requests); what the line
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from schemas.anthropic import MessagesRequest
+from schemas.anthropic import from_chat as message_from_chat
+from schemas.anthropic import to_chat as message_to_chat
 from schemas.completions import CompletionRequest
 from schemas.completions import from_chat as completion_from_chat
 from schemas.responses import ResponsesRequest, TranslationError, to_chat
@@ -19,7 +23,8 @@ from schemas.responses import from_chat as response_from_chat
 
 RESPONSES_URL = "/v1/responses"
 COMPLETIONS_URL = "/v1/completions"
-SHAPED_URLS = (RESPONSES_URL, COMPLETIONS_URL)
+MESSAGES_URL = "/v1/messages"
+SHAPED_URLS = (RESPONSES_URL, COMPLETIONS_URL, MESSAGES_URL)
 
 
 def to_chat_job(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -32,6 +37,13 @@ def to_chat_job(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[st
         if legacy.stream:
             raise TranslationError("stream: a batch line is not streamed")
         return legacy.to_chat(), {"url": url}
+    if url == MESSAGES_URL:
+        message = MessagesRequest.model_validate(body)
+        if (why := message.refused()) is not None:
+            raise TranslationError(why)
+        if message.stream:
+            raise TranslationError("stream: a batch line is not streamed")
+        return message_to_chat(message), {"url": url, "model": message.model}
     req = ResponsesRequest.model_validate(body)
     if req.previous_response_id is not None:
         raise TranslationError(
@@ -48,6 +60,9 @@ def render(shape: dict[str, Any], completion: dict[str, Any]) -> dict[str, Any]:
     """The body a shaped line's output carries, from its job's chat.completion."""
     if shape.get("url") == COMPLETIONS_URL:
         return completion_from_chat(completion)
+    if shape.get("url") == MESSAGES_URL:
+        message_id = "msg_" + str(completion.get("id", "")).removeprefix("chatcmpl-")
+        return message_from_chat(completion, str(shape.get("model", "")), message_id)
     req = ResponsesRequest.model_validate({**shape.get("request", {}), "input": ""})
     response_id = "resp_" + str(completion.get("id", "")).removeprefix("chatcmpl-")
     return response_from_chat(completion, req, response_id, int(completion.get("created", 0)))

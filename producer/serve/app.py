@@ -1,9 +1,11 @@
 """``producer serve``: an OpenAI-compatible HTTP gateway in front of mlxq's Redis.
 
-Routes: ``/v1/chat/completions`` (plain and streamed), ``/v1/embeddings``, ``/v1/models``, the Batch
-API (``/v1/files``, ``/v1/batches``). Every route needs an API key (bearer
-token). The gateway keeps no state of its own (files, batches and jobs live in
-Redis), so several can run behind one load balancer.
+Routes: ``/v1/chat/completions`` (plain and streamed), ``/v1/embeddings``, ``/v1/models``,
+the Batch API (``/v1/files``, ``/v1/batches``), the Responses API, legacy completions, and
+Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``,
+``/v1/messages/batches``). Every route needs an API key (a bearer token, or Anthropic's
+``x-api-key`` header). The gateway keeps no state of its own (files, batches and jobs
+live in Redis), so several can run behind one load balancer.
 """
 
 from __future__ import annotations
@@ -33,13 +35,16 @@ from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.metrics import registry_for
 from producer.retry import RetryBody, retry_batch
-from producer.serve import batchapi, chat, files, legacy, page, responses
+from producer.serve import batchapi, chat, files, legacy, messages, msgbatches, page, responses
 from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
 from producer.submit import BatchCancelledError
 from producer.webhooks import Deliverer
 from schemas import ChatRequest, InvalidRequestError, describe_validation_error
+from schemas.anthropic import MessagesRequest
+from schemas.anthropic import TranslationError as MessagesTranslationError
+from schemas.anthropic import to_chat as messages_to_chat
 from schemas.completions import CompletionRequest
 from schemas.connect import async_redis_from_url, redis_from_url
 from schemas.embeddings import EmbeddingRequest
@@ -64,19 +69,28 @@ class Guard:
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrived"] = time.perf_counter()
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if "authorization" not in headers and "x-api-key" in headers:  # Anthropic's header
+            headers["authorization"] = f"Bearer {headers['x-api-key']}"
+            scope["headers"] = [
+                *scope["headers"],
+                (b"authorization", headers["authorization"].encode("latin-1")),
+            ]
         public = page.is_public(scope["method"], scope["path"])
+        anthropic = scope["path"].startswith("/v1/messages")
         if not public and not self.settings.key_ok(headers.get("authorization")):
             reply = error(
                 401, "missing or invalid API key", "authentication_error", "invalid_api_key"
             )
-            return await reply(scope, receive, send)
-        is_file = scope["path"].rstrip("/") == "/v1/files" and scope["method"] == "POST"
+            return await (messages.reshaped(reply) if anthropic else reply)(scope, receive, send)
+        uploads = ("/v1/files", "/v1/messages/batches")  # (a message batch's requests inline)
+        is_file = scope["path"].rstrip("/") in uploads and scope["method"] == "POST"
         limit = (
             self.settings.max_file_bytes + (1 << 20) if is_file else self.settings.max_body_bytes
         )
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > limit:
-            return await _too_large(limit)(scope, receive, send)
+            reply = _too_large(limit)
+            return await (messages.reshaped(reply) if anthropic else reply)(scope, receive, send)
         seen = 0
 
         async def counted() -> Any:
@@ -94,7 +108,8 @@ class Guard:
                 return await reply(scope, counted, send)
             await self.app(scope, counted, send)
         except _BodyTooLarge:
-            await _too_large(limit)(scope, receive, send)
+            reply = _too_large(limit)
+            await (messages.reshaped(reply) if anthropic else reply)(scope, receive, send)
 
 
 class _BodyTooLarge(Exception):
@@ -136,6 +151,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     _metrics_route(app)
     _file_routes(app, settings)
     _batch_routes(app, settings)
+    msgbatches.routes(app, settings)
     page.page_routes(app, settings)
     return app
 
@@ -233,7 +249,7 @@ async def _answer(
     body: dict[str, Any],
     models: tuple[str | None, ...],
     stream: bool,
-    shape: responses.Shape | legacy.Shape | None = None,
+    shape: responses.Shape | legacy.Shape | messages.Shape | messages.Count | None = None,
 ) -> Response:
     """Enqueue a validated request as an interactive job; answer with its record (or
     relay its stream), as ``shape`` translates them (None: as they are)."""
@@ -335,11 +351,54 @@ async def create_completion(request: Request, s: GatewaySettings) -> Response:
     return await _as_chat(request, s, req.to_chat(), legacy.Shape())
 
 
+async def create_message(request: Request, s: GatewaySettings) -> Response:
+    """``POST /v1/messages`` (Anthropic): translated into a chat job
+    (``schemas.anthropic``), answered as a ``message`` or its events, errors in
+    Anthropic's shape."""
+    got = await _messages_body(request, count=False)
+    if isinstance(got, Response):
+        return got
+    req, chat_body = got
+    return messages.reshaped(await _as_chat(request, s, chat_body, messages.Shape(req)))
+
+
+async def count_tokens(request: Request, s: GatewaySettings) -> Response:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens as the model's own template
+    and tokenizer count them, from a job that prefills it and makes one token."""
+    got = await _messages_body(request, count=True)
+    if isinstance(got, Response):
+        return got
+    chat_body = got[1] | {"max_tokens": 1, "temperature": 0.0}
+    return messages.reshaped(await _as_chat(request, s, chat_body, messages.Count()))
+
+
+async def _messages_body(
+    request: Request, count: bool
+) -> tuple[MessagesRequest, dict[str, Any]] | Response:
+    """A Messages body validated and translated into a chat body, or the Anthropic 400
+    naming what is wrong (``count``: count_tokens' body, which has no ``max_tokens``)."""
+    body = await _json_body(request)
+    if isinstance(body, JSONResponse):
+        return messages.reshaped(body)
+    if count:
+        body = {k: v for k, v in body.items() if k != "stream"} | {"max_tokens": 1}
+    try:
+        req = MessagesRequest.model_validate(body)
+    except ValidationError as e:
+        return messages.error(400, describe_validation_error(e))
+    if why := req.refused():
+        return messages.error(400, why)
+    try:
+        return req, messages_to_chat(req)
+    except MessagesTranslationError as e:
+        return messages.error(400, str(e))
+
+
 async def _as_chat(
     request: Request,
     s: GatewaySettings,
     chat_body: dict[str, Any],
-    shape: responses.Shape | legacy.Shape,
+    shape: responses.Shape | legacy.Shape | messages.Shape | messages.Count,
 ) -> Response:
     """Run a translated request as the chat job ``chat_body`` (validated here: a 400
     names what the translation could not carry), answered through ``shape``."""
@@ -359,6 +418,8 @@ DIRECT: dict[str, Callable[[Request, GatewaySettings], Awaitable[Response]]] = {
     "/v1/embeddings": embeddings,
     "/v1/responses": create_response,
     "/v1/completions": create_completion,
+    "/v1/messages": create_message,
+    "/v1/messages/count_tokens": count_tokens,
 }
 
 
