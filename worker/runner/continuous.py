@@ -231,13 +231,13 @@ class ContinuousBatch:
         assert isinstance(req, ChatRequest)
         r = self._route(lane, job)
         alone = route(req, self.rt.policy, batching=False)
-        need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)
-        waiting = Waiting(
-            joinable=r.batch == lane.key and not self._joining,
-            fits_beside=need is not None and self.rt.cache.fits_beside(need),
-            side_lane=self._beside_pays(r),
-        )
-        to = where(self._view(), waiting, self.cfg)
+        view = self._view()
+        waiting = Waiting(r.batch == lane.key and not self._joining, True, self._beside_pays(r))
+        to = where(view, waiting, self.cfg)  # a join pays whatever room there is beside
+        if to not in ("join", "preempt"):  # (so the job is prepared for its need only now)
+            need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)
+            fits = need is not None and self.rt.cache.fits_beside(need)
+            to = where(view, dataclasses.replace(waiting, fits_beside=fits), self.cfg)
         if to in ("join", "preempt"):
             if to == "preempt":  # the batch job that joined last: the least work lost
                 rows = lane.rows.values()
