@@ -17,7 +17,11 @@ hits both alike:
   (``--max-batch auto``, the default) and one at a time;
   completion tokens per second from submit to the last result.
 
+``--constraint regex|choice|grammar``: the cost part with vLLM's ``structured_outputs``
+(a one-line record by regex or lark grammar, a country by choice) instead of the schema.
+
     bench/run bench.structured [--rounds 3] [--tokens 48] [--parts cost,choices]
+        [--constraint json]
 """
 
 from __future__ import annotations
@@ -55,21 +59,45 @@ PROMPTS = [
 ]
 
 
-def request(target: str, prompt: str, constrained: bool, tokens: int) -> ChatRequest:
-    fmt = (
-        {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA}}
-        if constrained
-        else {"type": "text"}
-    )
-    return ChatRequest.model_validate(
-        {
-            "model": target,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": tokens,
-            "temperature": 0,
-            "response_format": fmt,
+#: ``--constraint``: the JSON schema (``response_format``), or ``structured_outputs``' regex,
+#: choice or lark grammar for the same extraction (a one-line record).
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "json": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "customer", "schema": SCHEMA},
         }
-    )
+    },
+    "regex": {
+        "structured_outputs": {
+            "regex": r"[A-Z][a-z]+( [A-Z][a-z']+){0,2}, [0-9]{1,3}, "
+            r"[a-z0-9.]+@[a-z0-9]+\.[a-z]{2,6}, (US|GB|DE|FR|JP|BR), (yes|no)"
+        }
+    },
+    "choice": {"structured_outputs": {"choice": ["US", "GB", "DE", "FR", "JP", "BR"]}},
+    "grammar": {
+        "structured_outputs": {
+            "grammar": 'start: name ", " age ", " country ", " tags\n'
+            "name: /[A-Z][a-z]+( [A-Z][a-z']+){0,2}/\n"
+            "age: /[0-9]{1,3}/\n"
+            'country: "US" | "GB" | "DE" | "FR" | "JP" | "BR"\n'
+            'tags: tag (" " tag){0,4}\n'
+            "tag: /[a-z]{2,10}/"
+        }
+    },
+}
+
+
+def request(
+    target: str, prompt: str, constrained: bool, tokens: int, kind: str = "json"
+) -> ChatRequest:
+    body: dict[str, Any] = {
+        "model": target,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+    }
+    return ChatRequest.model_validate(body | (CONSTRAINTS[kind] if constrained else {}))
 
 
 def per_token_alone(gen: ChatGenerator, req: ChatRequest) -> tuple[float, int, str]:
@@ -195,6 +223,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48, help="max_tokens per job")
     ap.add_argument("--parts", default="cost,choices")
+    ap.add_argument("--constraint", default="json", choices=sorted(CONSTRAINTS))
     ap.add_argument(
         "--shots", type=int, default=3, help="choices: few-shot repeats (0: a one-line prompt)"
     )
@@ -212,14 +241,15 @@ def main() -> None:
         return
     gen = ChatGenerator.get_or_create(target, cache=ModelCache())
     result["compile"] = compile_times(gen)
-    gen.generate(request(target, PROMPTS[0], True, 4))  # warm both paths
+    kind = result["constraint"] = args.constraint
+    gen.generate(request(target, PROMPTS[0], True, 4, kind))  # warm both paths
     gen.generate(request(target, PROMPTS[0], False, 4))
 
     ratios, finished, tokens = [], 0, 0
     for prompt in PROMPTS:
         for _ in range(args.rounds):
             free, _, _ = per_token_alone(gen, request(target, prompt, False, args.tokens))
-            con, n, finish = per_token_alone(gen, request(target, prompt, True, args.tokens))
+            con, n, finish = per_token_alone(gen, request(target, prompt, True, args.tokens, kind))
             ratios.append(con / free)
         finished += finish == "stop"
         tokens += n
@@ -234,7 +264,9 @@ def main() -> None:
     batch_ratios, steps = [], []
     for _ in range(args.rounds):
         free, _ = per_step_batched(gen, [request(target, p, False, args.tokens) for p in PROMPTS])
-        con, n = per_step_batched(gen, [request(target, p, True, args.tokens) for p in PROMPTS])
+        con, n = per_step_batched(
+            gen, [request(target, p, True, args.tokens, kind) for p in PROMPTS]
+        )
         batch_ratios.append(con / free)
         steps.append((free, con, n))
     result["batch8"] = {

@@ -264,8 +264,10 @@ def to_chat(req: MessagesRequest) -> dict[str, Any]:
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use and req.tools:
             body["parallel_tool_calls"] = False
-    if req.thinking is not None:  # the template's switch (budget_tokens: max_tokens bounds it)
+    if req.thinking is not None:  # the template's switch, and the thinking budget
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+            body["thinking_budget"] = req.thinking.budget_tokens
     config = req.output_config
     if config is not None and config.format is not None:
         spec = {"name": "output", "schema": config.format.json_schema}

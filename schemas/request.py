@@ -9,7 +9,15 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.structured import ANY_OBJECT, DEFAULT_LAYOUT, SchemaError, grammar_for
+from schemas.structured import (
+    ANY_OBJECT,
+    DEFAULT_LAYOUT,
+    SchemaError,
+    grammar_for,
+    grammar_of_choice,
+    grammar_of_lark,
+    grammar_of_regex,
+)
 from schemas.tools import FunctionDef, Tool, ToolCall, ToolChoice, called, check_tools
 
 #: Fields of the OpenAI API that mlxq does not implement yet. A request that
@@ -71,6 +79,17 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "eos_token",
     }
 )
+#: Thinking budgets (tokens) for OpenAI's ``reasoning_effort``, where a request sets no
+#: ``thinking_budget`` (``none``: the thinking block is closed at once).
+EFFORT_BUDGETS: dict[str, int] = {
+    "none": 0,
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": 16384,
+}
+#: The largest ``thinking_budget`` a request may ask.
+MAX_THINKING_BUDGET = 1_000_000
 #: Prompt lookup's limits: n-gram sizes 1..MAX_NGRAM, proposals of MAX_PROPOSAL at most.
 MAX_NGRAM = 16
 MAX_PROPOSAL = 64
@@ -210,6 +229,43 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return ANY_OBJECT
         return self.json_schema.json_schema if self.json_schema is not None else None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: the output matches a ``regex`` whole, is one of the
+    ``choice`` strings, follows a lark ``grammar`` (llguidance's), or a ``json`` schema.
+    One of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="json")
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [
+            k for k in ("regex", "choice", "grammar", "json_schema") if getattr(self, k) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of regex, choice, grammar, json")
+        return self
+
+
+#: A request's constraint on its output: (kind, what), kind one of json, regex, choice, grammar.
+Constrained = tuple[str, Any]
+
+
+def compile_constraint(kind: str, value: Any, layout: str = DEFAULT_LAYOUT) -> str:
+    """The llguidance grammar of a constraint (:class:`SchemaError` naming what is wrong)."""
+    if kind == "json":
+        return grammar_for(value, layout)
+    if kind == "regex":
+        return grammar_of_regex(value)
+    if kind == "choice":
+        return grammar_of_choice(value)
+    return grammar_of_lark(value)
 
 
 class Speculation(BaseModel):
@@ -357,6 +413,12 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    #: mlx-lm's (and vLLM's) multiplicative penalty on tokens in the last
+    #: ``repetition_context_size`` tokens (1.0: none).
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_context_size: int = Field(default=20, ge=1, le=4096)
+    #: vLLM's: the end tokens are banned until the completion holds this many tokens.
+    min_tokens: int = Field(default=0, ge=0)
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -364,10 +426,19 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    #: vLLM's constrained outputs beyond JSON (and its older ``guided_*`` fields).
+    structured_outputs: StructuredOutputs | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    #: mlxq (oMLX's name): the most tokens a reasoning model may think before its thinking
+    #: block is closed for it (``reasoning_effort`` maps to :data:`EFFORT_BUDGETS`).
+    thinking_budget: int | None = Field(default=None, ge=0, le=MAX_THINKING_BUDGET)
     chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -482,6 +553,10 @@ class ChatRequest(BaseModel):
             and self.max_tokens != self.max_completion_tokens
         ):
             raise ValueError("max_tokens and max_completion_tokens differ; give only one")
+        if self.min_tokens and self.token_limit is not None and self.min_tokens > self.token_limit:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) is more than max_tokens ({self.token_limit})"
+            )
         if self.num_draft_tokens is not None and self.draft_model is None:
             raise ValueError("num_draft_tokens is set but no draft_model is named")
         method = self.speculation.method if self.speculation is not None else None
@@ -496,21 +571,29 @@ class ChatRequest(BaseModel):
             raise ValueError("n > 1 cannot be streamed yet: drop stream, or submit n jobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.json_whitespace is not None and self.grammar is None:
+        constrained = self.constrained  # (at most one way to constrain the output)
+        if self.json_whitespace is not None and (constrained or ("",))[0] != "json":
             raise ValueError(
                 "json_whitespace lays out a JSON response_format; this request has none "
                 "(tool call arguments are always compact)"
             )
-        if self.grammar is not None and self.stop:
-            raise ValueError(
-                "stop cannot be combined with a JSON response_format: a stop string would "
-                "cut the JSON short (the output ends when the JSON is complete)"
-            )
+        if constrained is not None:
+            try:
+                grammar = self.grammar
+            except SchemaError as e:
+                raise ValueError(f"{self._constraint_field}: cannot be enforced: {e}") from None
+            if grammar is not None and self.stop:
+                raise ValueError(
+                    "stop cannot be combined with a constrained output (a JSON response_format, "
+                    "structured_outputs): a stop string would cut it short (the output ends "
+                    "when it is complete)"
+                )
         check_tools(self.tools, self.tool_choice)
         if self.forced_call is not None:
-            if self.response_format is not None and self.response_format.type != "text":
+            if self.constrained is not None:
                 raise ValueError(
-                    "response_format and a required tool call both shape the output: give one"
+                    f"{self._constraint_field} and a required tool call both shape the output: "
+                    "give one"
                 )
             if self.stop:
                 raise ValueError(
@@ -551,14 +634,52 @@ class ChatRequest(BaseModel):
         return self.parallel_tool_calls is not False
 
     @property
-    def grammar(self) -> str | None:
-        """The llguidance grammar the output must follow (cached per schema and layout);
-        None for free text."""
+    def _constraints(self) -> list[tuple[str, str, Any]]:
+        """Every constraint the request sets: (its field, kind, what)."""
+        out: list[tuple[str, str, Any]] = []
         fmt = self.response_format
-        schema = fmt.schema_or_none if fmt is not None else None
-        if schema is None:
+        if fmt is not None and (schema := fmt.schema_or_none) is not None:
+            out.append(("response_format", "json", schema))
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("json", so.json_schema),
+            ):
+                if value is not None:
+                    out.append(
+                        (f"structured_outputs.{'json' if kind == 'json' else kind}", kind, value)
+                    )
+        for kind in ("regex", "choice", "grammar", "json"):
+            if (value := getattr(self, f"guided_{kind}")) is not None:
+                out.append((f"guided_{kind}", kind, value))
+        return out
+
+    @property
+    def constrained(self) -> Constrained | None:
+        """How the output is constrained: (kind, what); None for free text. ValueError if
+        the request names more than one way."""
+        found = self._constraints
+        if len(found) > 1:
+            names = ", ".join(f for f, _, _ in found)
+            raise ValueError(f"{names}: each constrains the output; give one")
+        return (found[0][1], found[0][2]) if found else None
+
+    @property
+    def _constraint_field(self) -> str:
+        found = self._constraints
+        return found[0][0] if found else ""
+
+    @property
+    def grammar(self) -> str | None:
+        """The llguidance grammar the output must follow (cached per constraint and
+        layout); None for free text."""
+        constrained = self.constrained
+        if constrained is None:
             return None
-        return grammar_for(schema, self.json_whitespace or DEFAULT_LAYOUT)
+        return compile_constraint(*constrained, self.json_whitespace or DEFAULT_LAYOUT)
 
     @property
     def speculation_method(self) -> str | None:
@@ -567,6 +688,13 @@ class ChatRequest(BaseModel):
         if self.speculation is not None:
             return self.speculation.method
         return "draft" if self.draft_model is not None else None
+
+    @property
+    def thinking_limit(self) -> int | None:
+        """The thinking budget: ``thinking_budget``, else ``reasoning_effort``'s; None: no cap."""
+        if self.thinking_budget is not None:
+            return self.thinking_budget
+        return EFFORT_BUDGETS[self.reasoning_effort] if self.reasoning_effort else None
 
     @property
     def token_limit(self) -> int | None:

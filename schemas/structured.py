@@ -1,4 +1,6 @@
-"""``response_format``: the JSON a job must produce, compiled to an llguidance grammar.
+"""Constrained output: the JSON a job must produce (``response_format``), or a regex, a
+choice of strings or a lark grammar (``structured_outputs``), compiled to an llguidance
+grammar.
 
 Turning a JSON schema into a grammar needs no tokenizer and no model, so producers
 and the gateway refuse a schema that cannot be enforced before anything is queued,
@@ -79,4 +81,50 @@ def _grammar(text: str, layout: str) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise SchemaError(error.splitlines()[0])
+    return grammar
+
+
+#: The longest regex, choice list (as JSON) or lark grammar accepted, in bytes.
+MAX_GRAMMAR_BYTES = 64 * 1024
+#: The most strings a ``choice`` may list.
+MAX_CHOICES = 1024
+
+
+def grammar_of_regex(regex: str) -> str:
+    """The grammar whose output matches ``regex`` whole (llguidance's regex syntax: Rust's,
+    without look-around or back-references); :class:`SchemaError` naming what is wrong."""
+    _check_size(regex)
+    return _checked(llguidance.LLMatcher.grammar_from_regex(regex))
+
+
+def grammar_of_choice(choices: list[str]) -> str:
+    """The grammar whose output is exactly one of ``choices``."""
+    if not choices or len(choices) > MAX_CHOICES:
+        raise SchemaError(f"give 1 to {MAX_CHOICES} strings")
+    if any(not isinstance(c, str) or not c for c in choices):
+        raise SchemaError("every choice must be a non-empty string")
+    _check_size(compact(choices))
+    lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+    return _checked(lark)
+
+
+def grammar_of_lark(grammar: str) -> str:
+    """A lark grammar as llguidance reads it (``start`` is the output; ``%json`` embeds a
+    schema). GBNF (llama.cpp's ``::=`` rules) is refused by name."""
+    _check_size(grammar)
+    if "::=" in grammar:
+        raise SchemaError("this looks like GBNF (::= rules); give a lark grammar (rule: ...)")
+    return _checked(llguidance.LLMatcher.grammar_from_lark(grammar))
+
+
+def _check_size(text: str) -> None:
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise SchemaError(f"{len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES}")
+
+
+@functools.lru_cache(maxsize=256)
+def _checked(grammar: str) -> str:
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise SchemaError(error.strip().splitlines()[0])
     return grammar

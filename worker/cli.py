@@ -268,6 +268,16 @@ class _Commands(click.Group):
     "and a request's time_limit_s hold too, the least wins).",
 )
 @click.option(
+    "--thinking-budget",
+    envvar="MLXQ_THINKING_BUDGET",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="TOKENS",
+    help="The most tokens a reasoning model may think for a request that sets no "
+    "thinking_budget or reasoning_effort; then its thinking block is closed for it and the "
+    "answer follows (default: no cap).",
+)
+@click.option(
     "--lookup-tokens",
     envvar="MLXQ_LOOKUP_TOKENS",
     type=click.IntRange(1, 64),
@@ -370,6 +380,7 @@ def main(
     lookup: str,
     interactive_join: str,
     time_limit: float | None,
+    thinking_budget: int | None,
     lookup_tokens: int,
     max_batch: int | None,
     share_figures: bool,
@@ -454,6 +465,7 @@ def main(
         machine_kind=machine_kind,
         step=StepConfig(join_mode=interactive_join),
         time_limit_s=time_limit,
+        thinking_budget=thinking_budget,
     )
     if name:
         rt.worker_id = name

@@ -103,7 +103,7 @@ def constraint_for(
     grammar = forced_call or request.grammar
     if grammar is None:
         return None
-    what = "the required tool call" if forced_call else "response_format"
+    what = "the required tool call" if forced_call else "the constrained output"
     with _lock:
         compiled = _compiled(tokenizer, vocab_size)
         proto = compiled.grammars.get(grammar)
@@ -229,7 +229,7 @@ def verify(constraint: Constraint, tokens: list[int] | tuple[int, ...], finish: 
     took = matcher.try_consume_tokens(body)
     if took != len(body) or (finish == "stop" and not matcher.is_accepting()):
         raise GenerationError(
-            f"constrained decoding produced output outside the response_format at token "
+            f"constrained decoding produced output outside its grammar at token "
             f"{took} of {len(body)}"
         )
 

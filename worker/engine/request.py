@@ -16,7 +16,7 @@ from schemas import ChatRequest, ContextLengthError, InvalidRequestError
 from worker.engine.constrain import Constraint, constraint_for
 from worker.engine.lookup import DEFAULT_LOOKUP, Lookup, lookup_for
 from worker.engine.prefix import common_prefix
-from worker.engine.reasoning import opens_in_reasoning, thinking_of
+from worker.engine.reasoning import Budget, budget_of, opens_in_reasoning, thinking_of
 from worker.engine.toolcalls import check as check_tools
 from worker.engine.toolcalls import grammar as call_grammar
 
@@ -45,17 +45,25 @@ class GenerationParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0: none
+    repetition_context_size: int = 20
     logit_bias: tuple[tuple[int, float], ...] = ()
     num_draft_tokens: int = 3
     constraint: Constraint | None = None  # response_format: the grammar the output follows
     logprobs: int | None = None  # None: no logprobs; else how many top alternatives (0-20)
     lookup: Lookup = DEFAULT_LOOKUP  # prompt lookup's settings, should it speculate that way
     in_reasoning: bool = False  # the prompt leaves the model inside a thinking block
+    budget: Budget | None = None  # a cap on the thinking (``thinking_budget``)
+    min_tokens: int = 0  # the end tokens are banned before this many completion tokens
+    eos: tuple[int, ...] = ()  # the model's end tokens (what min_tokens bans)
 
     @property
     def penalty_window(self) -> int:
         """Trailing tokens (prompt and completion) the penalties look at; 0 without any."""
-        return self.max_tokens if (self.presence_penalty or self.frequency_penalty) else 0
+        window = self.max_tokens if (self.presence_penalty or self.frequency_penalty) else 0
+        if self.repetition_penalty != 1.0:
+            window = max(window, self.repetition_context_size)
+        return window
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,11 @@ def prepare(
         params = replace(params, stop=(*params.stop, TRANSCRIPT_STOP))
     if in_reasoning:
         params = replace(params, in_reasoning=True)
+    if (budget := budget_of(tokenizer, request.thinking_limit, in_reasoning)) is not None:
+        params = replace(params, budget=budget)
+    if request.min_tokens:
+        eos = tuple(sorted(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ()))
+        params = replace(params, min_tokens=min(request.min_tokens, params.max_tokens), eos=eos)
     return Prepared(prompt, params, request, vision)
 
 
@@ -244,6 +257,8 @@ def params_for(
         stop=tuple(request.stop or ()),
         seed=request.seed,
         presence_penalty=request.presence_penalty,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        repetition_context_size=request.repetition_context_size,
         frequency_penalty=request.frequency_penalty,
         logit_bias=bias,
         num_draft_tokens=request.num_draft_tokens or default_num_draft_tokens,

@@ -18,18 +18,43 @@ from worker.engine.request import GenerationParams
 
 
 def logits_processors(params: GenerationParams) -> list:
-    """One sequence's processors: bias and penalties, then the grammar's mask last (so
-    nothing can lift a token the grammar forbids). Fresh objects: the mask is stateful."""
+    """One sequence's processors: bias and penalties, the thinking budget, then the
+    grammar's mask last (so nothing can lift a token the grammar forbids). Fresh objects:
+    the mask is stateful."""
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        repetition_context_size=params.repetition_context_size,
         presence_penalty=params.presence_penalty or None,
         presence_context_size=params.max_tokens,
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=params.max_tokens,
     )
+    if params.min_tokens and params.eos:
+        processors.append(MinTokens(params.min_tokens, params.eos))
+    if params.budget is not None:  # (before the grammar, which waits for the answer)
+        processors.append(params.budget.processor())
     if params.constraint is not None:
         processors.append(params.constraint.processor())
     return processors
+
+
+class MinTokens:
+    """An mlx-lm logits processor: the end tokens are banned until the completion holds
+    ``n`` tokens (``min_tokens``). It reads the history it is given at every call."""
+
+    def __init__(self, n: int, eos: tuple[int, ...]) -> None:
+        self.n, self.eos = n, mx.array(eos)
+        self.offset: int | None = None  # tokens of the first call's history: all prompt
+
+    def __call__(self, tokens: mx.array | None, logits: mx.array) -> mx.array:
+        size = tokens.size if tokens is not None else 0
+        if self.offset is None:  # mlx-lm calls processors first before any token is sampled
+            self.offset = size
+        if size - self.offset >= self.n:
+            return logits
+        banned = (mx.arange(logits.shape[-1])[:, None] == self.eos[None, :]).any(axis=1)
+        return mx.where(banned, mx.array(-mx.inf, logits.dtype), logits)
 
 
 @functools.lru_cache(maxsize=64)

@@ -87,7 +87,7 @@ def kv_need(job: Job, route: Route, rt: WorkerRuntime, conn: Redis) -> int | Non
             req.model, req.draft_model, req.adapter, cache=rt.cache
         )
         prepared = generator.prepare(
-            req, rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
+            rt.with_defaults(req), rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
         )
     except MlxqError:
         return 0
@@ -146,7 +146,7 @@ def run_alone(
             writer = ChunkWriter(conn, job.id, completion_id, req.model, ttl)
             writer.start()
         prepared = generator.prepare(
-            req, rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
+            rt.with_defaults(req), rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
         )
         if req.n > 1:
             need = projected([target], [prepared.length()] * req.n)

@@ -246,9 +246,8 @@ class Lane:
             with self.host.computing():
                 engine = self._engine()
             assert self.generator is not None
-            prepared = self.generator.prepare(
-                req, images=images_of(self.host.lifecycle.conn, job, self.rt.image_hosts)
-            )
+            images = images_of(self.host.lifecycle.conn, job, self.rt.image_hosts)
+            prepared = self.generator.prepare(self.rt.with_defaults(req), images=images)
             if not self._room_for(job, prepared):
                 return False
             upcoming = functools.partial(self.host.lifecycle.peek, job.queue, PEEK)

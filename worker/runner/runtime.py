@@ -44,6 +44,8 @@ class WorkerRuntime:
     # The most seconds a job may run here once taken (``--time-limit``; None: no limit of
     # the worker's own; a batch's job timeout and a request's ``time_limit_s`` still hold).
     time_limit_s: float | None = None
+    # The thinking budget of a request that sets none (``--thinking-budget``; None: no cap).
+    thinking_budget: int | None = None
 
     def find_local(self, name: str) -> Path | None:
         """Where ``name`` is on this machine already (None: not fetched yet); raises
@@ -63,6 +65,12 @@ class WorkerRuntime:
                 f"{what} {name!r} is not allowed on this worker (allowed: "
                 f"{', '.join(self.allow_models)})"
             )
+
+    def with_defaults(self, request: ChatRequest) -> ChatRequest:
+        """``request`` with this worker's defaults where it sets none (a thinking budget)."""
+        if self.thinking_budget is None or request.thinking_limit is not None:
+            return request
+        return request.model_copy(update={"thinking_budget": self.thinking_budget})
 
     def check_request(self, request: ChatRequest) -> None:
         """:meth:`check_allowed` for every model a request names (model, draft, adapter)."""
