@@ -419,6 +419,10 @@ class ChatRequest(BaseModel):
     repetition_context_size: int = Field(default=20, ge=1, le=4096)
     #: vLLM's: the end tokens are banned until the completion holds this many tokens.
     min_tokens: int = Field(default=0, ge=0)
+    #: mlx-lm's XTC ("exclude top choices"): with this probability per token, every token
+    #: above ``xtc_threshold`` but the least likely of them is excluded (not with speculation).
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=0.5)
     logit_bias: dict[int, float] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -567,6 +571,12 @@ class ChatRequest(BaseModel):
                 f"speculation.method {method} and draft_model {self.draft_model!r} "
                 "contradict each other: name one way to speculate"
             )
+        if self.xtc_probability > 0 and self.speculation_method in ("draft", "prompt_lookup"):
+            raise ValueError(
+                "xtc_probability cannot be combined with speculation (draft_model or prompt "
+                "lookup): its random exclusions are not the distribution drafts are verified "
+                "against; drop one"
+            )
         if self.n > 1 and self.stream:
             raise ValueError("n > 1 cannot be streamed yet: drop stream, or submit n jobs")
         if self.top_logprobs is not None and not self.logprobs:
@@ -687,7 +697,9 @@ class ChatRequest(BaseModel):
         does not say: the worker's ``--lookup`` decides for a job without a draft)."""
         if self.speculation is not None:
             return self.speculation.method
-        return "draft" if self.draft_model is not None else None
+        if self.draft_model is not None:
+            return "draft"
+        return "none" if self.xtc_probability > 0 else None  # (XTC never speculates)
 
     @property
     def thinking_limit(self) -> int | None:

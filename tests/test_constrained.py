@@ -214,3 +214,32 @@ def test_min_tokens_keeps_the_end_away_on_every_path(conn, redis_url, tiny):
     assert seen["batched"] == seen["draft"] == seen["lookup"] == seen["alone"]
     with pytest.raises(ValidationError, match="min_tokens"):
         ChatRequest.model_validate(chat("m", min_tokens=50, max_tokens=10))
+
+
+def test_xtc_excludes_top_choices_seeded_the_same_alone_and_in_n(conn, redis_url, tiny):
+    """XTC with probability 1 and threshold 0 leaves only the least likely token (and the
+    newline and end tokens it never excludes): the text changes; a seed gives the same
+    text again. Speculation is refused by name, and a worker's prompt lookup never
+    applies to it."""
+    asks = {
+        "plain": chat(tiny.target, max_tokens=16, temperature=1.0, seed=7),
+        "xtc": chat(
+            tiny.target,
+            max_tokens=16,
+            temperature=1.0,
+            seed=7,
+            xtc_probability=1.0,
+            xtc_threshold=0.0,
+        ),
+    }
+    asks["again"] = asks["xtc"]
+    policy = SpeculationPolicy("always", lookup="always")  # (XTC jobs still do not speculate)
+    records = run_jobs(conn, redis_url, asks, "xtc", policy=policy)
+    texts = {c: r.response.choices[0].message.content for c, r in records.items()}
+    assert texts["xtc"] != texts["plain"] and texts["xtc"] == texts["again"]
+    assert not records["xtc"].metrics.speculative
+    for how in ({"draft_model": "d"}, {"speculation": {"method": "prompt_lookup"}}):
+        with pytest.raises(ValidationError, match="xtc_probability cannot be combined"):
+            ChatRequest.model_validate(chat("m", xtc_probability=0.5, **how))
+    with pytest.raises(ValidationError, match="xtc_threshold"):
+        ChatRequest.model_validate(chat("m", xtc_probability=0.5, xtc_threshold=0.7))

@@ -20,7 +20,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis as AsyncRedis
 from starlette.requests import Request
@@ -176,3 +176,42 @@ async def relay(
         else:
             yield f"data: {json.dumps(chunk)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+class Translation(Protocol):
+    """A streamed chat job's chunks as another API's events (``responses``, ``messages``)."""
+
+    def start(self) -> list[bytes]: ...
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]: ...
+
+    def failed(self, error: dict[str, Any], status: int = 500) -> list[bytes]: ...
+
+
+async def translated(
+    conn: AsyncRedis,
+    job_id: str,
+    stream: Translation,
+    chunks: AsyncIterator[dict[str, Any]],
+    finish: Callable[[dict[str, Any]], Awaitable[list[bytes]]],
+) -> AsyncIterator[bytes]:
+    """``stream``'s events for a streamed chat job: its start, its ``chunks`` as they
+    come, then ``finish(completion)``'s events from the job's record (or a failure)."""
+    for e in stream.start():
+        yield e
+    async for chunk in chunks:
+        if chunk.get("error"):
+            for e in stream.failed(chunk["error"]):
+                yield e
+            return
+        for e in stream.chunk(chunk):
+            yield e
+    raw = await conn.get(keys.result_key(job_id))
+    record = json.loads(raw) if raw else None
+    if not record or record.get("status") != "succeeded":
+        error = (record or {}).get("error") or {"code": "server_error", "message": "no result"}
+        for e in stream.failed(error, int((record or {}).get("status_code") or 500)):
+            yield e
+        return
+    for e in await finish(record["response"]):
+        yield e

@@ -18,10 +18,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.asyncio import Redis as AsyncRedis
 
-from schemas import keys
+from producer.serve.chat import translated
 from schemas.anthropic import MessagesRequest, error_body, from_chat, new_id, usage
 
 
@@ -33,7 +33,7 @@ def error(status: int, message: str) -> JSONResponse:
 def reshaped(reply: Response) -> Response:
     """``reply`` with an OpenAI-shaped error body (the chat path's) in Anthropic's shape;
     any other reply as it is."""
-    if reply.status_code < 400 or not isinstance(reply, JSONResponse | Response):
+    if reply.status_code < 400 or isinstance(reply, StreamingResponse):
         return reply
     try:
         body = json.loads(bytes(reply.body))
@@ -148,28 +148,15 @@ class Shape:
     async def answer(self, completion: dict[str, Any]) -> dict[str, Any]:
         return from_chat(completion, self.req.model, self.id)
 
-    async def events(
+    def events(
         self, conn: AsyncRedis, job_id: str, chunks: AsyncIterator[dict[str, Any]]
     ) -> AsyncIterator[bytes]:
         stream = EventStream(self.req.model, self.id)
-        for e in stream.start():
-            yield e
-        async for chunk in chunks:
-            if chunk.get("error"):
-                for e in stream.failed(chunk["error"]):
-                    yield e
-                return
-            for e in stream.chunk(chunk):
-                yield e
-        raw = await conn.get(keys.result_key(job_id))
-        record = json.loads(raw) if raw else None
-        if not record or record.get("status") != "succeeded":
-            error = (record or {}).get("error") or {"message": "no result"}
-            for e in stream.failed(error, int((record or {}).get("status_code") or 500)):
-                yield e
-            return
-        for e in stream.finish(from_chat(record["response"], self.req.model, self.id)):
-            yield e
+
+        async def finish(completion: dict[str, Any]) -> list[bytes]:
+            return stream.finish(from_chat(completion, self.req.model, self.id))
+
+        return translated(conn, job_id, stream, chunks, finish)
 
 
 class Count:
@@ -178,8 +165,7 @@ class Count:
     async def answer(self, completion: dict[str, Any]) -> dict[str, Any]:
         return {"input_tokens": (completion.get("usage") or {}).get("prompt_tokens", 0)}
 
-    async def events(
+    def events(
         self, conn: AsyncRedis, job_id: str, chunks: AsyncIterator[dict[str, Any]]
-    ) -> AsyncIterator[bytes]:  # (never streamed)
-        raise NotImplementedError
-        yield b""
+    ) -> AsyncIterator[bytes]:
+        raise NotImplementedError("count_tokens is never streamed")

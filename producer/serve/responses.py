@@ -20,6 +20,7 @@ from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
 
+from producer.serve.chat import translated
 from schemas import keys
 from schemas.responses import (
     ResponsesRequest,
@@ -208,7 +209,7 @@ class EventStream:
         out.append(self._next(final, response=response))
         return out
 
-    def failed(self, error: dict[str, Any]) -> list[bytes]:
+    def failed(self, error: dict[str, Any], status: int = 500) -> list[bytes]:
         shell = from_chat(_EMPTY, self.req, self.id, self.created)
         shell |= {"status": "failed", "output": [], "usage": None, "error": error}
         return [self._next("response.failed", response=shell)]
@@ -249,7 +250,7 @@ class Shape:
         return events(conn, job_id, stream, chunks, self.keep)
 
 
-async def events(
+def events(
     conn: AsyncRedis,
     job_id: str,
     stream: EventStream,
@@ -258,24 +259,10 @@ async def events(
 ) -> AsyncIterator[bytes]:
     """The Responses events of a streamed chat job: ``chunks`` relayed as they come, then
     the response made from the job's record (``on_done(response, completion)`` stores it)."""
-    for e in stream.start():
-        yield e
-    async for chunk in chunks:
-        if chunk.get("error"):
-            for e in stream.failed(chunk["error"]):
-                yield e
-            return
-        for e in stream.chunk(chunk):
-            yield e
-    raw = await conn.get(keys.result_key(job_id))
-    record = json.loads(raw) if raw else None
-    if not record or record.get("status") != "succeeded":
-        error = (record or {}).get("error") or {"code": "server_error", "message": "no result"}
-        for e in stream.failed(error):
-            yield e
-        return
-    completion = record["response"]
-    response = from_chat(completion, stream.req, stream.id, stream.created)
-    await on_done(response, completion)
-    for e in stream.finish(response):
-        yield e
+
+    async def finish(completion: dict[str, Any]) -> list[bytes]:
+        response = from_chat(completion, stream.req, stream.id, stream.created)
+        await on_done(response, completion)
+        return stream.finish(response)
+
+    return translated(conn, job_id, stream, chunks, finish)

@@ -56,6 +56,9 @@ class GenerationParams:
     budget: Budget | None = None  # a cap on the thinking (``thinking_budget``)
     min_tokens: int = 0  # the end tokens are banned before this many completion tokens
     eos: tuple[int, ...] = ()  # the model's end tokens (what min_tokens bans)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special: tuple[int, ...] = ()  # tokens XTC never excludes: newline and the end tokens
 
     @property
     def penalty_window(self) -> int:
@@ -122,6 +125,14 @@ def prepare(
         params = replace(params, in_reasoning=True)
     if (budget := budget_of(tokenizer, request.thinking_limit, in_reasoning)) is not None:
         params = replace(params, budget=budget)
+    if request.xtc_probability > 0:  # (as mlx-lm's server: newline and EOS never excluded)
+        special = (*tokenizer.encode("\n", add_special_tokens=False), *tokenizer.eos_token_ids)
+        params = replace(
+            params,
+            xtc_probability=request.xtc_probability,
+            xtc_threshold=request.xtc_threshold,
+            xtc_special=tuple(sorted({int(t) for t in special})),
+        )
     if request.min_tokens:
         eos = tuple(sorted(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ()))
         params = replace(params, min_tokens=min(request.min_tokens, params.max_tokens), eos=eos)

@@ -57,11 +57,35 @@ class MinTokens:
         return mx.where(banned, mx.array(-mx.inf, logits.dtype), logits)
 
 
+#: A sampler's settings: temperature, top_p, min_p, top_k, and XTC's probability,
+#: threshold and the tokens it never excludes.
+Settings = tuple[float, float, float, int, float, float, tuple[int, ...]]
+
+
+def settings_of(params: GenerationParams) -> Settings:
+    p = params
+    xtc = (p.xtc_probability, p.xtc_threshold, p.xtc_special)
+    return (p.temperature, p.top_p, p.min_p, p.top_k, *xtc)
+
+
 @functools.lru_cache(maxsize=64)
-def _sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Any:
+def _sampler(settings: Settings) -> Any:
     # Sequences with the same settings share one sampler object, so BatchGenerator
     # samples the whole batch in one call instead of one call per sequence.
-    return make_sampler(temperature, top_p, min_p, top_k=top_k)
+    return _make(settings)
+
+
+def _make(settings: Settings) -> Any:
+    t, top_p, min_p, top_k, xtc_p, xtc_t, special = settings
+    return make_sampler(
+        t,
+        top_p,
+        min_p,
+        top_k=top_k,
+        xtc_probability=xtc_p,
+        xtc_threshold=xtc_t,
+        xtc_special_tokens=list(special),
+    )
 
 
 class KeyedSampler:
@@ -69,11 +93,9 @@ class KeyedSampler:
     random key, split at every token: a seeded sequence samples the same tokens
     whatever else shares its batch or the global random state."""
 
-    def __init__(
-        self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int
-    ) -> None:
-        self.temperature = temperature
-        self.top_p, self.min_p, self.top_k = top_p, min_p, top_k
+    def __init__(self, settings: Settings, seed: int) -> None:
+        self.temperature, self.top_p, self.min_p, self.top_k = settings[:4]
+        self.xtc_probability, self.xtc_threshold, self.xtc_special = settings[4:]
         self.key = mx.random.key(seed)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
@@ -81,10 +103,21 @@ class KeyedSampler:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p:
             logprobs = apply_min_p(logprobs, self.min_p)
+        self.key, key = mx.random.split(self.key)
+        if self.xtc_probability > 0:  # (mlx-lm's apply_xtc, its coin from this key)
+            self.key, coin = mx.random.split(self.key)
+            logprobs = self._xtc(logprobs, mx.random.uniform(key=coin))
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
-        self.key, key = mx.random.split(self.key)
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+
+    def _xtc(self, logprobs: mx.array, coin: mx.array) -> mx.array:
+        probs = mx.softmax(logprobs, -1)
+        above = mx.where(probs > self.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+        mask = probs > above
+        if self.xtc_special:
+            mask[..., list(self.xtc_special)] = False
+        return mx.where(coin > self.xtc_probability, logprobs, mx.where(mask, -mx.inf, logprobs))
 
 
 def sampler_for(params: GenerationParams) -> Any:
@@ -92,14 +125,13 @@ def sampler_for(params: GenerationParams) -> Any:
     settings (one call samples them all), or a :class:`KeyedSampler` of its own when
     seeded."""
     if params.seed is not None and params.temperature > 0:
-        t, p, m, k = params.temperature, params.top_p, params.min_p, params.top_k
-        return KeyedSampler(t, p, m, k, params.seed)
-    return _sampler(params.temperature, params.top_p, params.min_p, params.top_k)
+        return KeyedSampler(settings_of(params), params.seed)
+    return _sampler(settings_of(params))
 
 
 def plain_sampler(params: GenerationParams) -> Any:
     """The sampler of a sequence decoded alone (the global random state, seeded per job)."""
-    return make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+    return _make(settings_of(params))
 
 
 def pick(
