@@ -54,6 +54,12 @@ QUICK_FILES = {
     "test_worker.py",
 }
 QUICK_TESTS = {
+    "tests/test_messages.py::test_the_translation_keeps_roles_calls_and_results_in_order",
+    "tests/test_messages.py::test_errors_have_anthropics_shape_and_name_what_is_wrong",
+    "tests/test_constrained.py::test_bad_constraints_are_refused_naming_the_field",
+    "tests/test_constrained.py::test_the_output_matches_alone_batched_speculative_streamed_and_n",
+    "tests/test_budget.py::test_the_forced_marker_of_several_tokens_is_finished",
+    "tests/test_budget.py::test_the_budget_closes_the_thinking_on_every_path",
     "tests/test_stop.py::test_the_least_time_limit_wins_and_is_named",
     "tests/test_stop.py::test_a_bad_time_limit_is_refused_by_name",
     "tests/test_stop.py::test_responses_and_completions_carry_the_time_limit",

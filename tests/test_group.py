@@ -103,7 +103,7 @@ def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
     conn, redis_url, tmp_path, models, arch, max_batch
 ):
     """Tensor parallel (a dense llama, an MoE qwen3_moe): plain, streamed, a schema,
-    logprobs, alone (--max-batch 1) and in a continuous batch (4)."""
+    logprobs, a regex, penalties, XTC, alone (--max-batch 1) and in a continuous batch (4)."""
     from producer import Client
 
     target = models[arch]
@@ -120,6 +120,10 @@ def test_a_split_model_gives_each_job_the_text_of_the_whole_one(
         "logprobs": body(3, logprobs=True, top_logprobs=2),
         "more": body(5),
         "sampled": body(6, temperature=0.9, seed=7),  # the same draws on both ranks
+        # request controls: each rank rebuilds the grammar and the XTC tokens alike
+        "regex": body(7, structured_outputs={"regex": "[a-z]{2,8}( [a-z]{2,8}){0,3}"}),
+        "penalty": body(8, repetition_penalty=1.5, min_tokens=8),
+        "xtc": body(9, temperature=0.9, seed=3, xtc_probability=0.5, xtc_threshold=0.05),
     }
     s = Client(connection=conn).submit(jobs)
     args = ("--shard", "auto", "--max-batch", max_batch, "--model-dir", models["dir"])

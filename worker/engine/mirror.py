@@ -35,9 +35,10 @@ from worker.engine.specbatch import SpecBatchEngine
 
 log = logging.getLogger(__name__)
 
-#: Parameters sent with a sequence: all but its grammar and lookup settings, which the
-#: follower rebuilds from its request.
-_SENT = [f.name for f in fields(GenerationParams) if f.name not in ("constraint", "lookup")]
+#: What rank 0 sends of a sequence's parameters; the rest each rank makes from the request
+#: with its own tokenizer, alike (the grammar, lookup, thinking budget, end and XTC tokens).
+_MADE = ("constraint", "lookup", "budget", "eos", "xtc_special")
+_SENT = [f.name for f in fields(GenerationParams) if f.name not in _MADE]
 
 
 # -- rank 0: engines that tell --------------------------------------------------------
