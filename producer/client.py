@@ -68,8 +68,8 @@ class Client:
         A request is a chat request, or an embeddings one (a body with ``input``). The
         batch belongs to ``tenant``: workers share each queue fairly between tenants, and
         take a tenant's batches of higher ``priority`` (-9 to 9) first. With ``endpoint``
-        ``"/v1/responses"`` or ``"/v1/completions"``, the requests are bodies of that
-        endpoint: each runs as a chat job, and the batch's output lines
+        ``"/v1/responses"``, ``"/v1/completions"`` or ``"/v1/messages"`` (Anthropic's), the
+        requests are bodies of that endpoint: each runs as a chat job, and the batch's output lines
         (:func:`producer.iter_output_lines`) carry the endpoint's own objects.
 
         Every request is validated before anything is enqueued (pydantic's
