@@ -12,6 +12,7 @@ recurrent state at all).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -173,6 +174,17 @@ def test_speculative_logprobs_and_schema_match_plain(arch):
     assert spec.text == plain.text
     if plain.finish_reason == "stop":
         jsonschema.validate(json.loads(spec.text), SCHEMA)
+
+
+def test_request_controls_match_plain_on_every_cache_type(arch):
+    """A regex output, a repetition penalty and min_tokens: the draft's proposals under the
+    same processors leave the plain text, on full, sliding-window and hybrid caches."""
+    regex = "[a-z]{2,8}( [a-z]{2,8}){0,5}"
+    fields = {"repetition_penalty": 1.3, "min_tokens": 4, "max_tokens": 40}
+    req = _req(arch, structured_outputs={"regex": regex}, **fields)
+    plain, spec = _alone(arch, req), _alone(arch, req, arch.noisy)
+    assert spec.token_ids == plain.token_ids and plain.completion_tokens >= 4
+    assert plain.finish_reason != "stop" or re.fullmatch(regex, plain.text), plain.text
 
 
 def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch):

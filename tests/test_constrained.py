@@ -243,3 +243,12 @@ def test_xtc_excludes_top_choices_seeded_the_same_alone_and_in_n(conn, redis_url
             ChatRequest.model_validate(chat("m", xtc_probability=0.5, **how))
     with pytest.raises(ValidationError, match="xtc_threshold"):
         ChatRequest.model_validate(chat("m", xtc_probability=0.5, xtc_threshold=0.7))
+
+
+def test_a_grammar_that_is_complete_ends_the_output_before_min_tokens(conn, redis_url, tiny):
+    """min_tokens bans the end only while anything else is allowed: a choice written in
+    two tokens ends there (before: every token masked, the job failed outside its grammar)."""
+    asks = _jobs(tiny.target, {"guided_choice": LABELS, "min_tokens": 20})
+    for cid, r in run_jobs(conn, redis_url, asks, "min-choice", max_batch=4).items():
+        assert r.status == "succeeded", (cid, r.error)
+        assert r.response.choices[0].message.content in LABELS

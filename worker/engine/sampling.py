@@ -10,6 +10,7 @@ from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    apply_xtc,
     make_logits_processors,
     make_sampler,
 )
@@ -18,9 +19,9 @@ from worker.engine.request import GenerationParams
 
 
 def logits_processors(params: GenerationParams) -> list:
-    """One sequence's processors: bias and penalties, the thinking budget, then the
-    grammar's mask last (so nothing can lift a token the grammar forbids). Fresh objects:
-    the mask is stateful."""
+    """One sequence's processors: bias and penalties, the thinking budget, the grammar's
+    mask (nothing after it lifts a token the grammar forbids), then ``min_tokens``. Fresh
+    objects: the mask is stateful."""
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
@@ -30,18 +31,19 @@ def logits_processors(params: GenerationParams) -> list:
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=params.max_tokens,
     )
-    if params.min_tokens and params.eos:
-        processors.append(MinTokens(params.min_tokens, params.eos))
     if params.budget is not None:  # (before the grammar, which waits for the answer)
         processors.append(params.budget.processor())
     if params.constraint is not None:
         processors.append(params.constraint.processor())
+    if params.min_tokens and params.eos:  # (last: it only lowers, and sees the mask)
+        processors.append(MinTokens(params.min_tokens, params.eos))
     return processors
 
 
 class MinTokens:
     """An mlx-lm logits processor: the end tokens are banned until the completion holds
-    ``n`` tokens (``min_tokens``). It reads the history it is given at every call."""
+    ``n`` tokens (``min_tokens``), unless nothing else is allowed (a grammar that is
+    complete ends the output). It reads the history it is given at every call."""
 
     def __init__(self, n: int, eos: tuple[int, ...]) -> None:
         self.n, self.eos = n, mx.array(eos)
@@ -54,7 +56,9 @@ class MinTokens:
         if size - self.offset >= self.n:
             return logits
         banned = (mx.arange(logits.shape[-1])[:, None] == self.eos[None, :]).any(axis=1)
-        return mx.where(banned, mx.array(-mx.inf, logits.dtype), logits)
+        floored = mx.where(banned, mx.array(-mx.inf, logits.dtype), logits)
+        others = (floored > -mx.inf).any(axis=-1, keepdims=True)  # anything but the end left
+        return mx.where(others, floored, logits)
 
 
 #: A sampler's settings: temperature, top_p, min_p, top_k, and XTC's probability,
@@ -112,12 +116,11 @@ class KeyedSampler:
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
 
     def _xtc(self, logprobs: mx.array, coin: mx.array) -> mx.array:
-        probs = mx.softmax(logprobs, -1)
-        above = mx.where(probs > self.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
-        mask = probs > above
-        if self.xtc_special:
-            mask[..., list(self.xtc_special)] = False
-        return mx.where(coin > self.xtc_probability, logprobs, mx.where(mask, -mx.inf, logprobs))
+        # mlx-lm's own exclusion, always applied (probability 1: its global coin never
+        # wins), then kept or not by this sequence's coin
+        special = list(self.xtc_special)
+        excluded = apply_xtc(logprobs, 1.0, self.xtc_threshold, special)
+        return mx.where(coin > self.xtc_probability, logprobs, excluded)
 
 
 def sampler_for(params: GenerationParams) -> Any:
