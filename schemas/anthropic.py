@@ -148,6 +148,8 @@ def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
     """The text of ``system`` or a tool result: a string, or text blocks."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise TranslationError(f"{where}: must be a string or a list of text blocks")
     out = []
     for i, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text":

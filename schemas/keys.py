@@ -205,6 +205,16 @@ def tenant_batches_key(tenant: str) -> str:
     return f"{BATCHES}@{tenant}"
 
 
+#: Sorted set: the ids of batches made through Anthropic's Message Batches API (also in
+#: :data:`BATCHES`), scored by creation time: what ``GET /v1/messages/batches`` lists.
+MESSAGE_BATCHES = f"{PREFIX}:msgbatches"
+
+
+def message_batches_key(tenant: str | None) -> str:
+    """Sorted set: ``tenant``'s message batch ids (every tenant's: None)."""
+    return MESSAGE_BATCHES if tenant is None else f"{MESSAGE_BATCHES}@{tenant}"
+
+
 def gone_batches(ids: list[str], tenant: str | None) -> list[tuple[str, list[str]]]:
     """(sorted set, members) to ZREM for batches whose hashes expired: from
     :data:`BATCHES`, and from ``tenant``'s set if they were read from it."""

@@ -253,8 +253,9 @@ class StructuredOutputs(BaseModel):
         return self
 
 
-#: A request's constraint on its output: (kind, what), kind one of json, regex, choice, grammar.
-Constrained = tuple[str, Any]
+#: A request's constraint on its output: (the field that sets it, kind, what); kind one of
+#: json, regex, choice, grammar.
+Constraint = tuple[str, str, Any]
 
 
 def compile_constraint(kind: str, value: Any, layout: str = DEFAULT_LAYOUT) -> str:
@@ -581,18 +582,18 @@ class ChatRequest(BaseModel):
             raise ValueError("n > 1 cannot be streamed yet: drop stream, or submit n jobs")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        constrained = self.constrained  # (at most one way to constrain the output)
-        if self.json_whitespace is not None and (constrained or ("",))[0] != "json":
+        constraint = self.constraint  # (at most one way to constrain the output)
+        if self.json_whitespace is not None and (constraint is None or constraint[1] != "json"):
             raise ValueError(
                 "json_whitespace lays out a JSON response_format; this request has none "
                 "(tool call arguments are always compact)"
             )
-        if constrained is not None:
+        if constraint is not None:
             try:
-                grammar = self.grammar
+                compile_constraint(*constraint[1:], self.json_whitespace or DEFAULT_LAYOUT)
             except SchemaError as e:
-                raise ValueError(f"{self._constraint_field}: cannot be enforced: {e}") from None
-            if grammar is not None and self.stop:
+                raise ValueError(f"{constraint[0]}: cannot be enforced: {e}") from None
+            if self.stop:
                 raise ValueError(
                     "stop cannot be combined with a constrained output (a JSON response_format, "
                     "structured_outputs): a stop string would cut it short (the output ends "
@@ -600,10 +601,9 @@ class ChatRequest(BaseModel):
                 )
         check_tools(self.tools, self.tool_choice)
         if self.forced_call is not None:
-            if self.constrained is not None:
+            if constraint is not None:
                 raise ValueError(
-                    f"{self._constraint_field} and a required tool call both shape the output: "
-                    "give one"
+                    f"{constraint[0]} and a required tool call both shape the output: give one"
                 )
             if self.stop:
                 raise ValueError(
@@ -644,52 +644,34 @@ class ChatRequest(BaseModel):
         return self.parallel_tool_calls is not False
 
     @property
-    def _constraints(self) -> list[tuple[str, str, Any]]:
-        """Every constraint the request sets: (its field, kind, what)."""
-        out: list[tuple[str, str, Any]] = []
+    def constraint(self) -> Constraint | None:
+        """How the output is constrained: (the field that says so, kind, what); None for
+        free text. ValueError if the request names more than one way."""
+        found: list[Constraint] = []
         fmt = self.response_format
         if fmt is not None and (schema := fmt.schema_or_none) is not None:
-            out.append(("response_format", "json", schema))
+            found.append(("response_format", "json", schema))
         so = self.structured_outputs
-        if so is not None:
-            for kind, value in (
-                ("regex", so.regex),
-                ("choice", so.choice),
-                ("grammar", so.grammar),
-                ("json", so.json_schema),
-            ):
-                if value is not None:
-                    out.append(
-                        (f"structured_outputs.{'json' if kind == 'json' else kind}", kind, value)
-                    )
         for kind in ("regex", "choice", "grammar", "json"):
+            value = getattr(so, "json_schema" if kind == "json" else kind) if so else None
+            if value is not None:
+                found.append((f"structured_outputs.{kind}", kind, value))
             if (value := getattr(self, f"guided_{kind}")) is not None:
-                out.append((f"guided_{kind}", kind, value))
-        return out
-
-    @property
-    def constrained(self) -> Constrained | None:
-        """How the output is constrained: (kind, what); None for free text. ValueError if
-        the request names more than one way."""
-        found = self._constraints
+                found.append((f"guided_{kind}", kind, value))
         if len(found) > 1:
-            names = ", ".join(f for f, _, _ in found)
-            raise ValueError(f"{names}: each constrains the output; give one")
-        return (found[0][1], found[0][2]) if found else None
-
-    @property
-    def _constraint_field(self) -> str:
-        found = self._constraints
-        return found[0][0] if found else ""
+            raise ValueError(
+                f"{', '.join(f for f, _, _ in found)}: each constrains the output; give one"
+            )
+        return found[0] if found else None
 
     @property
     def grammar(self) -> str | None:
         """The llguidance grammar the output must follow (cached per constraint and
         layout); None for free text."""
-        constrained = self.constrained
-        if constrained is None:
+        constraint = self.constraint
+        if constraint is None:
             return None
-        return compile_constraint(*constrained, self.json_whitespace or DEFAULT_LAYOUT)
+        return compile_constraint(*constraint[1:], self.json_whitespace or DEFAULT_LAYOUT)
 
     @property
     def speculation_method(self) -> str | None:

@@ -178,7 +178,7 @@ def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tin
 
         def grows(k: str) -> int:  # what that lane's caches can grow to, while it lives
             lane = live.get(k)
-            return lane.projected if lane is not None and id(lane) in self.ledger.held else 0
+            return lane.projected if lane is not None and lane in self.ledger.held else 0
 
         seen.append((kind, self.rt.cache.kv_reserved, grows("main"), grows("side")))
         return step(self, *args)

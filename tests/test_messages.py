@@ -301,6 +301,11 @@ def test_the_translation_keeps_roles_calls_and_results_in_order():
     }
     with pytest.raises(TranslationError, match=r"messages\.0\.content\.0\.content\.0"):
         to_chat(req.model_copy(update={"messages": [image]}))
+    for hostile in ({"a": 1}, 7, [1, 2]):  # a tool result's content of no allowed shape
+        result = {"type": "tool_result", "tool_use_id": "t", "content": hostile}
+        bad = {"role": "user", "content": [result]}
+        with pytest.raises(TranslationError, match=r"messages\.0\.content\.0\.content"):
+            to_chat(req.model_copy(update={"messages": [bad]}))
 
 
 def _ask(model: str, text: str, **params) -> dict:
@@ -436,3 +441,41 @@ def test_requests_not_run_in_the_window_expire(gateway, tiny, conn):  # noqa: F8
     assert ended.processing_status == "ended"
     assert (ended.request_counts.expired, ended.request_counts.canceled) == (3, 0)
     assert [r.result.type for r in client.messages.batches.results(made.id)] == ["expired"] * 3
+
+
+def test_message_batches_list_newest_first_in_pages(gateway, tiny, conn):  # noqa: F811
+    from producer import Client
+
+    gw = gateway()
+    client = client_of(gw)
+    made = [
+        client.messages.batches.create(
+            requests=[{"custom_id": "a", "params": _ask(tiny.target, f"x {i}")}]
+        ).id
+        for i in range(3)
+    ]
+    Client(connection=conn).submit([_ask(tiny.target, "not a message batch")], batch_id="other")
+    page = client.messages.batches.list(limit=2)
+    assert [b.id for b in page.data] == made[:0:-1] and page.has_more
+    rest = client.messages.batches.list(limit=2, after_id=made[1])
+    assert [b.id for b in rest.data] == [made[0]] and not rest.has_more
+    back = client.messages.batches.list(limit=2, before_id=made[0])
+    assert [b.id for b in back.data] == made[:0:-1]
+
+
+def test_bad_message_batch_lines_are_refused_by_line_and_name():
+    from producer.lines import LineInvalid, parse_line
+
+    ok = {"custom_id": "a", "params": _ask("m", "x")}
+    custom_id, request, body, shape = parse_line(json.dumps(ok), 1)
+    assert custom_id == "a" and shape == {"url": "/v1/messages", "model": "m"}
+    assert body["messages"] == [{"role": "user", "content": "x"}] and request.max_tokens == 8
+    for line, words in [
+        (ok | {"custom_id": 7}, "custom_id"),
+        (ok | {"params": "x"}, "params: must be an object"),
+        (ok | {"params": _ask("m", "x", stream=True)}, "stream"),
+        (ok | {"params": _ask("m", "x", max_tokens=0)}, "params.max_tokens"),
+        (ok | {"params": _ask("m", "x", container="c")}, "container"),
+    ]:
+        with pytest.raises(LineInvalid, match=words):
+            parse_line(json.dumps(line), 1)

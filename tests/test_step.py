@@ -21,6 +21,7 @@ from worker.schedule.step import (
     owed_after_alone,
     owed_after_step,
     place_for_one,
+    preempted,
     prefill_budget,
     where,
 )
@@ -78,6 +79,12 @@ def test_a_place_at_the_cap_is_taken_from_the_batch_down_to_its_floor():
     assert place_for_one(BatchView(size=8, cap=8, own=3), CFG) == "preempt"
     assert place_for_one(BatchView(size=8, cap=8, own=2), CFG) == "full"  # a quarter of 8
     assert place_for_one(BatchView(size=1, cap=1, own=1), CFG) == "full"  # at least one
+
+
+def test_the_batch_job_that_joined_last_gives_its_place_up():
+    own, ahead = keys.DEFAULT_QUEUE, keys.INTERACTIVE_QUEUE
+    assert preempted([own, own, ahead, own, ahead], own) == 3  # not an interactive job's
+    assert preempted([own], own) == 0
 
 
 def test_the_prefill_budget_holds_only_while_someone_may_wait():

@@ -92,7 +92,12 @@ def create(
             source="gateway:message_batches",
             wait_replicas=settings.wait_replicas,
         )
-    conn.hset(keys.batch_key(batch_id), "endpoint", MESSAGES_URL)  # (tenant: its queue's)
+    now = time.time()
+    with conn.pipeline() as pipe:
+        pipe.hset(keys.batch_key(batch_id), "endpoint", MESSAGES_URL)  # (tenant: its queue's)
+        pipe.zadd(keys.message_batches_key(None), {batch_id: now})
+        pipe.zadd(keys.message_batches_key(tenant), {batch_id: now})
+        pipe.execute()
     return batch_id
 
 
@@ -161,14 +166,54 @@ def results(conn: Redis, batch_id: str) -> Iterator[bytes]:
 
 def delete(conn: Redis, batch_id: str) -> None:
     """Forget an ended batch (its records expire with their TTL)."""
-    tenant = conn.hget(keys.batch_key(batch_id), "tenant")
+    raw = conn.hget(keys.batch_key(batch_id), "tenant")
+    tenant = raw.decode() if raw else keys.DEFAULT_TENANT
     with conn.pipeline() as pipe:
         pipe.delete(keys.batch_key(batch_id))
         pipe.zrem(keys.BATCHES, batch_id)
-        pipe.zrem(
-            keys.tenant_batches_key(tenant.decode() if tenant else keys.DEFAULT_TENANT), batch_id
-        )
+        pipe.zrem(keys.tenant_batches_key(tenant), batch_id)
+        pipe.zrem(keys.message_batches_key(None), batch_id)
+        pipe.zrem(keys.message_batches_key(tenant), batch_id)
         pipe.execute()
+
+
+def list_batches(
+    conn: Redis,
+    base: str,
+    scope: str | None,
+    limit: int,
+    after_id: str | None = None,
+    before_id: str | None = None,
+) -> dict[str, Any]:
+    """A page of ``scope``'s message batches (every tenant's: None), newest first: after
+    ``after_id``, or the ``limit`` just newer than ``before_id``. Ids whose batch expired
+    are dropped from the index on the way."""
+    index = keys.message_batches_key(scope)
+    ids = [i.decode() for i in conn.zrevrange(index, 0, -1)]  # (message batches only)
+    if after_id in ids:
+        ids = ids[ids.index(after_id) + 1 :]
+    backwards = before_id is not None and before_id in ids
+    if backwards:  # the nearest newer first, put back in order below
+        ids = ids[: ids.index(before_id)][::-1]
+    data: list[dict[str, Any]] = []
+    gone: list[str] = []
+    for batch_id in ids:
+        if len(data) > limit:
+            break
+        obj = batch_object(conn, batch_id, base, scope)
+        if obj is not None:
+            data.append(obj)
+        elif not conn.exists(keys.batch_key(batch_id)):
+            gone.append(batch_id)
+    if gone:
+        conn.zrem(index, *gone)
+    out = data[:limit][::-1] if backwards else data[:limit]
+    return {
+        "data": out,
+        "has_more": len(data) > limit,
+        "first_id": out[0]["id"] if out else None,
+        "last_id": out[-1]["id"] if out else None,
+    }
 
 
 def routes(app: FastAPI, s: GatewaySettings) -> None:
@@ -207,37 +252,14 @@ def routes(app: FastAPI, s: GatewaySettings) -> None:
         return found if isinstance(found, Response) else JSONResponse(found)
 
     @app.get("/v1/messages/batches")
-    async def list_batches(
+    async def listing(
         request: Request,
         limit: Annotated[int, Query(ge=1, le=1000)] = 20,
         after_id: str | None = None,
         before_id: str | None = None,
     ) -> Response:
-        conn, scope = request.app.state.redis, _scope(request)
-
-        def page() -> dict[str, Any]:
-            index = keys.BATCHES if scope is None else keys.tenant_batches_key(scope)
-            ids = [i.decode() for i in conn.zrevrange(index, 0, -1)]  # newest first
-            if after_id in ids:
-                ids = ids[ids.index(after_id) + 1 :]
-            if before_id in ids:
-                ids = ids[: ids.index(before_id)][::-1][:limit][::-1]
-            data: list[dict[str, Any]] = []
-            for batch_id in ids:
-                if len(data) > limit:
-                    break
-                obj = batch_object(conn, batch_id, _base(request), scope)
-                if obj is not None:
-                    data.append(obj)
-            out = data[:limit]
-            return {
-                "data": out,
-                "has_more": len(data) > limit,
-                "first_id": out[0]["id"] if out else None,
-                "last_id": out[-1]["id"] if out else None,
-            }
-
-        return JSONResponse(await run_in_threadpool(page))
+        args = (_base(request), _scope(request), limit, after_id, before_id)
+        return JSONResponse(await run_in_threadpool(list_batches, request.app.state.redis, *args))
 
     @app.post("/v1/messages/batches/{batch_id}/cancel")
     async def cancel(request: Request, batch_id: str) -> Response:
@@ -247,22 +269,25 @@ def routes(app: FastAPI, s: GatewaySettings) -> None:
         await run_in_threadpool(cancel_batch, request.app.state.redis, batch_id)
         return await retrieve_batch(request, batch_id)
 
+    async def _ended(request: Request, batch_id: str, why: str) -> dict[str, Any] | Response:
+        """The batch if it has ended, else the 400 saying ``why`` it must have."""
+        found = await _found(request, batch_id)
+        if isinstance(found, Response) or found["processing_status"] == "ended":
+            return found
+        return error(400, f"message batch {batch_id!r} has not ended: {why}")
+
     @app.get("/v1/messages/batches/{batch_id}/results")
     async def batch_results(request: Request, batch_id: str) -> Response:
-        found = await _found(request, batch_id)
+        found = await _ended(request, batch_id, "no results yet")
         if isinstance(found, Response):
             return found
-        if found["processing_status"] != "ended":
-            return error(400, f"message batch {batch_id!r} has not ended: no results yet")
         lines = results(request.app.state.redis, batch_id)
         return StreamingResponse(lines, media_type="application/x-jsonl")
 
     @app.delete("/v1/messages/batches/{batch_id}")
     async def delete_batch(request: Request, batch_id: str) -> Response:
-        found = await _found(request, batch_id)
+        found = await _ended(request, batch_id, "cancel it first")
         if isinstance(found, Response):
             return found
-        if found["processing_status"] != "ended":
-            return error(400, f"message batch {batch_id!r} has not ended: cancel it first")
         await run_in_threadpool(delete, request.app.state.redis, batch_id)
         return JSONResponse({"id": batch_id, "type": "message_batch_deleted"})

@@ -33,6 +33,7 @@ class Thinking:
     start: str
     end: str
     end_ids: tuple[int, ...]
+    start_ids: tuple[int, ...] = ()
 
 
 def thinking_of(tokenizer: Any) -> Thinking | None:
@@ -40,7 +41,8 @@ def thinking_of(tokenizer: Any) -> Thinking | None:
     if not getattr(tokenizer, "has_thinking", False):
         return None
     ids = tuple(int(t) for t in tokenizer.think_end_tokens or ())
-    return Thinking(tokenizer.think_start, tokenizer.think_end, ids)
+    start = tuple(int(t) for t in tokenizer.think_start_tokens or ())
+    return Thinking(tokenizer.think_start, tokenizer.think_end, ids, start)
 
 
 def opens_in_reasoning(tokenizer: Any, prompt: list[int]) -> bool:
@@ -81,8 +83,7 @@ def budget_of(tokenizer: Any, tokens: int | None, in_reasoning: bool) -> Budget 
     thinking = thinking_of(tokenizer)
     if tokens is None or thinking is None or not thinking.end_ids:
         return None
-    start = tuple(int(t) for t in getattr(tokenizer, "_think_start_tokens", None) or ())
-    return Budget(tokens, start, thinking.end_ids, in_reasoning)
+    return Budget(tokens, thinking.start_ids, thinking.end_ids, in_reasoning)
 
 
 class BudgetProcessor:

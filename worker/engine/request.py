@@ -134,7 +134,7 @@ def prepare(
             xtc_special=tuple(sorted({int(t) for t in special})),
         )
     if request.min_tokens:
-        eos = tuple(sorted(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ()))
+        eos = tuple(sorted(int(t) for t in tokenizer.eos_token_ids))
         params = replace(params, min_tokens=min(request.min_tokens, params.max_tokens), eos=eos)
     return Prepared(prompt, params, request, vision)
 

@@ -86,8 +86,8 @@ def kv_need(job: Job, route: Route, rt: WorkerRuntime, conn: Redis) -> int | Non
         generator = ChatGenerator.get_or_create(
             req.model, req.draft_model, req.adapter, cache=rt.cache
         )
-        prepared = generator.prepare(
-            rt.with_defaults(req), rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
+        prepared = generator.prepare(  # (its length only: no worker default changes it)
+            req, rt.default_num_draft_tokens, images_of(conn, job, rt.image_hosts)
         )
     except MlxqError:
         return 0

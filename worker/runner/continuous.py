@@ -34,6 +34,7 @@ from worker.schedule.step import (
     Waiting,
     owed_after_alone,
     owed_after_step,
+    preempted,
     prefill_budget,
     where,
 )
@@ -239,10 +240,10 @@ class ContinuousBatch:
             fits = need is not None and self.rt.cache.fits_beside(need)
             to = where(view, dataclasses.replace(waiting, fits_beside=fits), self.cfg)
         if to in ("join", "preempt"):
-            if to == "preempt":  # the batch job that joined last: the least work lost
-                rows = lane.rows.values()
-                own = [w for w in rows if keys.base_queue(w.job.queue) == self.queue]
-                lane.remove(own[-1])
+            if to == "preempt":
+                rows = list(lane.rows.values())
+                queues = [keys.base_queue(w.job.queue) for w in rows]
+                lane.remove(rows[preempted(queues, self.queue)])
             self._add(lane, job, r, first=True)
             return True
         if to == "side":

@@ -80,19 +80,19 @@ class Ledger:
 
     def __init__(self, cache: ModelCache) -> None:
         self.cache = cache
-        self.held: dict[int, int] = {}  # id(lane) -> bytes
+        self.held: dict[Lane, int] = {}  # a live lane -> the bytes its caches can grow to
 
     def set(self, lane: Lane, nbytes: int) -> None:
-        self.held[id(lane)] = nbytes
+        self.held[lane] = nbytes
         self.cache.reserve(sum(self.held.values()))
 
     def drop(self, lane: Lane) -> None:
-        self.held.pop(id(lane), None)
+        self.held.pop(lane, None)
         self.cache.reserve(sum(self.held.values()))
 
     def others(self, lane: Lane) -> int:
         """What the other live lanes' caches can grow to."""
-        return sum(n for k, n in self.held.items() if k != id(lane))
+        return sum(n for other, n in self.held.items() if other is not lane)
 
 
 @dataclass

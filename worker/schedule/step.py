@@ -149,6 +149,13 @@ def where(view: BatchView, job: Waiting, cfg: StepConfig) -> Where:
     return "wait"
 
 
+def preempted(queues: Sequence[str], own: str) -> int:
+    """Which row gives its place up when ``where`` says ``preempt``, given each row's queue
+    in the order they joined: the batch's own (``own`` queue) job that joined last, the
+    least work lost (``place_for_one`` keeps at least one of them)."""
+    return max(i for i, q in enumerate(queues) if q == own)
+
+
 def prefill_budget(view: BatchView, cfg: StepConfig) -> float | None:
     """Seconds of prompt the next step of a plain batch may prefill (None: whole chunks):
     ``prefill_budget_s`` while an interactive job is in the batch or beside it, or was
