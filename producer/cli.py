@@ -205,6 +205,13 @@ def main() -> None:
     help="Within its tenant, batches of higher priority are taken first (FIFO at equal priority).",
 )
 @click.option(
+    "--audio-root",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Folder audio lines' file paths are read from and must stay under "
+    "(default: FILE's folder; the current folder for '-').",
+)
+@click.option(
     "--skip-invalid",
     is_flag=True,
     envvar="MLXQ_SKIP_INVALID",
@@ -232,6 +239,7 @@ def submit(
     route: str,
     tenant: str,
     priority: int,
+    audio_root: Path | None,
     skip_invalid: bool,
     rejected: Path | None,
     wait_replicas: int,
@@ -266,7 +274,12 @@ def submit(
             ),
             redis_url=redis_url,
             queue=queue,
-            defaults=Defaults(model, draft_model, num_draft_tokens),
+            defaults=Defaults(
+                model,
+                draft_model,
+                num_draft_tokens,
+                audio_root=audio_root or (Path.cwd() if stdin else file.parent),
+            ),
             job_timeout=job_timeout,
             result_ttl=result_ttl,
             batch_id=batch_id or new_batch_id(),

@@ -23,6 +23,7 @@ from producer.retry import RetryFilter, RetryReport, retry_batch
 from producer.streams import chunk_text, iter_chunks
 from producer.submit import DEFAULT_JOB_TIMEOUT, SubmitItem, SubmitSummary, submit_items
 from schemas import ChatRequest, ResultRecord, keys
+from schemas.audio import AudioInvalid, TranscriptionRequest, check_file
 from schemas.connect import redis_from_url
 from schemas.embeddings import JobRequest, parse_request
 from schemas.fleet import WorkerInfo
@@ -166,6 +167,13 @@ def _item(custom_id: str, request: Any, endpoint: str | None) -> SubmitItem:
     ``endpoint`` translated to its chat job (a bad one raises ValueError naming it)."""
     if endpoint is None:
         parsed = request if isinstance(request, BaseModel) else parse_request(request)
+        if isinstance(parsed, TranscriptionRequest):  # an inline recording: checked here
+            body = parsed.model_dump(mode="json", exclude_unset=True)
+            try:
+                check_file(body)
+            except AudioInvalid as e:
+                raise AudioInvalid(f"{custom_id}: {e}") from None
+            return SubmitItem(custom_id, parsed, body)
         if not isinstance(parsed, ChatRequest):
             return SubmitItem(custom_id, parsed)
         if isinstance(request, Mapping):

@@ -28,6 +28,7 @@ from producer.enqueue import DEFAULT_CHUNK, Prepared
 from producer.lines import Defaults, LineInvalid, parse_line
 from producer.submit import SubmitSummary, enqueue_batch, queue_of
 from schemas import job_data, keys
+from schemas.audio import stored_audio
 from schemas.images import stored_images
 
 #: Called with (line number, message, the line's text) for each bad line.
@@ -189,6 +190,8 @@ def _prepared(
                 continue
             job_id = keys.job_id_for(batch_id, custom_id)
             body, images = stored_images(body)  # each image once, with the batch
+            body, audio = stored_audio(body)  # and each recording
+            images = images | audio
             data = job_data(custom_id, now, body, result_ttl)
             to = queue_of(route, queue, request.model)
             shown = json.dumps(shape) if shape else None

@@ -11,7 +11,25 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas import BatchInputLine, ChatRequest, describe_validation_error
-from schemas.embeddings import CHAT_URL, EMBEDDINGS_URL, EmbeddingRequest, parse_request
+from schemas.audio import (
+    AUDIO_URLS,
+    MAX_AUDIO_BYTES,
+    TRANSCRIPTIONS_URL,
+    TRANSLATIONS_URL,
+    AudioInvalid,
+    TranscriptionRequest,
+    check_audio,
+    check_file,
+    data_url,
+    is_audio_body,
+)
+from schemas.embeddings import (
+    CHAT_URL,
+    EMBEDDINGS_URL,
+    AnyRequest,
+    EmbeddingRequest,
+    parse_request,
+)
 from schemas.images import ImageInvalid, check_images
 from schemas.responses import TranslationError
 from schemas.shapes import MESSAGES_URL, SHAPED_URLS, to_chat_job
@@ -26,13 +44,16 @@ class Defaults:
     num_draft_tokens: int | None = None
     #: A Batch API batch's endpoint: every line must be a request of it (None: any).
     endpoint: str | None = None
+    #: Where an audio line's ``file`` path is read from, and must stay under (None: paths
+    #: are refused: the gateway reads no local files).
+    audio_root: Path | None = None
 
 
 @dataclass(frozen=True)
 class ParsedLine:
     lineno: int
     custom_id: str
-    request: ChatRequest | EmbeddingRequest
+    request: AnyRequest
     text: str
     body: dict[str, Any]
     #: A /v1/responses or /v1/completions line's shape (``schemas.shapes``), else None.
@@ -57,7 +78,7 @@ _BATCH_KEYS = frozenset(("custom_id", "method", "url", "body"))
 
 #: A line read: custom_id, request (a chat job for a shaped line), the body stored
 #: (the chat body), and the line's shape (``schemas.shapes``) or None.
-Line = tuple[str, ChatRequest | EmbeddingRequest, dict[str, Any], dict[str, Any] | None]
+Line = tuple[str, AnyRequest, dict[str, Any], dict[str, Any] | None]
 
 
 class LineInvalid(Exception):
@@ -117,6 +138,9 @@ def parse_line(text: str, lineno: int, defaults: Defaults = Defaults()) -> Line:
     body = apply_defaults(body, defaults)
     shape = None
     try:
+        if url in AUDIO_URLS or (url is None and is_audio_body(body)):
+            body = audio_body(body, url, defaults.audio_root)
+            check_file(body)  # not audio, empty or over the limit: refused here
         if url in SHAPED_URLS:
             body, shape = to_chat_job(url, body)
             request = parse_request(body, CHAT_URL)
@@ -126,14 +150,48 @@ def parse_line(text: str, lineno: int, defaults: Defaults = Defaults()) -> Line:
             check_images(body)  # broken, truncated or bomb-shaped images: refused here
     except ValidationError as e:
         raise LineInvalid(describe_validation_error(e, prefix)) from None
-    except (TranslationError, ImageInvalid) as e:
+    except (TranslationError, ImageInvalid, AudioInvalid) as e:
         raise LineInvalid(f"{prefix}.{e}" if prefix else str(e)) from None
     if defaults.endpoint is not None:
+        if url is None and isinstance(request, TranscriptionRequest):
+            url = TRANSLATIONS_URL if request.task == "translate" else TRANSCRIPTIONS_URL
         if url is None:
             url = EMBEDDINGS_URL if isinstance(request, EmbeddingRequest) else CHAT_URL
         if url != defaults.endpoint:
             raise LineInvalid(f"url: a {url} request in a batch for {defaults.endpoint}")
     return custom_id, request, body, shape
+
+
+def audio_body(body: dict[str, Any], url: str | None, root: Path | None) -> dict[str, Any]:
+    """An audio line's body as a job runs it: ``task`` from its URL, and a ``file`` path
+    read (under ``root``) into a data URL. Raises :class:`AudioInvalid` naming what is wrong."""
+    body = dict(body)
+    if url is not None:
+        task = "translate" if url == TRANSLATIONS_URL else "transcribe"
+        if body.setdefault("task", task) != task:
+            raise AudioInvalid(f"task: {url} runs {task!r}, not {body['task']!r}")
+    file = body.get("file")
+    if not isinstance(file, str) or file.startswith(("data:", "https://", "http://", "mlxq-")):
+        return body  # (validated as the request's file)
+    if root is None:
+        raise AudioInvalid(
+            "file: a path is read by `producer submit` from its jobs file's folder; here "
+            "give a data:audio/...;base64 URL or an http(s) URL"
+        )
+    base = root.resolve()
+    path = (base / file).resolve()
+    if not path.is_relative_to(base):
+        raise AudioInvalid(f"file: {file!r} is outside {base} (paths stay under --audio-root)")
+    if not path.is_file():
+        raise AudioInvalid(f"file: no file {file!r} under {base}")
+    size = path.stat().st_size
+    if size > MAX_AUDIO_BYTES:
+        raise AudioInvalid(
+            f"file: {file!r} is {size / 2**20:.1f} MB; the limit is {MAX_AUDIO_BYTES >> 20} MB"
+        )
+    data = path.read_bytes()
+    body["file"] = data_url(data, check_audio(data, f"file: {file!r}"))
+    return body
 
 
 def _batch_line(obj: dict[str, Any]) -> tuple[str, str]:

@@ -246,6 +246,14 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
         "Batch jobs handed back to their queue to make room for interactive ones.",
         labels=["worker"],
     )
+    audio = CounterMetricFamily(
+        "mlxq_worker_audio_seconds", "Seconds of audio transcribed.", labels=["worker"]
+    )
+    audio_busy = CounterMetricFamily(
+        "mlxq_worker_audio_busy_seconds",
+        "Wall seconds spent transcribing (audio seconds / these: its speed).",
+        labels=["worker"],
+    )
     per_queue = {
         k: HistogramMetricFamily(name, doc, labels=["worker", "queue"])
         for k, (name, doc) in QUEUE_HISTOGRAMS.items()
@@ -291,6 +299,8 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
         shortfalls.add_metric([w.name], w.replica_shortfalls)
         adopted.add_metric([w.name], w.figures_adopted)
         preempted.add_metric([w.name], w.preemptions)
+        audio.add_metric([w.name], w.audio_seconds)
+        audio_busy.add_metric([w.name], w.audio_busy_s)
         for queue, hs in w.queue_latency.items():
             for k, family in per_queue.items():
                 if (h := hs.get(k)) is not None:
@@ -303,6 +313,7 @@ def _worker_metrics(workers: list[WorkerInfo], lease_left: dict[str, float]) -> 
                 family.add_metric([w.name], h.cumulative(), h.sum)
     yield from (rq_workers, up, jobs, tokens, tps, accept, batch, limit, kv, memory, group_size)
     yield from (hits, lookups, reused, entries, kept, shortfalls, adopted, preempted, renew)
+    yield from (audio, audio_busy)
     yield from (*hists.values(), *per_queue.values())
 
 

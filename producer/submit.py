@@ -13,6 +13,7 @@ from redis import Redis
 
 from producer.enqueue import DEFAULT_CHUNK, Enqueuer, KnownJobs, Prepared
 from schemas import ChatRequest, InvalidRequestError, job_data, keys
+from schemas.audio import stored_audio
 from schemas.cancel import CANCELLED_AT
 from schemas.embeddings import EmbeddingRequest
 from schemas.images import stored_images
@@ -211,6 +212,8 @@ def _prepare(
             else item.request.model_dump(mode="json", exclude_unset=True, by_alias=True)
         )
         body, images = stored_images(body)
+        body, audio = stored_audio(body)  # a recording too: once, with the batch
+        images = images | audio
         yield Prepared(
             job_id,
             queue_of(route, queue, item.request.model),

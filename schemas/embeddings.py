@@ -25,6 +25,7 @@ from pydantic import (
     field_validator,
 )
 
+from schemas.audio import AUDIO_URLS, TranscriptionRequest, is_audio_body
 from schemas.request import ChatRequest
 
 #: OpenAI's limit on inputs per request.
@@ -132,26 +133,37 @@ def decode_base64(text: str) -> list[float]:
 
 def _kind(value: Any) -> str:
     if isinstance(value, BaseModel):
+        if isinstance(value, TranscriptionRequest):
+            return "[audio]"
         return "[embeddings]" if isinstance(value, EmbeddingRequest) else "[chat]"
+    if is_audio_body(value):
+        return "[audio]"
     if isinstance(value, dict) and "input" in value and "messages" not in value:
         return "[embeddings]"
     return "[chat]"
 
 
-#: A job's request: a chat request, or an embeddings request (told apart by ``input``).
+#: A job's request: chat, embeddings (told apart by ``input``) or a transcription (``file``).
 JobRequest = Annotated[
-    Annotated[ChatRequest, Tag("[chat]")] | Annotated[EmbeddingRequest, Tag("[embeddings]")],
+    Annotated[ChatRequest, Tag("[chat]")]
+    | Annotated[EmbeddingRequest, Tag("[embeddings]")]
+    | Annotated[TranscriptionRequest, Tag("[audio]")],
     Discriminator(_kind),
 ]
 
 
 _REQUEST = TypeAdapter(JobRequest)
-_BY_URL: dict[str, type[BaseModel]] = {CHAT_URL: ChatRequest, EMBEDDINGS_URL: EmbeddingRequest}
+_BY_URL: dict[str, type[BaseModel]] = {
+    CHAT_URL: ChatRequest,
+    EMBEDDINGS_URL: EmbeddingRequest,
+    **dict.fromkeys(AUDIO_URLS, TranscriptionRequest),
+}
+AnyRequest = ChatRequest | EmbeddingRequest | TranscriptionRequest
 
 
-def parse_request(body: Any, url: str | None = None) -> ChatRequest | EmbeddingRequest:
+def parse_request(body: Any, url: str | None = None) -> AnyRequest:
     """Validate a job's request: as ``url``'s body (a Batch line's endpoint), or, without
-    one, as chat or embeddings by its shape. Raises pydantic's ValidationError."""
+    one, as chat, embeddings or audio by its shape. Raises pydantic's ValidationError."""
     if url is not None:
         return _BY_URL[url].model_validate(body)  # type: ignore[return-value]
     return _REQUEST.validate_python(body)

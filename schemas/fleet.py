@@ -134,6 +134,9 @@ class WorkerInfo(BaseModel):
     # Per queue: ``QUEUE_LATENCIES`` histograms; batch jobs preempted by interactive ones.
     queue_latency: dict[str, dict[str, Histogram]] = {}
     preemptions: int = 0
+    # Audio jobs: seconds of audio transcribed, and wall seconds spent transcribing.
+    audio_seconds: float = 0.0
+    audio_busy_s: float = 0.0
     # Ranks of its worker group (``worker --shard``; 1: one machine), and its KV bits.
     group_size: int = 1
     shard: str | None = None

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.audio import Transcription
 from schemas.embeddings import EmbeddingList
 from schemas.errors import MlxqError
 from schemas.tools import ToolCall
@@ -140,8 +141,8 @@ class Partial(BaseModel):
     cut: Literal[True] = True
 
 
-#: What a succeeded job answers: a chat completion, or an embeddings list.
-Response = Annotated[ChatCompletion | EmbeddingList, Field(discriminator="object")]
+#: What a succeeded job answers: a chat completion, an embeddings list or a transcription.
+Response = Annotated[ChatCompletion | EmbeddingList | Transcription, Field(discriminator="object")]
 
 
 class ResultRecord(BaseModel):
@@ -260,6 +261,12 @@ class BatchInputLine(BaseModel):
     custom_id: str = Field(min_length=1, max_length=512)
     method: Literal["POST"]
     url: Literal[
-        "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/completions", "/v1/messages"
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
     ]
     body: dict[str, Any]

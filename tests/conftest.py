@@ -54,6 +54,9 @@ QUICK_FILES = {
     "test_worker.py",
 }
 QUICK_TESTS = {
+    "tests/test_audio.py::test_every_format_and_sample_rate_decodes_to_16khz_mono",
+    "tests/test_audio.py::test_the_timestamp_rule_rules_out_what_mlx_whisper_rules_out",
+    "tests/test_audio.py::test_jobs_file_paths_stay_under_their_root",
     "tests/test_messages.py::test_the_translation_keeps_roles_calls_and_results_in_order",
     "tests/test_messages.py::test_errors_have_anthropics_shape_and_name_what_is_wrong",
     "tests/test_constrained.py::test_bad_constraints_are_refused_naming_the_field",

@@ -13,6 +13,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from schemas import MlxqError, keys
+from schemas.audio import MAX_AUDIO_S
 from schemas.connect import redis_from_url
 from schemas.settings import (
     DEFAULT_REDIS_URL,
@@ -268,6 +269,16 @@ class _Commands(click.Group):
     "and a request's time_limit_s hold too, the least wins).",
 )
 @click.option(
+    "--max-audio-seconds",
+    envvar="MLXQ_MAX_AUDIO_SECONDS",
+    type=click.FloatRange(min=1),
+    default=MAX_AUDIO_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="The longest recording an audio job may carry: decoding stops there and the job "
+    "fails with a 400 (a small file of hours of silence cannot fill memory).",
+)
+@click.option(
     "--thinking-budget",
     envvar="MLXQ_THINKING_BUDGET",
     type=click.IntRange(min=0),
@@ -380,6 +391,7 @@ def main(
     lookup: str,
     interactive_join: str,
     time_limit: float | None,
+    max_audio_seconds: float,
     thinking_budget: int | None,
     lookup_tokens: int,
     max_batch: int | None,
@@ -465,6 +477,7 @@ def main(
         machine_kind=machine_kind,
         step=StepConfig(join_mode=interactive_join),
         time_limit_s=time_limit,
+        max_audio_s=max_audio_seconds,
         thinking_budget=thinking_budget,
     )
     if name:

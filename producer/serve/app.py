@@ -35,7 +35,17 @@ from producer.enqueue import ENQUEUE_LUA
 from producer.fleet import live_workers
 from producer.metrics import registry_for
 from producer.retry import RetryBody, retry_batch
-from producer.serve import batchapi, chat, files, legacy, messages, msgbatches, page, responses
+from producer.serve import (
+    audio,
+    batchapi,
+    chat,
+    files,
+    legacy,
+    messages,
+    msgbatches,
+    page,
+    responses,
+)
 from producer.serve.coalesce import Coalesced
 from producer.serve.notify import Notifier
 from producer.serve.settings import GatewaySettings, error
@@ -45,6 +55,7 @@ from schemas import ChatRequest, InvalidRequestError, describe_validation_error
 from schemas.anthropic import MessagesRequest
 from schemas.anthropic import TranslationError as MessagesTranslationError
 from schemas.anthropic import to_chat as messages_to_chat
+from schemas.audio import AUDIO_URLS, MAX_AUDIO_BYTES
 from schemas.completions import CompletionRequest
 from schemas.connect import async_redis_from_url, redis_from_url
 from schemas.embeddings import EmbeddingRequest
@@ -87,6 +98,8 @@ class Guard:
         limit = (
             self.settings.max_file_bytes + (1 << 20) if is_file else self.settings.max_body_bytes
         )
+        if scope["path"] in AUDIO_URLS:  # a recording and its form fields
+            limit = max(limit, MAX_AUDIO_BYTES + (1 << 20))
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > limit:
             reply = _too_large(limit)
@@ -219,6 +232,16 @@ async def _broken_image(body: dict[str, Any]) -> JSONResponse | None:
     return None
 
 
+async def transcriptions(request: Request, s: GatewaySettings) -> Response:
+    """``POST /v1/audio/transcriptions`` and ``/translations``: one transcription job on
+    the interactive queue, answered in its ``response_format`` (``producer.serve.audio``)."""
+    got = await audio.request_body(request)
+    if isinstance(got, Response):
+        return got
+    body, req = got
+    return await _answer(request, s, body, (req.model,), False, audio.Rendered(req.response_format))
+
+
 async def embeddings(request: Request, s: GatewaySettings) -> Response:
     """``POST /v1/embeddings``: one embedding job on the interactive queue, like a chat
     completion that is never streamed."""
@@ -249,7 +272,12 @@ async def _answer(
     body: dict[str, Any],
     models: tuple[str | None, ...],
     stream: bool,
-    shape: responses.Shape | legacy.Shape | messages.Shape | messages.Count | None = None,
+    shape: responses.Shape
+    | legacy.Shape
+    | messages.Shape
+    | messages.Count
+    | audio.Rendered
+    | None = None,
 ) -> Response:
     """Enqueue a validated request as an interactive job; answer with its record (or
     relay its stream), as ``shape`` translates them (None: as they are)."""
@@ -283,7 +311,11 @@ async def _answer(
         if record and record.get("metrics"):
             headers["server-timing"] = _timing(record, request.state)
         if shape is not None and record and record.get("status") == "succeeded":
-            return JSONResponse(await shape.answer(record["response"]), headers=headers)
+            answered = await shape.answer(record["response"])
+            if isinstance(answered, Response):  # (a transcription's text, srt or vtt)
+                answered.headers.update(headers)
+                return answered
+            return JSONResponse(answered, headers=headers)
         return _record_reply(record, headers)
     first, last_id, record = await chat.first_chunks(
         aredis, job_id, request, s.chat_timeout_s, s.chat_ttl
@@ -416,6 +448,8 @@ async def _as_chat(
 DIRECT: dict[str, Callable[[Request, GatewaySettings], Awaitable[Response]]] = {
     "/v1/chat/completions": completions,
     "/v1/embeddings": embeddings,
+    "/v1/audio/transcriptions": transcriptions,
+    "/v1/audio/translations": transcriptions,
     "/v1/responses": create_response,
     "/v1/completions": create_completion,
     "/v1/messages": create_message,

@@ -46,7 +46,14 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=128)
-    endpoint: Literal["/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/completions"]
+    endpoint: Literal[
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/completions",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+    ]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
 

@@ -54,6 +54,7 @@ from worker.engine.prefix import PrefixCache
 from worker.engine.prefixdisk import PrefixDisk
 from worker.engine.rewind import leaves
 from worker.engine.vision import TEXT_VIEWS, Vision, can_see, load_language
+from worker.engine.whisper import is_whisper, load_whisper, whisper_dtype
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,10 @@ class LoadedModel:
 
     @property
     def kind(self) -> str:
-        """What jobs it serves: "chat" or "embeddings"."""
-        return "chat" if self.embedder is None else "embeddings"
+        """What jobs it serves: "chat", "embeddings" or "audio" (a Whisper checkpoint)."""
+        if self.embedder is not None:
+            return "embeddings"
+        return "audio" if is_whisper(self.config) else "chat"
 
     @property
     def key(self) -> CacheKey:
@@ -503,11 +506,11 @@ class ModelCache:
         elapsed = time.perf_counter() - start
         entry = LoadedModel(name, None, model, tokenizer, config, param_bytes(model), elapsed)
         entry.embedder, entry.local = embedder, local
-        if embedder is None:
+        if entry.kind == "chat":
             self._see(entry, path)
         log.info(
             "loaded %s in %.2fs (%.1f MB)",
-            _label(entry.key) + (" (embeddings)" if embedder is not None else ""),
+            _label(entry.key) + ("" if entry.kind == "chat" else f" ({entry.kind})"),
             elapsed,
             entry.nbytes / 1e6,
         )
@@ -579,6 +582,8 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     from mlx_lm.utils import load
 
     config, encoder, pooling = _kind(path)
+    if is_whisper(config):  # mlx-whisper's format; its tokenizer ships with mlx-whisper
+        return load_whisper(path, whisper_dtype()), None, config, None
     if not encoder and (why := _remote_only(config)) is not None:
         raise ValueError(why)
     if encoder:
@@ -622,9 +627,11 @@ def _kind(path: Path) -> tuple[dict[str, Any], bool, Any]:
 
 
 def _chat_only(path: Path, name: str) -> None:
-    """A worker group splits chat models only: an embedding model fails by name."""
-    if _kind(path)[2] is not None:
-        raise ModelLoadError(f"model {name!r} embeds: a worker group serves chat models only")
+    """A worker group splits chat models only: an embedding or audio model fails by name."""
+    config, _, pooling = _kind(path)
+    if pooling is not None or is_whisper(config):
+        what = "embeds" if pooling is not None else "transcribes audio"
+        raise ModelLoadError(f"model {name!r} {what}: a worker group serves chat models only")
 
 
 def _label(key: CacheKey) -> str:

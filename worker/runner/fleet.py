@@ -56,6 +56,8 @@ def worker_info(
             for q, hs in rt.stats.by_queue.items()
         },
         preemptions=rt.stats.preemptions,
+        audio_seconds=round(rt.stats.audio_seconds, 3),
+        audio_busy_s=round(rt.stats.audio_busy_s, 3),
         lease_s=lease_s,
         replica_shortfalls=replica_shortfalls,
         machine_kind=figures.kind if figures else None,

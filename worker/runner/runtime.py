@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
+from schemas.audio import MAX_AUDIO_S
 from worker.engine.models import ModelCache, local_dir
 from worker.runner.access import ModelAccess
 from worker.runner.company import Scout
@@ -44,6 +45,8 @@ class WorkerRuntime:
     # The most seconds a job may run here once taken (``--time-limit``; None: no limit of
     # the worker's own; a batch's job timeout and a request's ``time_limit_s`` still hold).
     time_limit_s: float | None = None
+    # The longest recording an audio job may carry (``--max-audio-seconds``).
+    max_audio_s: float = MAX_AUDIO_S
     # The thinking budget of a request that sets none (``--thinking-budget``; None: no cap).
     thinking_budget: int | None = None
 

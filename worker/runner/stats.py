@@ -34,6 +34,9 @@ class WorkerStats:
     # Per pair, when its last counted job ended (monotonic): the wall time it was busy is
     # the union of its jobs' spans, not their sum (a batch of 20 jobs of 20 s is 20 s).
     busy_until: dict[tuple[str, str | None], float] = field(default_factory=dict)
+    # Audio jobs: seconds of audio transcribed, and the wall seconds spent on them.
+    audio_seconds: float = 0.0
+    audio_busy_s: float = 0.0
 
     def ended(self, record: ResultRecord, queue: str | None = None) -> None:
         """Count a record this worker wrote, and observe its latencies (also per ``queue``)."""
@@ -55,6 +58,10 @@ class WorkerStats:
                     base = keys.base_queue(queue)  # (a tenant's list: its queue's label)
                     per = self.by_queue.setdefault(base, {n: Histogram() for n in QUEUE_LATENCIES})
                     per[name].observe(value)
+
+    def add_audio(self, audio_s: float, wall_s: float) -> None:
+        self.audio_seconds += audio_s
+        self.audio_busy_s += wall_s
 
     def add_batch(self, size: int, kv_bytes: int, projected_bytes: int) -> None:
         self.peak_batch = max(self.peak_batch, size)
