@@ -392,3 +392,61 @@ def test_each_window_is_the_one_mlx_whisper_decodes(whisper):
         t.take(ended[0][1])
         n += 1
     assert n == len(asked) >= 3
+
+
+def test_no_room_for_one_row_fails_the_jobs_not_the_worker(conn, redis_url, whisper):
+    from worker.engine.models import ModelCache
+    from worker.engine.whisper import row_bytes
+
+    probe, _ = ModelCache().get(whisper)
+    budget = probe.nbytes + row_bytes(probe.model) // 2  # the model, and half a row
+    wav = data_url(_file(4, 16000, "wav"), "wav")
+    jobs = {f"j{i}": {"model": whisper, "file": wav, **GREEDY} for i in range(3)}
+    got = run_jobs(conn, redis_url, jobs, "audio-no-room", cache=ModelCache(budget))
+    for record in got.values():
+        assert record.status == "failed" and "audio rows needs" in record.error.message
+    assert len(got) == 3  # every job ended, each with its record (the worker went on)
+
+
+def test_decoder_steps_give_mlx_whispers_logits_bit_for_bit(whisper):
+    """Rows of different prompts and lengths stepped together give, row by row, the very
+    logits mlx-whisper's own decoder gives each alone (float16 layers under float32 audio
+    included): any rounding apart would flip near-ties somewhere in a long batch."""
+    import mlx.core as mx
+    from mlx_whisper.decoding import DecodingOptions, DecodingTask
+
+    from worker.engine.whisper import WhisperBatch, Window, load_whisper, whisper_dtype
+
+    model = load_whisper(Path(whisper), whisper_dtype())
+    mels = [
+        pad_window(decode_audio(_file(s, 16000, "wav", seed=s)), whisper_dtype()) for s in (12, 30)
+    ]
+    prompts = [[], list(range(220, 250))]
+    windows = [
+        Window(m, DecodingOptions(language="en", prompt=p, fp16=whisper_dtype() == mx.float16))
+        for m, p in zip(mels, prompts, strict=True)
+    ]
+    batch = WhisperBatch(model, 4)
+    assert batch.add([(i, w) for i, w in enumerate(windows)]) == []
+    follow = [[int(t) for t in np.random.default_rng(i).integers(0, 50000, 6)] for i in range(2)]
+    for i, w in enumerate(windows):
+        task = DecodingTask(model, w.options)
+        features = model.encoder(w.mel[None])
+        _, cache, _ = model.decoder(mx.array([list(task.initial_tokens)]), features)
+        batch.rows[i].tokens[-1] = follow[i][0]
+        follow[i] = [follow[i], cache, features]
+    for step in range(5):
+        ours = batch._forward()
+        for i in range(2):
+            tokens, cache, features = follow[i]
+            theirs, cache, _ = model.decoder(mx.array([[tokens[step]]]), features, kv_cache=cache)
+            follow[i][1] = cache
+            assert mx.array_equal(ours[i], theirs[0, -1].astype(mx.float32)).item(), (i, step)
+            batch.rows[i].tokens.append(tokens[step + 1])
+
+
+def pad_window(audio: np.ndarray, dtype) -> object:
+    from mlx_whisper.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+
+    mel = log_mel_spectrogram(audio, n_mels=80, padding=N_SAMPLES)
+    return pad_or_trim(mel[:N_FRAMES], N_FRAMES, axis=-2).astype(dtype)

@@ -236,7 +236,9 @@ class WhisperBatch:
         x = dec.token_embedding(mx.array([[r.tokens[-1]] for r in self.rows]))
         x = x + dec.positional_embedding[pos][:, None, :]
         allowed = mx.arange(span)[None, :] <= pos[:, None]
-        mask = mx.where(allowed, 0.0, -mx.inf).astype(x.dtype)[:, None, None, :]
+        # in the causal mask's dtype, as mlx-whisper adds it (a float32 mask lifts float16
+        # scores to float32 before the softmax)
+        mask = mx.where(allowed, 0.0, -mx.inf).astype(dec._mask.dtype)[:, None, None, :]
         rows = mx.arange(n)
         for e, block in enumerate(dec.blocks):
             h = block.attn_ln(x)

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 #: Recordings in flight at once, and decoder rows (windows) at once.
 MAX_JOBS = 32
 MAX_ROWS = 16
+#: No more recordings join while those in flight add up to this much audio (each holds its
+#: spectrogram: 4 h of audio is 460 MB of it).
+MAX_IN_FLIGHT_S = 4 * 3600
 
 
 def is_audio(job: Job) -> bool:
@@ -94,13 +97,24 @@ class AudioRun:
         started = time.perf_counter()
         capacity = self._capacity(model)
         batch = WhisperBatch(model.model, capacity)
-        with self.rt.cache.reserving(capacity * row_bytes(model.model), "audio rows"):
-            while self.running:
-                self._stop_due(batch)
-                self._join(model, batch.room)
-                self._feed(batch)
-                self._ended(batch.step())
+        try:
+            with self.rt.cache.reserving(capacity * row_bytes(model.model), "audio rows"):
+                while self.running:
+                    self._stop_due(batch)
+                    self._join(model, batch.room)
+                    self._feed(batch)
+                    self._ended(batch.step())
+        except MlxqError as e:  # (no room for one row beside the models)
+            self._fail_all(e)
+        except Exception as e:  # never let one batch's surprise take the worker down
+            log.exception("transcribing %d job(s) failed unexpectedly", len(self.running))
+            self._fail_all(GenerationError(f"{type(e).__name__}: {e}"))
         self.rt.stats.add_audio(self.audio_s, time.perf_counter() - started)
+
+    def _fail_all(self, error: MlxqError) -> None:
+        ended = [(r.job, records.failure(r.job, self.rt, error)) for r in self.running]
+        self.running.clear()
+        self.finish(ended)
 
     # -- jobs in --------------------------------------------------------------
     def _start(self, first: Job) -> LoadedModel | None:
@@ -122,7 +136,11 @@ class AudioRun:
     def _join(self, model: LoadedModel, room: int) -> None:
         """Jobs of the same model from the first job's queue, while rows would stand idle
         (the queue is asked again :data:`LOOK_EVERY_S` after it had none)."""
-        while len(self.running) < MAX_JOBS and self._waiting() < room:
+        while (
+            len(self.running) < MAX_JOBS
+            and self._waiting() < room
+            and sum(r.transcript.duration_s for r in self.running) < MAX_IN_FLIGHT_S
+        ):
             if time.monotonic() < self._look_at:
                 return
             job = self.take()
