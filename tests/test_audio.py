@@ -120,12 +120,16 @@ def test_hostile_recordings_fail_alone_with_a_clear_record(conn, redis_url, whis
     wav = _file(6, 16000, "wav")
     mp3 = _file(6, 44100, "mp3")
     long = encode(silence(90, 8000), 8000, "flac")
+    bomb = bytearray(long)  # its STREAMINFO's length zeroed ("unknown"): found by decoding
+    head = int.from_bytes(bomb[18:26], "big") & ~((1 << 36) - 1)
+    bomb[18:26] = head.to_bytes(8, "big")
     bad = {
         "truncated-wav": (wav[: len(wav) // 2], "truncated"),
         "truncated-mp3": (mp3[: len(mp3) // 3], "truncated"),
         "header-only": (b"RIFF\x00\x00\x00\x00WAVE" + b"\x00" * 40, "wav"),
         "garbage-mp3": (b"ID3" + bytes(range(256)) * 20, "mp3"),
-        "too-long": (long, "longer than the limit"),
+        "too-long": (long, "longer than the limit of 60 s (it declares 90 s)"),
+        "bomb": (bytes(bomb), "longer than the limit of 60 s (it decodes longer)"),
     }
     jobs = {k: {"model": whisper, "file": data_url(d, "x"), **GREEDY} for k, (d, _) in bad.items()}
     jobs["url"] = {"model": whisper, "file": "https://example.com/a.wav", **GREEDY}

@@ -115,4 +115,5 @@ def _declared_s(container: object, stream: object) -> float | None:
 
 
 def _too_long(where: str, max_s: float, how: str) -> str:
-    return f"{where}: the recording is longer than the limit of {max_s / 3600:g} h ({how})"
+    limit = f"{max_s / 3600:g} h" if max_s >= 3600 else f"{max_s:g} s"
+    return f"{where}: the recording is longer than the limit of {limit} ({how})"
