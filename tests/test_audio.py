@@ -413,40 +413,64 @@ def test_no_room_for_one_row_fails_the_jobs_not_the_worker(conn, redis_url, whis
 
 
 def test_decoder_steps_give_mlx_whispers_logits_bit_for_bit(whisper):
-    """Rows of different prompts and lengths stepped together give, row by row, the very
-    logits mlx-whisper's own decoder gives each alone (float16 layers under float32 audio
-    included): any rounding apart would flip near-ties somewhere in a long batch."""
+    """A row alone gives, step by step, the very logits mlx-whisper's own decoder gives
+    (float16 layers under float32 audio included: a dtype apart flips near-ties somewhere in
+    a long batch); rows of different prompts stepped together give them to float rounding
+    (batched matrix products may round apart from one row's, by BLAS)."""
     import mlx.core as mx
-    from mlx_whisper.decoding import DecodingOptions, DecodingTask
+    from mlx_whisper.decoding import DecodingOptions
 
-    from worker.engine.whisper import WhisperBatch, Window, load_whisper, whisper_dtype
+    from worker.engine.whisper import Window, load_whisper, whisper_dtype
 
-    model = load_whisper(Path(whisper), whisper_dtype())
-    mels = [
-        pad_window(decode_audio(_file(s, 16000, "wav", seed=s)), whisper_dtype()) for s in (12, 30)
-    ]
+    dtype = whisper_dtype()
+    model = load_whisper(Path(whisper), dtype)
+    mels = [pad_window(decode_audio(_file(s, 16000, "wav", seed=s)), dtype) for s in (12, 30)]
     prompts = [[], list(range(220, 250))]
     windows = [
-        Window(m, DecodingOptions(language="en", prompt=p, fp16=whisper_dtype() == mx.float16))
+        Window(m, DecodingOptions(language="en", prompt=p, fp16=dtype == mx.float16))
         for m, p in zip(mels, prompts, strict=True)
     ]
-    batch = WhisperBatch(model, 4)
-    assert batch.add([(i, w) for i, w in enumerate(windows)]) == []
     follow = [[int(t) for t in np.random.default_rng(i).integers(0, 50000, 6)] for i in range(2)]
-    for i, w in enumerate(windows):
-        task = DecodingTask(model, w.options)
-        features = model.encoder(w.mel[None])
-        _, cache, _ = model.decoder(mx.array([list(task.initial_tokens)]), features)
-        batch.rows[i].tokens[-1] = follow[i][0]
-        follow[i] = [follow[i], cache, features]
-    for step in range(5):
-        ours = batch._forward()
-        for i in range(2):
-            tokens, cache, features = follow[i]
-            theirs, cache, _ = model.decoder(mx.array([[tokens[step]]]), features, kv_cache=cache)
-            follow[i][1] = cache
-            assert mx.array_equal(ours[i], theirs[0, -1].astype(mx.float32)).item(), (i, step)
-            batch.rows[i].tokens.append(tokens[step + 1])
+    theirs = [_their_steps(model, w, f) for w, f in zip(windows, follow, strict=True)]
+    for i, window in enumerate(windows):
+        alone = _our_steps(model, [window], [follow[i]])[0]
+        for step, (a, b) in enumerate(zip(alone, theirs[i], strict=True)):
+            assert mx.array_equal(a, b).item(), (i, step)
+    together = _our_steps(model, windows, follow)
+    for i in range(2):
+        for a, b in zip(together[i], theirs[i], strict=True):
+            assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+
+
+def _their_steps(model, window, tokens: list[int]) -> list:
+    import mlx.core as mx
+    from mlx_whisper.decoding import DecodingTask
+
+    task = DecodingTask(model, window.options)
+    features = model.encoder(window.mel[None])
+    _, cache, _ = model.decoder(mx.array([list(task.initial_tokens)]), features)
+    out = []
+    for token in tokens[:-1]:
+        logits, cache, _ = model.decoder(mx.array([[token]]), features, kv_cache=cache)
+        out.append(logits[0, -1].astype(mx.float32))
+    return out
+
+
+def _our_steps(model, windows: list, follow: list[list[int]]) -> list[list]:
+    """Each row's logits at each step, the rows fed ``follow``'s tokens."""
+    from worker.engine.whisper import WhisperBatch
+
+    batch = WhisperBatch(model, 4)
+    assert batch.add(list(enumerate(windows))) == []
+    for row, tokens in zip(batch.rows, follow, strict=True):
+        row.tokens[-1] = tokens[0]
+    out: list[list] = [[] for _ in windows]
+    for step in range(len(follow[0]) - 1):
+        logits = batch._forward()
+        for i, row in enumerate(batch.rows):
+            out[i].append(logits[i])
+            row.tokens.append(follow[i][step + 1])
+    return out
 
 
 def pad_window(audio: np.ndarray, dtype) -> object:
@@ -454,3 +478,27 @@ def pad_window(audio: np.ndarray, dtype) -> object:
 
     mel = log_mel_spectrogram(audio, n_mels=80, padding=N_SAMPLES)
     return pad_or_trim(mel[:N_FRAMES], N_FRAMES, axis=-2).astype(dtype)
+
+
+def test_an_interactive_job_is_served_before_the_audio_queue_drains(conn, whisper, tiny, workers):
+    """While recordings run, a job on a queue served first stops more recordings from
+    joining: it runs once those in flight end, not after the whole audio queue."""
+    from schemas import keys
+    from tests.conftest import chat
+
+    files = [data_url(_file(1 + i % 3, 16000, "wav", seed=i), "wav") for i in range(44)]
+    # (hotter retries make rows end at different steps: the run never empties by itself)
+    audio = Client(connection=conn).submit(
+        {f"a{i}": {"model": whisper, "file": f, "language": "en"} for i, f in enumerate(files)}
+    )
+    workers()
+    wait_for(lambda: any(read_result(conn, j) for j in audio.job_ids), timeout=120)
+    quick = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(
+        {"q": chat(tiny.target, max_tokens=4)}
+    )
+    record = one_result(conn, quick.job_ids[0], timeout=120)
+    assert record.status == "succeeded"
+    done = sum(1 for j in audio.job_ids if read_result(conn, j) is not None)
+    assert done < len(audio.job_ids)  # (at most 32 recordings are in flight at once)
+    for job_id in audio.job_ids:
+        assert one_result(conn, job_id, timeout=120).status == "succeeded"

@@ -77,8 +77,12 @@ class AudioRun:
         conn: object,
         take: Callable[[], Job | None],
         finish: Callable[[list[tuple[Job, ResultRecord]]], None],
+        ahead: Callable[[], bool] = lambda: False,
     ) -> None:
         self.rt, self.conn, self.take, self.finish = rt, conn, take, finish
+        #: Whether a queue served before this run's has work: then no more jobs join, and
+        #: the worker serves it once the recordings in flight end.
+        self.ahead = ahead
         self.running: list[_Running] = []
         self.stops = Stops(conn, rt.time_limit_s)  # type: ignore[arg-type]
         self.audio_s = 0.0
@@ -142,6 +146,9 @@ class AudioRun:
             and sum(r.transcript.duration_s for r in self.running) < MAX_IN_FLIGHT_S
         ):
             if time.monotonic() < self._look_at:
+                return
+            if self.ahead():
+                self._look_at = time.monotonic() + LOOK_EVERY_S
                 return
             job = self.take()
             if job is None:

@@ -267,7 +267,12 @@ class Worker:
                 return None
             return job
 
-        run = AudioRun(self.rt, self.conn, take, self.finish)
+        ahead = self.queues[: self.queues.index(queue)] if queue in self.queues else []
+
+        def higher() -> bool:  # (an interactive job waits: the run takes no more)
+            return any(self.lifecycle.waiting(q) for q in ahead)
+
+        run = AudioRun(self.rt, self.conn, take, self.finish, higher)
         try:
             with self.computing():
                 run.run(first)
