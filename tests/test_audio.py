@@ -502,3 +502,18 @@ def test_an_interactive_job_is_served_before_the_audio_queue_drains(conn, whispe
     assert done < len(audio.job_ids)  # (at most 32 recordings are in flight at once)
     for job_id in audio.job_ids:
         assert one_result(conn, job_id, timeout=120).status == "succeeded"
+
+
+def test_each_kind_of_model_refuses_the_other_kinds_by_name(conn, redis_url, whisper, tiny):
+    wav = data_url(_file(2, 16000, "wav"), "wav")
+    jobs = {
+        "chat-to-whisper": {"model": whisper, "messages": [{"role": "user", "content": "hi"}]},
+        "embed-whisper": {"model": whisper, "input": "hello"},
+        "audio-to-chat": {"model": tiny.target, "file": wav},
+    }
+    got = run_jobs(conn, redis_url, jobs, "audio-kinds")
+    assert "is an audio model, not a chat model" in got["chat-to-whisper"].error.message
+    assert "/v1/audio/transcriptions" in got["chat-to-whisper"].error.message
+    assert "is an audio model, not an embedding" in got["embed-whisper"].error.message
+    assert "is a chat model, not a Whisper model" in got["audio-to-chat"].error.message
+    assert {r.status_code for r in got.values()} == {400}

@@ -326,7 +326,10 @@ class ChatGenerator:
 
 def _chat_model(entry: LoadedModel, what: str) -> None:
     if entry.kind != "chat":
+        embeds = entry.kind == "embeddings"
+        kind, route = (
+            ("embedding", "/v1/embeddings") if embeds else ("audio", "/v1/audio/transcriptions")
+        )
         raise ModelKindError(
-            f"{what} {entry.name!r} is an embedding model, not a chat model: send it "
-            "/v1/embeddings requests"
+            f"{what} {entry.name!r} is an {kind} model, not a chat model: send it {route} requests"
         )

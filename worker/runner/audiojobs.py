@@ -128,7 +128,8 @@ class AudioRun:
             model, hit = self.rt.cache.get(req.model)
             if model.kind != "audio":
                 raise ModelKindError(
-                    f"model {req.model!r} is a {model.kind} model, not a Whisper model: "
+                    f"model {req.model!r} is {'an' if model.kind == 'embeddings' else 'a'} "
+                    f"{model.kind} model, not a Whisper model: "
                     "send it chat or embeddings requests"
                 )
         except MlxqError as e:

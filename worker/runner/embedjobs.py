@@ -121,9 +121,11 @@ def _prepare(job: Job, rt: WorkerRuntime) -> _Ready:
     model, hit = rt.cache.get(req.model)
     embedder = model.embedder
     if embedder is None:
+        send = "chat" if model.kind == "chat" else "transcription"
+        a = "an" if model.kind == "audio" else "a"
         raise ModelKindError(
-            f"model {req.model!r} is a chat model, not an embedding model (it has no "
-            "sentence-transformers pooling module): send it chat requests"
+            f"model {req.model!r} is {a} {model.kind} model, not an embedding model (it has no "
+            f"sentence-transformers pooling module): send it {send} requests"
         )
     _check_dimensions(req, embedder)
     raw = req.inputs
