@@ -33,7 +33,6 @@ MAX_AUDIO_S = 4 * 3600
 MAX_PROMPT_CHARS = 4096
 AUDIO_REF = re.compile(r"mlxq-audio:([0-9a-f]{64})", re.ASCII)
 _DATA = re.compile(r"data:(audio|video|application)/[a-z0-9.+-]{1,32};base64,", re.ASCII)
-FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 
 
 class AudioInvalid(ValueError):

@@ -21,7 +21,7 @@ from producer import Client
 from producer.lines import Defaults, LineInvalid, parse_line
 from schemas.audio import Transcription, data_url, render
 from schemas.store import read_result
-from tests.conftest import run_jobs, write_jsonl
+from tests.conftest import chat, run_jobs, write_jsonl
 from tests.test_faults import one_result
 from tests.test_gateway import auth, gateway, request  # noqa: F401  (the fixture)
 from tests.waiting import wait_for
@@ -339,7 +339,8 @@ def test_the_timestamp_rule_rules_out_what_mlx_whisper_rules_out(whisper):
             step = (0, np.inf, 0, -np.inf)[k // 2 % 4]
             best = np.float32(total) if step == 0 else np.nextafter(np.float32(total), step)
             row[int(np.argmax(row[: tok.timestamp_begin]))] = best
-        rows.append(SimpleNamespace(task=task, tokens=list(task.initial_tokens) + sampled))
+        tokens = list(task.initial_tokens) + sampled
+        rows.append(SimpleNamespace(task=task, rule=theirs, tokens=tokens))
         logits.append(row)
     batch = mx.array(np.stack(logits))
     ours = np.array(timestamp_rules(batch, rows))
@@ -484,7 +485,6 @@ def test_an_interactive_job_is_served_before_the_audio_queue_drains(conn, whispe
     """While recordings run, a job on a queue served first stops more recordings from
     joining: it runs once those in flight end, not after the whole audio queue."""
     from schemas import keys
-    from tests.conftest import chat
 
     files = [data_url(_file(1 + i % 3, 16000, "wav", seed=i), "wav") for i in range(44)]
     # (hotter retries make rows end at different steps: the run never empties by itself)
@@ -517,3 +517,28 @@ def test_each_kind_of_model_refuses_the_other_kinds_by_name(conn, redis_url, whi
     assert "is an audio model, not an embedding" in got["embed-whisper"].error.message
     assert "is a chat model, not a Whisper model" in got["audio-to-chat"].error.message
     assert {r.status_code for r in got.values()} == {400}
+
+
+def test_batch_api_files_take_audio_lines_and_refuse_what_they_cannot_run(whisper):
+    """A Batch API file for an audio endpoint (the gateway's: no paths) takes base64 and URL
+    recordings; a chat line in it, a path, a stream or word timestamps are refused by name."""
+    from schemas.audio import TRANSCRIPTIONS_URL
+
+    batch = Defaults(endpoint=TRANSCRIPTIONS_URL)
+    wav = data_url(_file(2, 16000, "wav"), "wav")
+
+    def line(body: dict, url: str = TRANSCRIPTIONS_URL) -> str:
+        return json.dumps({"custom_id": "x", "method": "POST", "url": url, "body": body})
+
+    for file in (wav, "https://example.com/a.mp3"):
+        _, req, _, _ = parse_line(line({"model": whisper, "file": file}), 1, batch)
+        assert req.task == "transcribe" and req.file == file
+    for text, why in [
+        (line(chat(whisper), "/v1/chat/completions"), "in a batch for"),
+        (line({"model": whisper, "file": "a.wav"}), "a path is read by `producer submit`"),
+        (line({"model": whisper, "file": wav, "stream": True}), "not streamed"),
+        (line({"model": whisper, "file": wav, "timestamp_granularities": ["word"]}), "word"),
+        (line({"model": whisper, "file": "data:audio/wav;base64,aGVsbG8="}), "known format"),
+    ]:
+        with pytest.raises(LineInvalid, match=why):
+            parse_line(text, 2, batch)

@@ -61,6 +61,10 @@ class _Row:
     key: mx.array
     sampled: int = 0
     suppress: mx.array | None = field(default=None, repr=False)
+    #: Its timestamp rule (mlx-whisper's ``ApplyTimestampRules``; None: no timestamps).
+    rule: Any = None
+    #: The prefill's caches, until :meth:`WhisperBatch._place` lays them in a slot.
+    kv: Any = field(default=None, repr=False)
 
 
 def load_whisper(path: Path, dtype: mx.Dtype = mx.float16) -> nn.Module:
@@ -96,8 +100,10 @@ def row_bytes(model: nn.Module) -> int:
 class WhisperBatch:
     """Rows of windows decoded together, at most ``capacity`` at once."""
 
-    def __init__(self, model: nn.Module, capacity: int) -> None:
+    def __init__(self, model: nn.Module, capacity: int, dtype: mx.Dtype | None = None) -> None:
         self.model, self.capacity = model, capacity
+        # the dtype the model was loaded with (mlx-whisper makes its causal mask in it)
+        self.mask_dtype = dtype or whisper_dtype()
         self.n_ctx = model.dims.n_text_ctx
         # Per layer, made when the first row joins, in the dtype its prefill made (a
         # checkpoint's float16 weights under float32 audio give float32 from the first
@@ -170,23 +176,24 @@ class WhisperBatch:
             np.float32(0.0),
             no_speech,
             mx.random.key(window.seed),
+            rule=_timestamps(task),
+            kv=kv,
         )
-        row.kv = kv  # type: ignore[attr-defined]
         self._choose([row], last)
         return row
 
     def _place(self, row: _Row) -> None:
         if not self.keys:
-            self._buffers(row.kv)  # type: ignore[attr-defined]
+            self._buffers(row.kv)
         slot = len(self.rows)
-        for e, ((k, v), (ck, cv)) in enumerate(row.kv):  # type: ignore[attr-defined]
+        for e, ((k, v), (ck, cv)) in enumerate(row.kv):
             n = k.shape[1]
             self.keys[e][slot, :n] = k[0]
             self.values[e][slot, :n] = v[0]
             heads = self.model.decoder.blocks[e].cross_attn.n_head
             self.cross_keys[e][slot] = _heads(ck, heads, keys=True)[0]
             self.cross_values[e][slot] = _heads(cv, heads, keys=False)[0]
-        del row.kv  # type: ignore[attr-defined]
+        row.kv = None
         suppress = [f for f in row.task.logit_filters if hasattr(f, "mask")]
         row.suppress = suppress[-1].mask if suppress else None
         self.rows.append(row)
@@ -238,7 +245,7 @@ class WhisperBatch:
         allowed = mx.arange(span)[None, :] <= pos[:, None]
         # in the causal mask's dtype, as mlx-whisper adds it (a float32 mask lifts float16
         # scores to float32 before the softmax)
-        mask = mx.where(allowed, 0.0, -mx.inf).astype(dec._mask.dtype)[:, None, None, :]
+        mask = mx.where(allowed, 0.0, -mx.inf).astype(self.mask_dtype)[:, None, None, :]
         rows = mx.arange(n)
         for e, block in enumerate(dec.blocks):
             h = block.attn_ln(x)
@@ -350,7 +357,7 @@ def timestamp_rules(logits: mx.array, rows: list[_Row]) -> mx.array:
     timed = np.zeros((n, 1), bool)
     begin = None
     for k, row in enumerate(rows):
-        rule = _timestamps(row)
+        rule = row.rule
         if rule is None:
             continue
         tok = rule.tokenizer
@@ -402,8 +409,8 @@ def _forced(logits: mx.array, begin: int) -> np.ndarray:
     return forced[:, None]
 
 
-def _timestamps(row: _Row) -> Any:
+def _timestamps(task: Any) -> Any:
     from mlx_whisper.decoding import ApplyTimestampRules
 
-    found = [f for f in row.task.logit_filters if isinstance(f, ApplyTimestampRules)]
+    found = [f for f in task.logit_filters if isinstance(f, ApplyTimestampRules)]
     return found[0] if found else None

@@ -4,11 +4,11 @@ own record.
 The worker loop hands the first audio job here. Its recording is fetched (its batch's
 stored bytes, an inline data URL, or a URL from an allowed host) and decoded
 (``worker.engine.audio``); jobs behind it in the same queue for the same model join while
-there is room (:data:`MAX_JOBS` recordings in flight), and their windows share the
-decoder (``worker.engine.whisper``: at most :data:`MAX_ROWS` rows, fewer if the memory
-budget says so). A job whose recording is bad fails alone with a 400; a cancel or a time
-limit removes a job's rows at the next step (``worker.runner.stops``), with the text of
-its finished windows in the record.
+``worker.schedule.audio`` says so, and their windows share the decoder
+(``worker.engine.whisper``: at most 16 rows, fewer if the memory budget says so). A job
+whose recording is bad fails alone with a 400; a cancel or a time limit removes a job's
+rows at the next step (``worker.runner.stops``), with the text of its finished windows in
+the record.
 """
 
 from __future__ import annotations
@@ -38,15 +38,9 @@ from worker.lifecycle.held import Job
 from worker.runner import records
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.stops import LOOK_EVERY_S, Stops
+from worker.schedule.audio import may_join, rows_that_fit
 
 log = logging.getLogger(__name__)
-
-#: Recordings in flight at once, and decoder rows (windows) at once.
-MAX_JOBS = 32
-MAX_ROWS = 16
-#: No more recordings join while those in flight add up to this much audio (each holds its
-#: spectrogram: 4 h of audio is 460 MB of it).
-MAX_IN_FLIGHT_S = 4 * 3600
 
 
 def is_audio(job: Job) -> bool:
@@ -139,17 +133,20 @@ class AudioRun:
         return model if self.running else None
 
     def _join(self, model: LoadedModel, room: int) -> None:
-        """Jobs of the same model from the first job's queue, while rows would stand idle
-        (the queue is asked again :data:`LOOK_EVERY_S` after it had none)."""
-        while (
-            len(self.running) < MAX_JOBS
-            and self._waiting() < room
-            and sum(r.transcript.duration_s for r in self.running) < MAX_IN_FLIGHT_S
-        ):
-            if time.monotonic() < self._look_at:
-                return
-            if self.ahead():
-                self._look_at = time.monotonic() + LOOK_EVERY_S
+        """Jobs of the same model from the first job's queue while :func:`may_join` says so
+        (the queue, and those ahead, asked again :data:`LOOK_EVERY_S` after a no)."""
+        looked: list[bool] = []  # what may_join saw of the queues ahead, if it looked
+
+        def ahead() -> bool:
+            looked.append(self.ahead())
+            return looked[-1]
+
+        while time.monotonic() >= self._look_at:
+            looked.clear()
+            audio_s = sum(r.transcript.duration_s for r in self.running)
+            if not may_join(len(self.running), self._waiting(), room, audio_s, ahead):
+                if looked:  # work ahead: look again later, not at every step
+                    self._look_at = time.monotonic() + LOOK_EVERY_S
                 return
             job = self.take()
             if job is None:
@@ -199,11 +196,7 @@ class AudioRun:
 
     # -- steps ----------------------------------------------------------------
     def _capacity(self, model: LoadedModel) -> int:
-        per = row_bytes(model.model)
-        rows = MAX_ROWS
-        while rows > 1 and not self.rt.cache.fits_beside(rows * per):
-            rows //= 2
-        return rows
+        return rows_that_fit(row_bytes(model.model), self.rt.cache.fits_beside)
 
     def _feed(self, batch: WhisperBatch) -> None:
         asked = []
