@@ -1,4 +1,4 @@
-"""Interactive jobs never wait behind a running batch (``worker.runner.continuous``).
+"""Interactive jobs never wait behind a running batch (``worker.runner.lanes``).
 
 A worker running a long continuous batch from ``mlxq`` looks at ``mlxq.interactive``
 between steps: a job there joins the batch (taking the place of a batch job when
@@ -203,7 +203,7 @@ def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(conn, redis_url, tiny
     The floor is of time (a quarter of it, once the bank the batch saved while none
     waited is spent: made small here, or this tiny model's flood would run on it)."""
     batch = _batch(conn, tiny.target, 40, 12)
-    worker = _serve(redis_url, _rt(urgent_bank_s=0.05), max_batch=4)
+    worker = _serve(redis_url, _rt(floor_credit_s=0.05), max_batch=4)
     _wait(lambda: _ended(conn, batch) >= 1)
     flood = _interactive(conn, tiny.target, 60, stream=stream)
     _wait(lambda: _ended(conn, flood) >= 10)
@@ -493,14 +493,14 @@ def test_jobs_run_between_chunks_of_a_shared_prefix_prefilled_to_keep(
     joins (seen on a CPU: a minute for 2,000 tokens): a job waiting on the interactive
     queue meanwhile runs (in a side batch) between two of its chunks, not after it."""
     from worker.engine import prefill
-    from worker.runner import continuous
+    from worker.runner import lanes
     from worker.runner.loop import Worker
 
     monkeypatch.setattr(prefill, "PREFILL_STEP", 16)  # the shared prefix: ~40 chunks
     events: list[str] = []
     asked_now = threading.Event()
     add, finish = BatchEngine.add, Worker.finish
-    between = continuous.ContinuousBatch._between_chunks
+    between = lanes.Lanes._between_chunks
 
     def added(self, tag, *args, **kw):
         events.append(f"add {tag}")
@@ -517,7 +517,7 @@ def test_jobs_run_between_chunks_of_a_shared_prefix_prefilled_to_keep(
 
     monkeypatch.setattr(BatchEngine, "add", added)
     monkeypatch.setattr(Worker, "finish", ended)
-    monkeypatch.setattr(continuous.ContinuousBatch, "_between_chunks", chunked)
+    monkeypatch.setattr(lanes.Lanes, "_between_chunks", chunked)
     shared = "tell me about queues and workers " * 100
     jobs = {
         f"b{i}": chat(tiny.slow, f"{shared} question {i}", max_tokens=4, temperature=0)

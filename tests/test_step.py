@@ -18,9 +18,10 @@ from worker.schedule.step import (
     Waiting,
     joins,
     model_waits,
-    owed_after_alone,
+    owed_after_beside,
     owed_after_step,
     place_for_one,
+    plan,
     preempted,
     prefill_budget,
     where,
@@ -100,14 +101,55 @@ def test_the_prefill_budget_holds_only_while_someone_may_wait():
     assert prefill_budget(seen, whole) is None
 
 
-def test_jobs_beside_take_at_most_their_share_and_the_batch_banks_a_little():
-    owed = owed_after_alone(0.0, 3.0, CFG)  # 3 s beside: the batch is owed 1 s
+def test_work_beside_the_batch_leaves_it_its_floor_and_it_runs_a_little_ahead():
+    owed = owed_after_beside(0.0, 3.0, CFG)  # 3 s beside: the batch is owed 1 s
     assert owed == pytest.approx(1.0)
     owed = owed_after_step(owed, 0.4, CFG)
     assert owed == pytest.approx(0.6)  # still owed: the next waits
     owed = owed_after_step(owed, 10.0, CFG)
-    assert owed == -CFG.urgent_bank_s  # banked, up to the bound
-    assert owed_after_alone(owed, 1.5, CFG) <= 0  # the next may run at once
+    assert owed == -CFG.floor_credit_s  # ahead, up to the bound
+    assert owed_after_beside(owed, 1.5, CFG) <= 0  # the next may run at once
+
+
+def test_the_side_lane_steps_while_the_batch_is_owed_nothing_else_the_batch():
+    both = BatchView(size=8, beside=2)
+    assert plan(both, CFG).step == "side"
+    assert plan(dataclasses.replace(both, owed=0.3), CFG).step == "batch"  # its floor
+    # with the batch's lane empty the side lane steps whatever is owed
+    assert plan(dataclasses.replace(both, size=0, owed=0.3), CFG).step == "side"
+    assert plan(dataclasses.replace(both, beside=0, owed=-1.0), CFG).step == "batch"
+    assert plan(BatchView(), CFG).step is None  # neither holds a job: the batch ends
+
+
+def test_the_floor_gives_the_batch_a_quarter_of_the_time_under_a_flood():
+    """Turns simulated with the plan and the floor's two rules: side steps of 0.1 s and
+    batch steps of 0.3 s, for a minute of requests that never stop coming."""
+    view, clock = BatchView(size=8, beside=4), {"batch": 0.0, "side": 0.0}
+    owed = 0.0
+    while sum(clock.values()) < 60:
+        step = plan(dataclasses.replace(view, owed=owed), CFG).step
+        assert step is not None
+        took = 0.3 if step == "batch" else 0.1
+        clock[step] += took
+        owed = (
+            owed_after_step(owed, took, CFG)
+            if step == "batch"
+            else owed_after_beside(owed, took, CFG)
+        )
+    share = clock["batch"] / sum(clock.values())
+    assert CFG.batch_floor - 0.02 <= share <= CFG.batch_floor + 0.05, clock
+
+
+def test_queues_ahead_are_looked_at_when_due_and_the_batch_is_owed_nothing():
+    view = BatchView(size=8, ahead=True, look_due=True)
+    assert plan(view, CFG).look
+    assert not plan(dataclasses.replace(view, look_due=False), CFG).look
+    assert not plan(dataclasses.replace(view, owed=0.1), CFG).look
+    assert not plan(dataclasses.replace(view, ahead=False), CFG).look  # none, or stopping
+    # the batch's prefill budget: only where it may be cut
+    assert plan(view, CFG).budget_s is None
+    budgeted = dataclasses.replace(view, budgeted=True, own=8)
+    assert plan(budgeted, CFG).budget_s == prefill_budget(budgeted, CFG)
 
 
 def test_a_job_for_another_model_waits_the_bound_except_on_the_interactive_queue():

@@ -5,7 +5,7 @@ taken job in (prepared, its KV room checked, ``first``: its prompt before the ot
 :meth:`Lane.step` steps the engine once and ends the jobs that finished or must stop
 (``worker.runner.stops``), :meth:`Lane.remove` takes one out unstarted (preempted),
 :meth:`Lane.close` frees its engine and room. What to take, which lane steps and how
-much it may prefill are decided by the batch loop (``worker.runner.continuous``) and the
+much it may prefill are decided by the worker's loop (``worker.runner.lanes``) and the
 step rules (``worker.schedule.step``), not here. The KV bytes each live lane's caches can
 grow to are counted in one :class:`Ledger` and reserved in the model cache as their sum.
 """
@@ -16,9 +16,8 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
@@ -29,7 +28,7 @@ from worker.engine.models import ModelCache
 from worker.engine.protocol import CannotTake, Engine, Finished
 from worker.engine.request import Prepared
 from worker.engine.specbatch import SpecBatchEngine
-from worker.lifecycle.held import Job, Lifecycle
+from worker.lifecycle.held import Job
 from worker.runner import records
 from worker.runner.company import PEEK, company
 from worker.runner.images import images_of
@@ -44,34 +43,15 @@ from worker.schedule.meter import BatchMeter
 from worker.schedule.policy import LOOKUP, Decision
 from worker.schedule.route import Route
 
+if TYPE_CHECKING:
+    from worker.runner.loop import Worker
+
 log = logging.getLogger(__name__)
 
 #: The reason a lane holds what it holds when its queue has nothing more.
 QUEUE_EMPTY = "queue: no more jobs waiting"
 #: Seconds a lane stops taking jobs after one could not join (FIFO: it waits first).
 PAUSE_AFTER_HAND_BACK_S = 1.0
-
-
-class Host(Protocol):
-    """What lanes and the batch loop need from the worker (``worker.runner.loop.Worker``)."""
-
-    rt: WorkerRuntime
-    lifecycle: Lifecycle
-    max_batch: int | None  # None: auto
-    batch: BatchInfo | None  # what the running batch publishes (``producer fleet``)
-    queues: list[str]  # first ones first
-
-    def may_take(self) -> bool: ...
-
-    def take_from(self, queue: str, model: str | None = None) -> Job | None: ...
-
-    def run_alone(self, job: Job, r: Route) -> None: ...
-
-    def run_embeddings(self, first: Job) -> None: ...
-
-    def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None: ...
-
-    def computing(self) -> AbstractContextManager[None]: ...
 
 
 class Ledger:
@@ -106,7 +86,7 @@ class Lane:
     """One engine on one batch key, its rows, and the state of taking jobs into it."""
 
     def __init__(
-        self, host: Host, queue: str, key: BatchKey, ledger: Ledger, cap: int, budgeted: bool
+        self, host: Worker, queue: str, key: BatchKey, ledger: Ledger, cap: int, budgeted: bool
     ) -> None:
         self.host, self.queue, self.key, self.ledger = host, queue, key, ledger
         self.rt = host.rt

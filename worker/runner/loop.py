@@ -1,4 +1,5 @@
-"""The worker loop: take a job, run it alone or in a continuous batch, end it; repeat.
+"""The worker loop: take a job, run it alone or open a batch; step the batch's lanes a
+turn at a time until it ends; repeat.
 
 mlxq's own loop, not RQ's ``Worker``: it never forks (models stay loaded, and
 forking after Metal is initialised crashes on macOS), never imports a function
@@ -46,10 +47,10 @@ from worker.lifecycle.held import (
 from worker.runner.alone import run_alone
 from worker.runner.audiojobs import AudioRun, is_audio, request_of
 from worker.runner.company import PEEK
-from worker.runner.continuous import AUTO_CAP, ContinuousBatch
 from worker.runner.embedjobs import gather, is_embedding, run_embeddings
 from worker.runner.figures import SharedFigures
 from worker.runner.fleet import worker_info
+from worker.runner.lanes import AUTO_CAP, Lanes
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule.route import Route, route
 from worker.schedule.step import DEFAULT_MODEL_WAIT_S, model_waits
@@ -108,6 +109,7 @@ class Worker:
         self.state = "starting"
         self.current: str | None = None
         self._stop = self._cold = self._computing = False
+        self.lanes = Lanes(self)  # the running batch's lanes, stepped a turn at a time
 
     @property
     def registry_ttl(self) -> int:
@@ -172,7 +174,16 @@ class Worker:
         self.conn.set_retry(Retry(NoBackoff(), 0))
 
     def _loop(self) -> None:
-        while self.may_take():
+        """The one loop: while a batch runs, a turn of its lanes (``worker.runner.lanes``:
+        plan, step, take jobs into them, end records); else take a job (waiting for one)
+        and run it, alone or opening a batch."""
+        lanes = self.lanes
+        while lanes.live or self.may_take():
+            if lanes.live:
+                lanes.turn()
+                if not lanes.live:
+                    self.state, self.current = "idle", None
+                continue
             # a stop signal interrupts the take's waits (StopWaiting), not its scripts
             # jobs for the models loaded here first (a mixed queue does not thrash them)
             warm = self.rt.cache.loaded_models()
@@ -189,7 +200,8 @@ class Worker:
             job = self._accept(got)
             if job is not None:
                 self._run(job)
-                self.state, self.current = "idle", None  # until the next take starts one
+                if not lanes.live:
+                    self.state, self.current = "idle", None  # until the next take starts one
 
     def may_take(self) -> bool:
         return not self._stop and (self.max_jobs is None or self.taken < self.max_jobs)
@@ -226,7 +238,7 @@ class Worker:
 
         r = route(job.envelope.request, self.rt.policy, depth, batching=self.max_batch != 1)
         if r.batch is not None:
-            ContinuousBatch(self, queue, r.batch, r.depth).run(job, r)
+            self.lanes.open(queue, r.batch, r.depth, job, r)  # stepped by the loop's turns
             return
         self.run_alone(job, r)
 
@@ -281,7 +293,7 @@ class Worker:
                 self.lifecycle.requeue(job)
             raise
 
-    # -- what a continuous batch asks of its worker -----------------------
+    # -- what the lanes ask of their worker --------------------------------
     def take_from(self, queue: str, model: str | None = None) -> Job | None:
         """The next job of ``queue`` to join a batch (refused ones are ended on the way), or
         None if the queue is empty or the worker must not take more. ``model``: the

@@ -1,15 +1,16 @@
 """The step rules of a running batch, pure (no Redis, no MLX), with every constant in one place.
 
-Between two steps of a batch the runner (``worker.runner.continuous``) asks:
+Each turn of the worker's loop (``worker.runner.lanes``) asks :func:`plan`: which lane
+steps (the batch's, or the side lane of jobs from queues ahead, within the batch's
+floor), how much prompt it may prefill (:func:`prefill_budget`), and whether to look at
+the queues ahead. For each job found there it asks:
 
 - :func:`where`: where does a job waiting ahead (``mlxq.interactive``) run: joining
   the batch, in the side lane, alone between two steps, or after the batch? It reads
   :func:`joins` (join, or run beside?) and :func:`place_for_one` (a place, or does a
   batch job give one up?).
-- :func:`prefill_budget`: how many seconds of prompt may the next step prefill?
-- :func:`owed_after_alone` / :func:`owed_after_step`: the time share of jobs run beside
-  the batch (they take at most ``urgent_share`` of the time; the batch banks a little
-  credit while none wait).
+- :func:`owed_after_beside` / :func:`owed_after_step`: the batch's floor (it keeps
+  ``batch_floor`` of the time; it runs a little ahead while none wait).
 
 and before each take, :func:`model_waits`: how long a queue's job for a model not loaded
 may be passed over for one of a loaded model (the take script applies it).
@@ -48,10 +49,12 @@ class StepConfig:
     #: The share of a batch's slots its own queue's jobs keep when interactive jobs take
     #: places (at least one slot).
     own_floor: float = 0.25
-    #: The most of the wall time jobs run beside the batch may take.
-    urgent_share: float = 0.75
-    #: The most step seconds a batch banks for them while none wait.
-    urgent_bank_s: float = 2.0
+    #: The batch's floor: the least share of the time its lane steps while jobs from
+    #: queues ahead run beside it (so a flood of requests cannot stop it).
+    batch_floor: float = 0.25
+    #: Step seconds the batch may run ahead of its floor while none wait ahead (requests
+    #: that come together then run back to back).
+    floor_credit_s: float = 2.0
     #: Seconds of prompt prefill a step takes at most while someone may wait on it.
     prefill_budget_s: float | None = 0.5
     #: Seconds after an interactive job was last seen waiting that the budget holds
@@ -78,8 +81,12 @@ class BatchView:
     smallest_step_s: float | None = None  # a step at the smallest size measured (<= small)
     prefill_steps: int = 0  # steps still to carry prompt chunks of its rows, about
     in_group: bool = False  # a worker group's (its ranks step alike; no side batch)
-    beside: int = 0  # rows of the side batch beside it
+    beside: int = 0  # rows of the side lane beside it
     since_ahead_s: float = float("inf")  # since a job was last seen waiting ahead
+    owed: float = 0.0  # step seconds the batch is owed by work beside it (< 0: ahead)
+    ahead: bool = False  # queues are served before the batch's (and the worker may take)
+    look_due: bool = True  # the last look at them is old enough to look again
+    budgeted: bool = False  # its prefill may be cut per step (not in a worker group)
 
 
 def joins(view: BatchView, cfg: StepConfig) -> bool:
@@ -149,6 +156,32 @@ def where(view: BatchView, job: Waiting, cfg: StepConfig) -> Where:
     return "wait"
 
 
+#: Which lane steps in a turn of the worker's loop: the batch's or the side lane.
+Stepped = Literal["batch", "side"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One turn of the worker's loop, as :func:`plan` decides it."""
+
+    step: Stepped | None  # the lane that steps (None: neither holds a job)
+    budget_s: float | None  # seconds of prompt the batch's step may prefill (None: whole)
+    look: bool  # look at the queues ahead (a job there goes where :func:`where` says)
+
+
+def plan(view: BatchView, cfg: StepConfig) -> Plan:
+    """The turn: the side lane (jobs from queues ahead, a higher priority class) steps
+    while the batch is owed nothing, else the batch's lane (its floor:
+    :func:`owed_after_beside`); with the batch's lane empty the side lane steps freely.
+    The queues ahead are looked at while the batch is owed nothing (jobs taken there run
+    beside it) and the last look is old enough; the batch's prefill budget is
+    :func:`prefill_budget`."""
+    side = view.beside > 0 and (view.owed <= 0 or view.size == 0)
+    step: Stepped | None = "side" if side else ("batch" if view.size else None)
+    budget = prefill_budget(view, cfg) if view.budgeted else None
+    return Plan(step, budget, view.ahead and view.look_due and view.owed <= 0)
+
+
 def preempted(queues: Sequence[str], own: str) -> int:
     """Which row gives its place up when ``where`` says ``preempt``, given each row's queue
     in the order they joined: the batch's own (``own`` queue) job that joined last, the
@@ -166,17 +199,17 @@ def prefill_budget(view: BatchView, cfg: StepConfig) -> float | None:
     return cfg.prefill_budget_s if waits else cfg.quiet_budget_s
 
 
-def owed_after_alone(owed: float, took: float, cfg: StepConfig) -> float:
-    """The step seconds the batch is owed after a job ran beside it for ``took`` seconds
-    (such jobs take at most ``urgent_share`` of the time). The next may run at once while
-    nothing is owed (the result <= 0)."""
-    return owed + took * (1 - cfg.urgent_share) / cfg.urgent_share
+def owed_after_beside(owed: float, took: float, cfg: StepConfig) -> float:
+    """The step seconds the batch is owed after work beside it (a side-lane step, a job
+    alone) took ``took`` seconds: the batch keeps ``batch_floor`` of the time. The next
+    may run at once while nothing is owed (the result <= 0)."""
+    return owed + took * cfg.batch_floor / (1 - cfg.batch_floor)
 
 
 def owed_after_step(owed: float, seconds: float, cfg: StepConfig) -> float:
-    """What the batch is owed after its own step of ``seconds`` (it banks at most
-    ``urgent_bank_s`` of credit while none wait)."""
-    return max(owed - seconds, -cfg.urgent_bank_s)
+    """What the batch is owed after its own step of ``seconds`` (at most
+    ``floor_credit_s`` ahead of its floor)."""
+    return max(owed - seconds, -cfg.floor_credit_s)
 
 
 def model_waits(queues: Sequence[str], model_wait_s: float) -> list[int]:

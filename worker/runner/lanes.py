@@ -1,17 +1,17 @@
-"""Continuous batching: while a batch runs, the worker keeps taking jobs into its lanes.
+"""The lanes a worker steps, and one turn of its loop (``worker.runner.loop``).
 
-A job whose route (``worker.schedule.route``) names a batch runs a :class:`ContinuousBatch`:
-a loop over at most two lanes (``worker.runner.lane``: an engine and its rows), the batch's
-own and a *side lane* beside it. Each turn: step the batch's lane, look at the queues
-served before its own (``mlxq.interactive``: a job there joins the lane, runs in the side
-lane, runs alone between two steps, or waits for the batch to end), step the side lane
-within its time share, fill free places from the batch's queue (its model's jobs first),
-publish. Memory admits each joiner (the KV bytes a lane can grow to, one ledger for both;
-one that does not fit waits at the front of its queue, first in first out), ``--max-batch
-auto`` grows a lane while a larger one measures faster, and a job that cannot join goes
-back to the front of its queue. The rules (join or beside, a place at the cap, the
-prefill budget, the time share) are ``worker.schedule.step``'s, pure, with their
-constants in ``WorkerRuntime.step``; docs/scheduling.md tells them with their reasons.
+A job whose route (``worker.schedule.route``) names a batch opens the worker's *batch
+lane* (``worker.runner.lane``: an engine and its rows) on its queue; jobs of queues
+served before it (``mlxq.interactive``) join that lane, run in a *side lane* beside it,
+run alone between two turns, or wait for it to end. Each turn of the worker's loop asks
+the step rules for a plan (``worker.schedule.step.plan``: which lane steps, how much
+prompt it may prefill, whether to look at the queues ahead), applies it, fills free
+places from each lane's queue (its model's jobs first) and publishes. Memory admits each
+joiner (the KV bytes a lane can grow to, one ledger for both; one that does not fit
+waits at the front of its queue, first in first out), ``--max-batch auto`` grows a lane
+while a larger one measures faster, and a job that cannot join goes back to the front of
+its queue. The rules are ``worker.schedule.step``'s, pure, with their constants in
+``WorkerRuntime.step``; docs/scheduling.md tells them with their reasons.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
@@ -26,18 +29,21 @@ from schemas import ChatRequest, keys
 from worker.lifecycle.held import Job
 from worker.runner.alone import kv_need
 from worker.runner.embedjobs import is_embedding
-from worker.runner.lane import PAUSE_AFTER_HAND_BACK_S, QUEUE_EMPTY, Host, Lane, Ledger
+from worker.runner.lane import PAUSE_AFTER_HAND_BACK_S, QUEUE_EMPTY, Lane, Ledger
 from worker.schedule.grouping import BatchKey
 from worker.schedule.route import Route, route
 from worker.schedule.step import (
     BatchView,
     Waiting,
-    owed_after_alone,
+    owed_after_beside,
     owed_after_step,
+    plan,
     preempted,
-    prefill_budget,
     where,
 )
+
+if TYPE_CHECKING:
+    from worker.runner.loop import Worker
 
 log = logging.getLogger(__name__)
 
@@ -49,66 +55,96 @@ AUTO_CAP = 256
 LOOK_EVERY_S = 0.1
 
 
-class ContinuousBatch:
-    """The loop of one continuous batch on a worker: its lane, and a side lane beside it."""
+class Lanes:
+    """A worker's batch lane and side lane, and one turn of its loop over them."""
 
-    def __init__(self, host: Host, queue: str, key: BatchKey, depth: int = 1) -> None:
-        self.host, self.queue, self.depth = host, queue, depth
-        self.rt = host.rt
+    def __init__(self, host: Worker) -> None:
+        self.host, self.rt = host, host.rt
         self.cfg = self.rt.step  # the step rules' constants
         self.cap = host.max_batch or AUTO_CAP
         self.ledger = Ledger(self.rt.cache)
-        # the queues served before this batch's, and when to look at them next
-        before = host.queues.index(queue) if queue in host.queues else 0
-        self.ahead = host.queues[:before]
-        # someone may wait for the next step: prefill is cut to fit (not in a group)
-        budgeted = bool(self.ahead) and self.rt.cache.group is None
-        self.lane = Lane(host, queue, key, self.ledger, self.cap, budgeted)
-        #: The lane of jobs from queues ahead that runs beside the batch's, if any.
+        #: The batch's lane (None: no batch runs), and the side lane beside it, if any.
+        self.lane: Lane | None = None
         self.side: Lane | None = None
+        self.queue, self.depth = "", 1  # the batch's queue; how many waited when it began
+        self.ahead: list[str] = []  # the queues served before the batch's
         self._look_at = 0.0
-        self._owed = 0.0  # step seconds the batch is owed by jobs run beside (< 0: banked)
+        self._owed = 0.0  # step seconds the batch is owed by work beside it (< 0: ahead)
         self._seen_ahead = -float("inf")  # when a job was last seen waiting ahead
         self._joining = False  # inside a join (a kept prefix prefilling): none may join now
         self._chunk_at = 0.0  # when the last chunk of such a prefill ended
         self._published_at = -PUBLISH_EVERY_S
 
-    def run(self, first: Job, first_route: Route) -> None:
-        """Decode ``first`` (routed to this batch) and every job that joins until both
-        lanes are empty.
+    @property
+    def live(self) -> bool:
+        """Whether a batch runs (its lanes hold jobs, or may take more)."""
+        return self.lane is not None
 
-        A BaseException (a cold shutdown) gives every job still in a lane back to its
-        queue; an unexpected error fails the batch's lane's jobs.
-        """
-        lane = self.lane
+    def open(self, queue: str, key: BatchKey, depth: int, first: Job, first_route: Route) -> None:
+        """Open the batch's lane on ``queue`` with ``first`` (routed to ``key``) and the
+        queued jobs that join it before its first step."""
+        host = self.host
+        self.cfg, self.queue, self.depth = self.rt.step, queue, depth
+        before = host.queues.index(queue) if queue in host.queues else 0
+        self.ahead = host.queues[:before]
+        self._owed, self._seen_ahead, self._look_at = 0.0, -float("inf"), 0.0
+        # someone may wait for the next step: prefill is cut to fit (not in a group)
+        budgeted = bool(self.ahead) and self.rt.cache.group is None
+        self.lane = lane = Lane(host, queue, key, self.ledger, self.cap, budgeted)
         lane.start(first_route)
-        try:
+        with self._guard():
             self._add(lane, first, first_route)
-            self._fill(lane)  # the queued companions join before the first step
-            while lane.rows or self.side is not None:
-                if lane.rows:
-                    seconds = lane.step(self._budget())
-                    self._owed = owed_after_step(self._owed, seconds, self.cfg)
-                self._urgent()
+            self._fill(lane)
+
+    def turn(self) -> None:
+        """One turn of the worker's loop while a batch runs: the plan's lane steps, jobs
+        waiting ahead go where the rules say, free places fill. The batch ends when both
+        lanes are empty. A BaseException (a cold shutdown) gives every job still in a
+        lane back to its queue; an unexpected error fails the batch's lane's jobs."""
+        lane = self.lane
+        assert lane is not None
+        with self._guard():
+            p = plan(self._view(), self.cfg)
+            if p.step == "batch":
+                seconds = lane.step(p.budget_s)
+                self._owed = owed_after_step(self._owed, seconds, self.cfg)
+            elif p.step == "side":
                 self._step_side()
-                self._fill(lane)
-                self._publish()
-            lane.meter.close()
+            if p.look:
+                self._urgent()
+            self._fill(lane)
+            if self.side is not None and not self.side.rows:
+                self.side.meter.close()
+                self._close_side()
+            self._publish()
+            if not lane.rows and self.side is None:
+                lane.meter.close()
+                self._end()
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """What a failure does to the lanes (see :meth:`turn`)."""
+        lane = self.lane
+        assert lane is not None
+        try:
+            yield
         except Exception as e:
             log.exception("batch on %s failed; failing its %d job(s)", lane.key[0], len(lane.rows))
             lane.fail_all(e)
+            self._end()  # (the side lane's jobs run later)
         except BaseException:
             for row in lane.drain():
                 self.host.lifecycle.requeue(row.job)
+            self._end()
             raise
-        finally:
-            self._close_side(requeue=True)  # (the batch failed beside it: they run later)
-            self.host.batch = None
-            lane.close()
 
-    def _budget(self) -> float | None:
-        """Seconds of prompt the batch's next step may prefill (``prefill_budget``)."""
-        return prefill_budget(self._view(), self.cfg) if self.lane.budgeted else None
+    def _end(self) -> None:
+        """The batch has ended: its lanes close (jobs still in the side lane go back)."""
+        self._close_side(requeue=True)
+        self.host.batch = None
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
 
     def _add(self, lane: Lane, job: Job, r: Route, first: bool = False) -> bool:
         """Put ``job`` into ``lane``; while a shared prefix prefills to keep as a job of
@@ -165,13 +201,16 @@ class ContinuousBatch:
     # -- interactive jobs -------------------------------------------------
     def _between_chunks(self) -> None:
         """Between two chunks of a shared prefix prefilled as a job joins: that prefill is
-        the batch's work, paid to it as a step's, and waiting jobs may run alone."""
+        the batch's work, paid to its floor as a step's; jobs waiting ahead may be taken
+        (none joins now) and the side lane steps while the batch is owed nothing."""
         now = time.perf_counter()
         self._owed = owed_after_step(self._owed, now - self._chunk_at, self.cfg)
         self._joining = True
         try:
-            self._urgent()
-            self._step_side()
+            if plan(self._view(), self.cfg).look:
+                self._urgent()
+            while (side := self.side) is not None and side.rows and self._owed <= 0:
+                self._step_side()
         finally:
             self._joining = False
             self._chunk_at = time.perf_counter()
@@ -179,10 +218,6 @@ class ContinuousBatch:
     def _urgent(self) -> None:
         """Jobs waiting in the queues served before the batch's: they join it, or run in
         the side lane or alone between two steps, or (none possible) wait for the batch."""
-        if not self.ahead or time.monotonic() < self._look_at or not self.host.may_take():
-            return  # a stopping worker takes nothing, so looks at nothing
-        if self._owed > 0:
-            return  # the batch steps first: jobs run beside took their share
         self._look_at = time.monotonic() + LOOK_EVERY_S
         while (queue := self._first_waiting()) is not None:
             self._seen_ahead = time.monotonic()
@@ -193,8 +228,10 @@ class ContinuousBatch:
     def _view(self) -> BatchView:
         """What the step rules (``worker.schedule.step``) read of the batch now."""
         lane = self.lane
+        assert lane is not None
         own = sum(keys.base_queue(r.job.queue) == self.queue for r in lane.rows.values())
         smallest = self.rt.policy.sizes.smallest_step_s(*lane.key, most=self.cfg.small_size)
+        now = time.monotonic()
         return BatchView(
             size=len(lane.rows),
             cap=self.cap,
@@ -205,7 +242,11 @@ class ContinuousBatch:
             prefill_steps=lane.engine.prefill_steps if lane.engine is not None else 0,
             in_group=self.rt.cache.group is not None,
             beside=len(self.side.rows) if self.side is not None else 0,
-            since_ahead_s=time.monotonic() - self._seen_ahead,
+            since_ahead_s=now - self._seen_ahead,
+            owed=self._owed,
+            ahead=bool(self.ahead) and self.host.may_take(),  # a stopping worker takes none
+            look_due=now >= self._look_at,
+            budgeted=lane.budgeted,
         )
 
     def _first_waiting(self) -> str | None:
@@ -224,6 +265,7 @@ class ContinuousBatch:
         ended at once, or ran beside with the batch owed nothing), False when the batch
         steps first (it went back to wait, or the batch is owed its share)."""
         lane = self.lane
+        assert lane is not None
         if lane.again(job) or (self.side is not None and self.side.again(job)):
             return True
         if is_embedding(job):
@@ -269,9 +311,9 @@ class ContinuousBatch:
         return self._ran_beside(time.monotonic() - t)
 
     def _ran_beside(self, took: float) -> bool:
-        """Jobs ran beside the batch for ``took`` seconds: the batch is owed its share of
-        that. Whether the next one may run at once (nothing owed)."""
-        self._owed = owed_after_alone(self._owed, took, self.cfg)
+        """Work ran beside the batch for ``took`` seconds: the batch is owed its floor's
+        share of that. Whether the next may run at once (nothing owed)."""
+        self._owed = owed_after_beside(self._owed, took, self.cfg)
         return self._owed <= 0
 
     # -- the side lane ----------------------------------------------------
@@ -308,32 +350,25 @@ class ContinuousBatch:
             self.side = None
 
     def _step_side(self) -> None:
-        """Steps of the side lane: while the batch is owed nothing (its jobs take at most
-        ``urgent_share`` of the time, as jobs run alone), or always while the batch's lane
-        holds no job (one step at a time: it may take jobs again). A side lane that fails
-        fails its own jobs, not the batch's."""
-        while (side := self.side) is not None:
-            if not side.rows:
-                side.meter.close()
-                self._close_side()
-                return
-            bound = bool(self.lane.rows) or self._joining
-            if bound and self._owed > 0:
-                return
-            t = time.perf_counter()
-            try:
-                side.step()
-                self._fill(side)
-            except Exception as e:
-                log.exception("side lane on %s failed; failing its job(s)", side.key[0])
-                side.fail_all(e)
-                self._close_side()
-                return
-            except BaseException:
-                self._close_side(requeue=True)
-                raise
-            if not bound:
-                return  # one step: the batch may take its own jobs again
+        """One step of the side lane, then its free places filled; paid to the batch's
+        floor while the batch's lane holds jobs (or is prefilling a kept prefix). A side
+        lane that fails fails its own jobs, not the batch's."""
+        side = self.side
+        assert side is not None and self.lane is not None
+        bound = bool(self.lane.rows) or self._joining
+        t = time.perf_counter()
+        try:
+            side.step()
+            self._fill(side)
+        except Exception as e:
+            log.exception("side lane on %s failed; failing its job(s)", side.key[0])
+            side.fail_all(e)
+            self._close_side()
+            return
+        except BaseException:
+            self._close_side(requeue=True)
+            raise
+        if bound:
             self._ran_beside(time.perf_counter() - t)
 
     def _publish(self) -> None:
@@ -342,4 +377,4 @@ class ContinuousBatch:
         now = time.monotonic()
         if now >= self._published_at + PUBLISH_EVERY_S:
             self._published_at = now
-            self.host.batch = self.lane.info()
+            self.host.batch = self.lane.info() if self.lane is not None else None
