@@ -12,7 +12,7 @@ Arms, in one run:
 - one at a time (before): the same with no side batch: a request that does not join
   runs alone between the batch's steps, one after another (the rule before it);
 - one step between: no side batch and no credit banked for jobs run alone between the
-  batch's steps (``urgent_bank_s = 0``: the batch steps once between two of them, the
+  batch's steps (``floor_credit_s = 0``: the batch steps once between two of them, the
   rule before the bank);
 - before: the same with the running batch not looking at the interactive queue
   (how it was: requests waited for the batch to end).
@@ -53,7 +53,7 @@ from producer.localredis import LocalRedis
 from schemas import keys
 from schemas.store import read_result
 from worker.engine.models import ModelCache
-from worker.runner import continuous
+from worker.runner import lanes
 from worker.runner.loop import Worker
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule import step
@@ -218,19 +218,19 @@ def main() -> None:
                 for i, (arm, how) in enumerate(arms):
                     if how not in chosen:
                         continue
-                    cls = continuous.ContinuousBatch
-                    saved = (cls._urgent, step.joins, cls._between_chunks, cls._beside_pays)
+                    cls, side = lanes.Lanes, lanes.Beside
+                    saved = (cls._urgent, step.joins, cls._between_chunks, side.takes)
                     if how == "always":  # the budget on every step (before issue 69)
                         rt.step = replace(cfg, quiet_budget_s=cfg.prefill_budget_s or 0.0)
                     if how == "bank0":
-                        rt.step = replace(cfg, urgent_bank_s=0.0)
+                        rt.step = replace(cfg, floor_credit_s=0.0)
                     if how != "now":  # the rules before the side batch
-                        cls._beside_pays = lambda self, r: False  # type: ignore[method-assign]
+                        side.takes = lambda self, r: False  # type: ignore[method-assign]
                     if how == "nolook":
-                        continuous.ContinuousBatch._urgent = lambda self: None  # type: ignore[method-assign]
+                        lanes.Lanes._urgent = lambda self: None  # type: ignore[method-assign]
                     if how == "whole":
                         rt.step = replace(cfg, prefill_budget_s=None)
-                        continuous.ContinuousBatch._between_chunks = lambda self: None  # type: ignore[method-assign]
+                        lanes.Lanes._between_chunks = lambda self: None  # type: ignore[method-assign]
                         step.joins = joined_whatever_prefilled  # (``step.where`` reads it)
                     try:
                         rt.policy.sizes = BatchMemory()
@@ -250,7 +250,7 @@ def main() -> None:
                             cls._urgent,
                             step.joins,
                             cls._between_chunks,
-                            cls._beside_pays,
+                            side.takes,
                         ) = saved  # type: ignore[method-assign]
                         rt.step = cfg
                     row = {

@@ -327,12 +327,13 @@ def test_a_batch_never_holds_more_than_projected_on_every_cache_type(arch):
     for i, n in enumerate((60, 5, 30)):
         req = _req(arch, max_tokens=n, logit_bias={"3": -100})
         engine.add(i, gen.prepare(req))
-    projected = batch_peak_bytes(kv, engine.lengths())
+    projected = batch_peak_bytes(kv, list(engine.lengths().values()))
     peak = 0
     while len(engine):
         engine.step()
         peak = max(peak, engine.kv_bytes)
-        assert engine.kv_bytes <= batch_peak_bytes(kv, engine.lengths()) or not len(engine)
+        held = list(engine.lengths().values())
+        assert engine.kv_bytes <= batch_peak_bytes(kv, held) or not len(engine)
     engine.close()
     assert 0 < peak <= projected
     assert peak >= projected // 3  # a bound, not a guess off by miles

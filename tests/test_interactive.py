@@ -24,11 +24,13 @@ from schemas.store import read_result
 from tests.conftest import chat, run_worker
 from tests.waiting import seconds, wait_for
 from worker.dev.tinymodels import TinySpec, ensure_model
+from worker.engine import prompt_tokens
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
 from worker.engine.specbatch import SpecBatchEngine
 from worker.runner import runtime
+from worker.schedule.admission import batch_peak_bytes
 from worker.schedule.policy import SpeculationPolicy
 from worker.schedule.step import StepConfig
 
@@ -245,6 +247,50 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     worker.join(seconds(120))
     runs = "".join(events)
     assert runs.count("a") == 3 and "aaa" in runs, runs[-40:]
+
+
+EOS_OFF = {"3": -100}  # the tiny tokenizer's EOS: jobs run to max_tokens
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [("join", "plain"), ("alone", "plain"), ("join", "sliding"), ("join", "hybrid")],
+)
+def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
+    conn, redis_url, tiny, archs, path, kind
+):
+    """A batch at its memory budget (four of its jobs fit, not five): an interactive job
+    of the same size joins it (``join``) or runs alone beside it (``alone``: streamed)
+    once the batch jobs that joined last give their places up (as few as free enough:
+    a batch's rows are as long as its longest), back to the front of their queue
+    unstarted; they end once, their text unchanged. Before, the request waited for
+    memory to free (or, alone, for the batch to end)."""
+    model = archs.get(kind, tiny.target)
+    cache = ModelCache(prefix_bytes=0)
+    entry = cache.get(model)[0]
+    body = chat(model, "batch job 0", max_tokens=160, temperature=0, logit_bias=EOS_OFF)
+    prompt = len(prompt_tokens(entry.tokenizer, ChatRequest.model_validate(body)))
+    one = batch_peak_bytes(entry.kv, [(prompt + 8, 160)])
+    cache.budget_bytes = entry.nbytes + 4 * one + one // 2
+    batch = _batch(conn, model, 12, 160, logit_bias=EOS_OFF)
+    rt = runtime.WorkerRuntime(cache=cache, policy=SpeculationPolicy("never"), step=StepConfig())
+    worker = _serve(redis_url, rt, max_batch=8)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)  # the batch is at its budget
+    ask = chat(model, "question 0", max_tokens=160, temperature=0, logit_bias=EOS_OFF)
+    client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
+    asked = client.submit({"i0": {**ask, "stream": path == "alone"}}, batch_id="i").job_ids
+    _wait(lambda: _ended(conn, asked) == 1)
+    worker.join(seconds(180))
+    assert rt.stats.preemptions >= 1
+    mine = read_result(conn, asked[0])
+    records = [read_result(conn, j) for j in batch]
+    assert mine.status == "succeeded" and all(r.status == "succeeded" for r in records)
+    assert mine.finished_at < max(r.finished_at for r in records)
+    assert rt.stats.peak_projected_kv_bytes <= 4 * one + one // 2
+    texts = [r.response.choices[0].message.content for r in records]
+    asks = _asks("batch job", 12, 160)
+    assert texts == _alone_texts(conn, redis_url, model, asks, logit_bias=EOS_OFF)
+    assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 12  # each ended once
 
 
 def test_sigkill_while_preempting_loses_nothing(conn, redis_url, tiny, workers):

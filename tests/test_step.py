@@ -17,11 +17,13 @@ from worker.schedule.step import (
     StepConfig,
     Waiting,
     joins,
+    kept_rows,
     model_waits,
     owed_after_beside,
     owed_after_step,
     place_for_one,
     plan,
+    preempt_for_room,
     preempted,
     prefill_budget,
     where,
@@ -198,3 +200,20 @@ def test_the_operators_join_choice_decides_where_too():
     # "never" still joins a job that cannot run beside rather than keep it waiting
     cramped = Waiting(joinable=True, fits_beside=False, side_lane=True)
     assert where(CHEAP, cramped, StepConfig(join_mode="never")) == "join"
+
+
+def test_under_memory_the_fewest_batch_rows_leave_for_a_job_ahead():
+    """``freed[i]``: what the last i + 1 own rows leaving frees (they may not free in
+    proportion: the batch's buffers are as long as its longest row)."""
+    assert preempt_for_room(0, [10, 20]) == 0  # it fits: nobody leaves
+    assert preempt_for_room(-5, []) == 0
+    assert preempt_for_room(15, [10, 20, 40]) == 2
+    assert preempt_for_room(10, [10, 20, 40]) == 1
+    assert preempt_for_room(50, [10, 20, 40]) is None  # even all of them: it waits
+    assert preempt_for_room(1, []) is None  # none may leave (the floor)
+
+
+def test_memory_preemption_keeps_a_quarter_of_the_rows_the_batch_takes():
+    assert kept_rows(BatchView(cap=8, limit=8), CFG) == 2
+    assert kept_rows(BatchView(cap=256, limit=32), CFG) == 8  # auto: the measured limit
+    assert kept_rows(BatchView(cap=2, limit=2), CFG) == 1  # at least one

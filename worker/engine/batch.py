@@ -135,8 +135,8 @@ class BatchEngine:
         self._seqs[uid] = Sequence(tag, len(prompt), params, detok, start.reused, on_text)
         self._left[uid] = len(prompt) - cached
 
-    def lengths(self) -> list[tuple[int, int]]:
-        return [s.length() for s in self._seqs.values()]
+    def lengths(self) -> dict[Hashable, tuple[int, int]]:
+        return {s.tag: s.length() for s in self._seqs.values()}
 
     def first_token_at(self, tag: Hashable) -> float | None:
         return next((s.first_token_at for s in self._seqs.values() if s.tag == tag), None)

@@ -348,7 +348,12 @@ class ModelCache:
     def fits_beside(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more KV cache fit beside what is reserved, once kept prefixes
         are evicted (a job run between a batch's steps must, or it waits)."""
-        return self.kv_reserved + nbytes <= self.limit_bytes - self.model_bytes
+        return self.short_beside(nbytes) <= 0
+
+    def short_beside(self, nbytes: int) -> int:
+        """The bytes missing for ``nbytes`` more KV cache beside what is reserved (<= 0:
+        it fits, as :meth:`fits_beside` says)."""
+        return self.kv_reserved + nbytes - (self.limit_bytes - self.model_bytes)
 
     def entries(self) -> list[LoadedModel]:
         """Loaded models, least recently used first."""

@@ -127,8 +127,9 @@ class Engine(Protocol):
         this engine does not hold it)."""
         ...
 
-    def lengths(self) -> list[tuple[int, int]]:
-        """(tokens held, tokens it may still add) per sequence: what admission projects."""
+    def lengths(self) -> dict[Hashable, tuple[int, int]]:
+        """(tokens held, tokens it may still add) of each sequence, by tag: what admission
+        projects."""
         ...
 
     def first_token_at(self, tag: Hashable) -> float | None:

@@ -120,8 +120,8 @@ class SingleEngine:
         self.close()
         return seq.cut_short()
 
-    def lengths(self) -> list[tuple[int, int]]:
-        return [] if self._seq is None else [self._seq.length()]
+    def lengths(self) -> dict[Hashable, tuple[int, int]]:
+        return {} if self._seq is None else {self._seq.tag: self._seq.length()}
 
     def first_token_at(self, tag: Hashable) -> float | None:
         seq = self._seq

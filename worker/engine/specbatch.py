@@ -184,8 +184,8 @@ class SpecBatchEngine:
     def _all(self) -> list[_Row]:
         return self.rows + [j.row for j in self.joining]
 
-    def lengths(self) -> list[tuple[int, int]]:
-        return [r.length() for r in self._all()]
+    def lengths(self) -> dict[Hashable, tuple[int, int]]:
+        return {r.tag: r.length() for r in self._all()}
 
     def first_token_at(self, tag: Hashable) -> float | None:
         return next((r.first_token_at for r in self._all() if r.tag == tag), None)

@@ -28,7 +28,7 @@ from schemas.audio import (
     TranscriptionRequest,
     decoded,
 )
-from schemas.keys import batch_images_key
+from schemas.keys import base_queue, batch_images_key
 from schemas.result import Partial, Usage
 from worker.engine.audio import decode_audio
 from worker.engine.models import LoadedModel
@@ -36,6 +36,7 @@ from worker.engine.transcript import Settings, Transcript, with_temperature
 from worker.engine.whisper import WhisperBatch, row_bytes
 from worker.lifecycle.held import Job
 from worker.runner import records
+from worker.runner.lane import Host
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.stops import LOOK_EVERY_S, Stops
 from worker.schedule.audio import may_join, rows_that_fit
@@ -299,3 +300,30 @@ def _settings(job: Job, req: TranscriptionRequest, model: LoadedModel) -> Settin
         seed=seed,
     )
     return with_temperature(base, req.temperature)
+
+
+def serve_audio(host: Host, first: Job) -> None:
+    """Transcribe ``first`` with the audio jobs of its model that join it (the next jobs
+    of its queue, while no queue served before it has work), and end them."""
+    queue, model = base_queue(first.queue), request_of(first).model
+
+    def take() -> Job | None:  # the next job of the queue, if it is one of ours
+        job = host.take_from(queue, model)
+        if job is not None and not (is_audio(job) and request_of(job).model == model):
+            host.lifecycle.requeue(job)
+            return None
+        return job
+
+    ahead = host.queues[: host.queues.index(queue)] if queue in host.queues else []
+
+    def higher() -> bool:  # (an interactive job waits: the run takes no more)
+        return any(host.lifecycle.waiting(q) for q in ahead)
+
+    run = AudioRun(host.rt, host.lifecycle.conn, take, host.finish, higher)
+    try:
+        with host.computing():
+            run.run(first)
+    except BaseException:
+        for job in run.jobs:
+            host.lifecycle.requeue(job)
+        raise

@@ -16,11 +16,13 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
+from schemas.keys import base_queue
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
 from worker.engine.mirror import GroupEngine
@@ -28,7 +30,7 @@ from worker.engine.models import ModelCache
 from worker.engine.protocol import CannotTake, Engine, Finished
 from worker.engine.request import Prepared
 from worker.engine.specbatch import SpecBatchEngine
-from worker.lifecycle.held import Job
+from worker.lifecycle.held import Job, Lifecycle
 from worker.runner import records
 from worker.runner.company import PEEK, company
 from worker.runner.images import images_of
@@ -42,9 +44,7 @@ from worker.schedule.grouping import BatchKey, batchable
 from worker.schedule.meter import BatchMeter
 from worker.schedule.policy import LOOKUP, Decision
 from worker.schedule.route import Route
-
-if TYPE_CHECKING:
-    from worker.runner.loop import Worker
+from worker.schedule.step import preempt_for_room
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,28 @@ log = logging.getLogger(__name__)
 QUEUE_EMPTY = "queue: no more jobs waiting"
 #: Seconds a lane stops taking jobs after one could not join (FIFO: it waits first).
 PAUSE_AFTER_HAND_BACK_S = 1.0
+
+
+class Host(Protocol):
+    """What lanes and their turns need from the worker (``worker.runner.loop.Worker``)."""
+
+    rt: WorkerRuntime
+    lifecycle: Lifecycle
+    max_batch: int | None  # None: auto
+    batch: BatchInfo | None  # what the running batch publishes (``producer fleet``)
+    queues: list[str]  # first ones first
+
+    def may_take(self) -> bool: ...
+
+    def take_from(self, queue: str, model: str | None = None) -> Job | None: ...
+
+    def run_alone(self, job: Job, r: Route) -> None: ...
+
+    def run_embeddings(self, first: Job) -> None: ...
+
+    def finish(self, ended: list[tuple[Job, ResultRecord]]) -> None: ...
+
+    def computing(self) -> AbstractContextManager[None]: ...
 
 
 class Ledger:
@@ -86,7 +108,7 @@ class Lane:
     """One engine on one batch key, its rows, and the state of taking jobs into it."""
 
     def __init__(
-        self, host: Worker, queue: str, key: BatchKey, ledger: Ledger, cap: int, budgeted: bool
+        self, host: Host, queue: str, key: BatchKey, ledger: Ledger, cap: int, budgeted: bool
     ) -> None:
         self.host, self.queue, self.key, self.ledger = host, queue, key, ledger
         self.rt = host.rt
@@ -157,12 +179,12 @@ class Lane:
         if self.engine is not None:
             self.engine.close()
         self.rt.stats.add_batch(self.meter.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
+        mb = (self.peak_kv_bytes / 1e6, self.peak_projected_bytes / 1e6)
         log.info(
             "lane on %s ended: up to %d jobs, KV %.1f MB (projected up to %.1f MB)",
             self.key[0],
             self.meter.peak_size,
-            self.peak_kv_bytes / 1e6,
-            self.peak_projected_bytes / 1e6,
+            *mb,
         )
 
     def drain(self) -> list[Row]:
@@ -183,14 +205,13 @@ class Lane:
         self.host.lifecycle.requeue(row.job)
         self.rt.stats.preemptions += 1
         self._reserve()
-        log.info("job %s preempted for an interactive job; back in %s", row.job.id, self.queue)
+        log.info("job %s preempted for a job ahead; back in %s", row.job.id, self.queue)
 
     # -- taking jobs ------------------------------------------------------
     def same_kind(self, job: Job, r: Route) -> bool:
-        """Whether ``job`` is like the draft jobs this lane was started for, which the
-        policy decided how to batch (not the job: it leaves k to the policy): it joins
-        on the lane's terms until the queue runs dry, so a batch (and what the policy
-        measures of it) is not starved when the policy changes its mind mid-batch."""
+        """Whether ``job`` is like the draft jobs the lane was started for (k left to the
+        policy): it joins on the lane's terms, so a batch is not starved when the policy
+        changes its mind mid-batch."""
         req = job.envelope.request
         return (
             self.decision is not None
@@ -202,10 +223,9 @@ class Lane:
         )
 
     def again(self, job: Job) -> bool:
-        """True if ``job`` decodes in this lane already: it was taken again (its lease
-        here was counted lost, say across a Sentinel failover, and it was requeued, then
-        taken by this worker). The run here goes on under the new take; a second
-        sequence with the same id would end it twice and fail the lane."""
+        """True if ``job`` decodes in this lane already: taken again (its lease here was
+        counted lost, say across a Sentinel failover). The run goes on under the new take
+        (a second sequence with the same id would end it twice and fail the lane)."""
         row = self.rows.get(job.id)
         if row is None:
             return False
@@ -214,12 +234,18 @@ class Lane:
         return True
 
     def add(
-        self, job: Job, r: Route, first: bool = False, between: Callable[[], None] | None = None
+        self,
+        job: Job,
+        r: Route,
+        first: bool = False,
+        between: Callable[[], None] | None = None,
+        keep: int | None = None,
     ) -> bool:
         """Put ``job`` into the lane (True; ``first``: its prompt prefills before those
         of jobs still waiting to prefill; ``between``: called between two chunks of a
-        shared prefix prefilled to keep); hand it back to wait for memory, or end it at
-        once with what stops it (False)."""
+        shared prefix prefilled to keep; ``keep``: own rows that stay when others give
+        their places up for its memory, None: it waits for memory instead); hand it back
+        to wait for memory, or end it at once with what stops it (False)."""
         req = job.envelope.request
         try:
             self.rt.check_request(req)  # the draft too: batched without it, but named
@@ -228,7 +254,7 @@ class Lane:
             assert self.generator is not None
             images = images_of(self.host.lifecycle.conn, job, self.rt.image_hosts)
             prepared = self.generator.prepare(self.rt.with_defaults(req), images=images)
-            if not self._room_for(job, prepared):
+            if not self._room_for(job, prepared, keep):
                 return False
             upcoming = functools.partial(self.host.lifecycle.peek, job.queue, PEEK)
             others = company(self.generator, prepared, upcoming, self.rt.scout)
@@ -255,9 +281,8 @@ class Lane:
 
     def _cannot_take(self, job: Job, reason: str) -> None:
         """The engine cannot hold ``job``. A speculative lane's refusal bars the pair from
-        speculative batches (the policy runs its jobs alone, or batched without the draft)
-        and gives the job back to the front of its queue, to be taken on those terms; any
-        other engine's refusal fails the job, naming why. Either way it has a path."""
+        speculative batches and gives the job back to the front of its queue, to run
+        another way; any other engine's refusal fails the job, naming why."""
         if self.key.draft is None:
             self.end([(job, records.failure(job, self.rt, GenerationError(reason)))])
             return
@@ -267,10 +292,11 @@ class Lane:
         self.pause_until = float("inf")  # nothing more joins: the lane's key is barred now
         self.reason = f"refused: {reason}"
 
-    def _room_for(self, job: Job, prepared: Prepared) -> bool:
+    def _room_for(self, job: Job, prepared: Prepared, keep: int | None) -> bool:
         """Whether the lane has KV memory for ``job`` now. If nothing else runs, make room
         (kept prefixes go) or raise ContextTooLargeError; if others run and it does not
-        fit, hand it back to the front of its queue to wait."""
+        fit, own rows give their places up (``keep`` stay: ``step.preempt_for_room``) or
+        it goes back to the front of its queue to wait."""
         length = prepared.length()
         alone = self._peak([length])
         self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
@@ -286,6 +312,11 @@ class Lane:
             self.rt.cache.make_kv_room(beside + alone, prepared.label)
             return True
         verdict = self.admission(length)
+        if not verdict.join and keep is not None:
+            rows, freed = self.evictable(keep, length)
+            for row in rows[: preempt_for_room(verdict.over, freed) or 0]:
+                self.remove(row)
+            verdict = self.admission(length)
         if verdict.join:
             return True
         self.host.lifecycle.requeue(job)
@@ -299,7 +330,20 @@ class Lane:
     def admission(self, length: Length) -> Verdict:
         """The scheduler's verdict on a job of ``length`` joining the lane now."""
         assert self.engine is not None
-        return admit(self._peak, self.engine.lengths(), length, self.room())
+        return admit(self._peak, list(self.engine.lengths().values()), length, self.room())
+
+    def evictable(self, keep: int, joining: Length | None = None) -> tuple[list[Row], list[int]]:
+        """The rows of the lane's own queue that may give their places up, joined last
+        first (the first ``keep`` to join stay), and what its projected KV shrinks by as
+        they leave, one more each time (with ``joining`` in it: a job that would join)."""
+        assert self.engine is not None
+        own = [r for r in self.rows.values() if base_queue(r.job.queue) == self.queue]
+        rows, left, extra = own[keep:][::-1], self.engine.lengths(), [joining] if joining else []
+        base, freed = self._peak([*left.values(), *extra]), []
+        for row in rows:
+            left.pop(row.job.id, None)
+            freed.append(base - self._peak([*left.values(), *extra]))
+        return rows, freed
 
     def _peak(self, sequences: Sequence[Length]) -> int:
         """The most the lane's KV caches can hold for ``sequences`` (the draft's too)."""
@@ -309,7 +353,7 @@ class Lane:
     def _reserve(self) -> None:
         """Count what the lane's KV caches can grow to in the ledger."""
         assert self.engine is not None
-        self.projected = self._peak(self.engine.lengths())
+        self.projected = self._peak(list(self.engine.lengths().values()))
         self.peak_projected_bytes = max(self.peak_projected_bytes, self.projected)
         self.ledger.set(self, self.projected)
 
@@ -317,18 +361,6 @@ class Lane:
         if self.engine is None:
             self.generator, self.engine = _make_engine(self.rt, self.key, self.cap, self.budgeted)
         return self.engine
-
-    def info(self) -> BatchInfo:
-        """What the worker publishes of this lane (``producer fleet``)."""
-        return BatchInfo(
-            model=self.key[0],
-            size=len(self.rows),
-            limit=self.limit()[0],
-            reason=self.reason,
-            kv_mb=round(self.kv_bytes / 1e6, 1),
-            kv_projected_mb=round(self.projected / 1e6, 1),
-            kv_room_mb=round(self.room() / 1e6, 1),
-        )
 
     # -- ending jobs ------------------------------------------------------
     def end(self, ended: list[tuple[Job, ResultRecord]]) -> None:

@@ -19,31 +19,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
 from schemas import ChatRequest, keys
+from schemas.fleet import BatchInfo
 from worker.lifecycle.held import Job
 from worker.runner.alone import kv_need
 from worker.runner.embedjobs import is_embedding
-from worker.runner.lane import PAUSE_AFTER_HAND_BACK_S, QUEUE_EMPTY, Lane, Ledger
+from worker.runner.lane import PAUSE_AFTER_HAND_BACK_S, QUEUE_EMPTY, Host, Lane, Ledger
 from worker.schedule.grouping import BatchKey
 from worker.schedule.route import Route, route
 from worker.schedule.step import (
     BatchView,
     Waiting,
+    kept_rows,
     owed_after_beside,
     owed_after_step,
     plan,
+    preempt_for_room,
     preempted,
     where,
 )
-
-if TYPE_CHECKING:
-    from worker.runner.loop import Worker
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +57,14 @@ LOOK_EVERY_S = 0.1
 class Lanes:
     """A worker's batch lane and side lane, and one turn of its loop over them."""
 
-    def __init__(self, host: Worker) -> None:
+    def __init__(self, host: Host) -> None:
         self.host, self.rt = host, host.rt
         self.cfg = self.rt.step  # the step rules' constants
         self.cap = host.max_batch or AUTO_CAP
         self.ledger = Ledger(self.rt.cache)
-        #: The batch's lane (None: no batch runs), and the side lane beside it, if any.
+        #: The batch's lane (None: no batch runs), and the side lane beside it.
         self.lane: Lane | None = None
-        self.side: Lane | None = None
+        self.beside = Beside(host, self.ledger, self.cap)
         self.queue, self.depth = "", 1  # the batch's queue; how many waited when it began
         self.ahead: list[str] = []  # the queues served before the batch's
         self._look_at = 0.0
@@ -113,11 +112,9 @@ class Lanes:
             if p.look:
                 self._urgent()
             self._fill(lane)
-            if self.side is not None and not self.side.rows:
-                self.side.meter.close()
-                self._close_side()
+            self.beside.close_if_empty()
             self._publish()
-            if not lane.rows and self.side is None:
+            if not lane.rows and self.beside.lane is None:
                 lane.meter.close()
                 self._end()
 
@@ -140,20 +137,23 @@ class Lanes:
 
     def _end(self) -> None:
         """The batch has ended: its lanes close (jobs still in the side lane go back)."""
-        self._close_side(requeue=True)
+        self.beside.close(requeue=True)
         self.host.batch = None
         if self.lane is not None:
             self.lane.close()
             self.lane = None
 
-    def _add(self, lane: Lane, job: Job, r: Route, first: bool = False) -> bool:
+    def _add(self, lane: Lane, job: Job, r: Route, keep: int | None = None) -> bool:
         """Put ``job`` into ``lane``; while a shared prefix prefills to keep as a job of
-        the batch's own joins, jobs waiting ahead may run between its chunks."""
+        the batch's own joins, jobs waiting ahead may run between its chunks. ``keep``
+        (a job from a queue ahead, first to prefill): own rows that stay when others make
+        memory for it."""
+        first = keep is not None
         between = (
             self._between_chunks if lane is self.lane and lane.budgeted and not first else None
         )
         self._chunk_at = time.perf_counter()
-        return lane.add(job, r, first=first, between=between)
+        return lane.add(job, r, first=first, between=between, keep=keep)
 
     # -- taking jobs ------------------------------------------------------
     def _fill(self, lane: Lane) -> None:
@@ -209,7 +209,7 @@ class Lanes:
         try:
             if plan(self._view(), self.cfg).look:
                 self._urgent()
-            while (side := self.side) is not None and side.rows and self._owed <= 0:
+            while self.beside.rows() and self._owed <= 0:
                 self._step_side()
         finally:
             self._joining = False
@@ -235,13 +235,14 @@ class Lanes:
         return BatchView(
             size=len(lane.rows),
             cap=self.cap,
+            limit=lane.limit()[0],
             own=own,
             step_s=lane.step_s,
             decode_s=lane.decode_s,
             smallest_step_s=smallest,
             prefill_steps=lane.engine.prefill_steps if lane.engine is not None else 0,
             in_group=self.rt.cache.group is not None,
-            beside=len(self.side.rows) if self.side is not None else 0,
+            beside=self.beside.rows(),
             since_ahead_s=now - self._seen_ahead,
             owed=self._owed,
             ahead=bool(self.ahead) and self.host.may_take(),  # a stopping worker takes none
@@ -266,7 +267,7 @@ class Lanes:
         steps first (it went back to wait, or the batch is owed its share)."""
         lane = self.lane
         assert lane is not None
-        if lane.again(job) or (self.side is not None and self.side.again(job)):
+        if lane.again(job) or self.beside.again(job):
             return True
         if is_embedding(job):
             return self._urgent_embeddings(job)
@@ -275,21 +276,26 @@ class Lanes:
         r = self._route(lane, job)
         alone = route(req, self.rt.policy, batching=False)
         view = self._view()
-        waiting = Waiting(r.batch == lane.key and not self._joining, True, self._beside_pays(r))
+        waiting = Waiting(r.batch == lane.key and not self._joining, True, self.beside.takes(r))
         to = where(view, waiting, self.cfg)  # a join pays whatever room there is beside
         if to not in ("join", "preempt"):  # (so the job is prepared for its need only now)
             need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)
             fits = need is not None and self.rt.cache.fits_beside(need)
             to = where(view, dataclasses.replace(waiting, fits_beside=fits), self.cfg)
+            if to == "wait" and need is not None and self._room_beside(view, need):
+                to = where(view, dataclasses.replace(waiting, fits_beside=True), self.cfg)
         if to in ("join", "preempt"):
             if to == "preempt":
                 rows = list(lane.rows.values())
                 queues = [keys.base_queue(w.job.queue) for w in rows]
                 lane.remove(rows[preempted(queues, self.queue)])
-            self._add(lane, job, r, first=True)
+            self._add(lane, job, r, keep=kept_rows(view, self.cfg))
             return True
         if to == "side":
-            return self._to_side(job, r)
+            if self.beside.put(job, r):
+                return True
+            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+            return False
         if to == "wait":
             self.host.lifecycle.requeue(job)  # first in its queue still: after the batch
             self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
@@ -298,6 +304,20 @@ class Lanes:
         t = time.monotonic()
         self.host.run_alone(job, alone)
         return self._ran_beside(time.monotonic() - t)
+
+    def _room_beside(self, view: BatchView, need: int) -> bool:
+        """Own rows of the batch give their places up so that ``need`` more KV bytes fit
+        beside it (``step.preempt_for_room``; not while a kept prefix prefills as a job
+        joins). Whether they did."""
+        lane = self.lane
+        assert lane is not None
+        if self._joining:
+            return False
+        rows, freed = lane.evictable(kept_rows(view, self.cfg))
+        k = preempt_for_room(self.rt.cache.short_beside(need), freed)
+        for row in rows[: k or 0]:
+            lane.remove(row)
+        return bool(k)
 
     def _urgent_embeddings(self, job: Job) -> bool:
         """An embedding job from a queue ahead: embedded between two steps when its model
@@ -316,59 +336,13 @@ class Lanes:
         self._owed = owed_after_beside(self._owed, took, self.cfg)
         return self._owed <= 0
 
-    # -- the side lane ----------------------------------------------------
-    def _beside_pays(self, r: Route) -> bool:
-        """Whether a job routed ``r`` (it could not join) runs in the side lane: it can be
-        batched, and the side lane is for its batch's key (or none runs yet). Not in a
-        worker group, whose ranks mirror one engine."""
-        if r.batch is None or self.rt.cache.group is not None:
-            return False
-        return self.side is None or self.side.key == r.batch
-
-    def _to_side(self, job: Job, r: Route) -> bool:
-        """Put ``job`` into the side lane (opened for it if none runs): True when the next
-        job may come now, False when it went back to wait for room."""
-        assert r.batch is not None
-        if self.side is None:
-            queue = keys.base_queue(job.queue)
-            self.side = Lane(self.host, queue, r.batch, self.ledger, self.cap, budgeted=False)
-            self.side.start(r)
-        side = self.side
-        limit, _ = side.limit()
-        if len(side.rows) < limit and self._add(side, job, r, first=True):
-            return True
-        if len(side.rows) >= limit:
-            self.host.lifecycle.requeue(job)  # the side lane takes it when a place frees
-        if not side.rows:
-            self._close_side()
-        self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
-        return False
-
-    def _close_side(self, requeue: bool = False) -> None:
-        if self.side is not None:
-            self.side.close(requeue)
-            self.side = None
-
     def _step_side(self) -> None:
         """One step of the side lane, then its free places filled; paid to the batch's
-        floor while the batch's lane holds jobs (or is prefilling a kept prefix). A side
-        lane that fails fails its own jobs, not the batch's."""
-        side = self.side
-        assert side is not None and self.lane is not None
+        floor while the batch's lane holds jobs (or is prefilling a kept prefix)."""
+        assert self.lane is not None
         bound = bool(self.lane.rows) or self._joining
         t = time.perf_counter()
-        try:
-            side.step()
-            self._fill(side)
-        except Exception as e:
-            log.exception("side lane on %s failed; failing its job(s)", side.key[0])
-            side.fail_all(e)
-            self._close_side()
-            return
-        except BaseException:
-            self._close_side(requeue=True)
-            raise
-        if bound:
+        if self.beside.step(self._fill) and bound:
             self._ran_beside(time.perf_counter() - t)
 
     def _publish(self) -> None:
@@ -377,4 +351,85 @@ class Lanes:
         now = time.monotonic()
         if now >= self._published_at + PUBLISH_EVERY_S:
             self._published_at = now
-            self.host.batch = self.lane.info() if self.lane is not None else None
+            self.host.batch = published(self.lane) if self.lane is not None else None
+
+
+class Beside:
+    """The side lane: jobs from queues ahead of the batch's, batched beside its lane (one
+    batch key at a time; not in a worker group, whose ranks mirror one engine)."""
+
+    def __init__(self, host: Host, ledger: Ledger, cap: int) -> None:
+        self.host, self.ledger, self.cap = host, ledger, cap
+        self.lane: Lane | None = None
+
+    def rows(self) -> int:
+        return len(self.lane.rows) if self.lane is not None else 0
+
+    def again(self, job: Job) -> bool:
+        return self.lane is not None and self.lane.again(job)
+
+    def takes(self, r: Route) -> bool:
+        """Whether a job routed ``r`` (it could not join the batch) runs here: it can be
+        batched, and the side lane is for its batch's key (or none runs yet)."""
+        if r.batch is None or self.host.rt.cache.group is not None:
+            return False
+        return self.lane is None or self.lane.key == r.batch
+
+    def put(self, job: Job, r: Route) -> bool:
+        """Put ``job`` in (the lane opened for it if none runs): False when it went back
+        to wait for room (or ended at once, failing)."""
+        assert r.batch is not None
+        if self.lane is None:
+            queue = keys.base_queue(job.queue)
+            self.lane = Lane(self.host, queue, r.batch, self.ledger, self.cap, budgeted=False)
+            self.lane.start(r)
+        lane = self.lane
+        limit, _ = lane.limit()
+        if len(lane.rows) < limit and lane.add(job, r, first=True):
+            return True
+        if len(lane.rows) >= limit:
+            self.host.lifecycle.requeue(job)  # the side lane takes it when a place frees
+        if not lane.rows:
+            self.close()
+        return False
+
+    def step(self, fill: Callable[[Lane], None]) -> bool:
+        """One step, then ``fill`` its free places: False when it failed (its own jobs
+        fail, not the batch's, and it closes)."""
+        lane = self.lane
+        assert lane is not None
+        try:
+            lane.step()
+            fill(lane)
+        except Exception as e:
+            log.exception("side lane on %s failed; failing its job(s)", lane.key[0])
+            lane.fail_all(e)
+            self.close()
+            return False
+        except BaseException:
+            self.close(requeue=True)
+            raise
+        return True
+
+    def close_if_empty(self) -> None:
+        if self.lane is not None and not self.lane.rows:
+            self.lane.meter.close()
+            self.close()
+
+    def close(self, requeue: bool = False) -> None:
+        if self.lane is not None:
+            self.lane.close(requeue)
+            self.lane = None
+
+
+def published(lane: Lane) -> BatchInfo:
+    """What the worker publishes of its batch's lane (``producer fleet``)."""
+    return BatchInfo(
+        model=lane.key[0],
+        size=len(lane.rows),
+        limit=lane.limit()[0],
+        reason=lane.reason,
+        kv_mb=round(lane.kv_bytes / 1e6, 1),
+        kv_projected_mb=round(lane.projected / 1e6, 1),
+        kv_room_mb=round(lane.room() / 1e6, 1),
+    )

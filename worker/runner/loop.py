@@ -45,7 +45,7 @@ from worker.lifecycle.held import (
     Refused,
 )
 from worker.runner.alone import run_alone
-from worker.runner.audiojobs import AudioRun, is_audio, request_of
+from worker.runner.audiojobs import is_audio, serve_audio
 from worker.runner.company import PEEK
 from worker.runner.embedjobs import gather, is_embedding, run_embeddings
 from worker.runner.figures import SharedFigures
@@ -228,7 +228,7 @@ class Worker:
             self.run_embeddings(job)
             return
         if is_audio(job):
-            self.run_audio(job)
+            serve_audio(self, job)
             return
 
         queue = keys.base_queue(job.queue)  # a tenant's list joins its queue's batches
@@ -267,31 +267,6 @@ class Worker:
                 self.lifecycle.requeue(job)
             raise
         self.finish(ended)
-
-    def run_audio(self, first: Job) -> None:
-        """Transcribe ``first`` with the audio jobs of its model that join it, and end them."""
-        queue, model = keys.base_queue(first.queue), request_of(first).model
-
-        def take() -> Job | None:  # the next job of the queue, if it is one of ours
-            job = self.take_from(queue, model)
-            if job is not None and not (is_audio(job) and request_of(job).model == model):
-                self.lifecycle.requeue(job)
-                return None
-            return job
-
-        ahead = self.queues[: self.queues.index(queue)] if queue in self.queues else []
-
-        def higher() -> bool:  # (an interactive job waits: the run takes no more)
-            return any(self.lifecycle.waiting(q) for q in ahead)
-
-        run = AudioRun(self.rt, self.conn, take, self.finish, higher)
-        try:
-            with self.computing():
-                run.run(first)
-        except BaseException:
-            for job in run.jobs:
-                self.lifecycle.requeue(job)
-            raise
 
     # -- what the lanes ask of their worker --------------------------------
     def take_from(self, queue: str, model: str | None = None) -> Job | None:

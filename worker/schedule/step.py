@@ -9,6 +9,8 @@ the queues ahead. For each job found there it asks:
   the batch, in the side lane, alone between two steps, or after the batch? It reads
   :func:`joins` (join, or run beside?) and :func:`place_for_one` (a place, or does a
   batch job give one up?).
+- :func:`preempt_for_room` (down to :func:`kept_rows`): which of the batch's own rows
+  leave so that a job from a queue ahead fits in memory.
 - :func:`owed_after_beside` / :func:`owed_after_step`: the batch's floor (it keeps
   ``batch_floor`` of the time; it runs a little ahead while none wait).
 
@@ -75,6 +77,7 @@ class BatchView:
 
     size: int = 0  # rows held
     cap: int = 256  # the most rows it may hold (``--max-batch N``, or the auto cap)
+    limit: int = 256  # the rows it takes from its queue now (``--max-batch``, or measured)
     own: int = 0  # rows from the batch's own queue (the others came from queues ahead)
     step_s: float | None = None  # its steps' seconds, prefills too (running average)
     decode_s: float | None = None  # its steps' seconds that only decoded (running)
@@ -187,6 +190,24 @@ def preempted(queues: Sequence[str], own: str) -> int:
     in the order they joined: the batch's own (``own`` queue) job that joined last, the
     least work lost (``place_for_one`` keeps at least one of them)."""
     return max(i for i, q in enumerate(queues) if q == own)
+
+
+def kept_rows(view: BatchView, cfg: StepConfig) -> int:
+    """The batch's own rows that stay when memory is made for a job from a queue ahead:
+    ``own_floor`` of the rows it takes now (at least one), as at the cap."""
+    return max(1, int(min(view.cap, view.limit) * cfg.own_floor))
+
+
+def preempt_for_room(short: int, freed: Sequence[int]) -> int | None:
+    """How many of the batch's own rows (joined last first) give their places up so that a
+    job from a queue ahead fits in memory (vLLM preempts by priority under memory as well):
+    0 when it fits (``short`` <= 0 bytes missing), else the fewest whose leaving frees
+    ``short`` (``freed[i]``: what the last ``i + 1`` leaving frees, down to
+    :func:`kept_rows`); None when even those do not: it waits. A preempted row goes back
+    to the front of its queue unstarted (its text, greedy, is the same when it runs)."""
+    if short <= 0:
+        return 0
+    return next((i + 1 for i, f in enumerate(freed) if f >= short), None)
 
 
 def prefill_budget(view: BatchView, cfg: StepConfig) -> float | None:
