@@ -17,9 +17,10 @@ every step put in one of three phases:
 Arms: plain (``BatchEngine``), speculative at each k of ``--ks``, adaptive up to
 the largest (``worker.schedule.goodput``); every arm once per round, order rotating,
 medians of ``--rounds``. ``--budget S``: each arm also as a worker serving an
-interactive queue builds it (``prefill_budget_s``, ``worker.runner.continuous``):
-newcomers prefill about S seconds a step (a speculative batch's one row at a time, on
-its own caches, joining once its prompt is in) instead of in one padded pass.
+interactive queue runs it (``worker.schedule.step.prefill_budget``): newcomers prefill
+what the engine prefills in about S seconds a step, at the speed it measured (a
+speculative batch's one row at a time, on its own caches, joining once its prompt is in)
+instead of in one padded pass.
 
     bench/run bench.specqueue [--slots 8,16] [--ks 4,6] [--rounds 2] [--budget 0.5]
 """
@@ -45,8 +46,12 @@ OUT = Path(__file__).parent / "out"
 PHASES = ("join", "full", "tail")
 
 
-def run(engine: Any, target: Any, reqs: list, slots: int) -> dict[str, Any]:
-    """Every request through ``engine``, at most ``slots`` at once; time per phase."""
+def run(
+    engine: Any, target: Any, reqs: list, slots: int, budget_s: float | None = None
+) -> dict[str, Any]:
+    """Every request through ``engine``, at most ``slots`` at once; time per phase.
+    ``budget_s``: each step's token budget is what it prefills in that many seconds at
+    the speed it measured (the step plan's rule)."""
     waiting = list(enumerate(reqs))
     phases = {p: [0, 0.0] for p in PHASES}  # tokens, seconds
     start = time.perf_counter()
@@ -55,6 +60,8 @@ def run(engine: Any, target: Any, reqs: list, slots: int) -> dict[str, Any]:
             i, r = waiting.pop(0)
             prompt = prompt_tokens(target.tokenizer, r)
             engine.add(i, Prepared(prompt, params_for(r, len(prompt), target.context_length, 512)))
+        if budget_s is not None:
+            engine.prefill_budget = int(budget_s * (engine.prefill_rate or 0.0))
         t = time.perf_counter()
         step = engine.step()
         seconds = time.perf_counter() - t
@@ -86,10 +93,11 @@ def main() -> None:
 
     def engine(arm: tuple[int, float | None], slots: int) -> Any:
         k, budget = arm
+        tokens = None if budget is None else 0  # (the least chunks until a speed is known)
         if k == 0:
-            return BatchEngine(target, slots, prefill_budget_s=budget)
+            return BatchEngine(target, slots, prefill_budget=tokens)
         planner = Goodput(abs(k)) if k < 0 else None
-        return SpecBatchEngine(target, draft, abs(k), planner, prefill_budget_s=budget)
+        return SpecBatchEngine(target, draft, abs(k), planner, prefill_budget=tokens)
 
     def name(arm: tuple[int, float | None]) -> str:
         k, budget = arm
@@ -101,7 +109,7 @@ def main() -> None:
         runs: dict[tuple[int, float | None], list[dict]] = {a: [] for a in arms}
         for r in range(args.rounds):
             for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
-                runs[arm].append(run(engine(arm, slots), target, reqs, slots))
+                runs[arm].append(run(engine(arm, slots), target, reqs, slots, arm[1]))
         rows = {}
         for arm, got in runs.items():
             rows[name(arm)] = {

@@ -90,15 +90,21 @@ def test_the_batch_job_that_joined_last_gives_its_place_up():
     assert preempted([own], own) == 0
 
 
-def test_the_prefill_budget_holds_only_while_someone_may_wait():
-    alone = BatchView(size=32, own=32)
-    assert prefill_budget(alone, CFG) == CFG.quiet_budget_s
-    assert prefill_budget(dataclasses.replace(alone, own=31), CFG) == CFG.prefill_budget_s
-    assert prefill_budget(dataclasses.replace(alone, beside=1), CFG) == CFG.prefill_budget_s
+def test_the_token_budget_holds_only_while_someone_may_wait():
+    """Prompt tokens a step may prefill: what the engine prefills in the budget's seconds
+    at the speed it measured (1,000 tokens/s here)."""
+    alone = BatchView(size=32, own=32, prefill_rate=1000.0)
+    short, long = int(CFG.prefill_budget_s * 1000), int(CFG.quiet_budget_s * 1000)
+    assert (short, long) == (500, 4000)
+    assert prefill_budget(alone, CFG) == long
+    assert prefill_budget(dataclasses.replace(alone, own=31), CFG) == short
+    assert prefill_budget(dataclasses.replace(alone, beside=1), CFG) == short
     seen = dataclasses.replace(alone, since_ahead_s=CFG.quiet_s - 0.1)
-    assert prefill_budget(seen, CFG) == CFG.prefill_budget_s
+    assert prefill_budget(seen, CFG) == short
     quiet = dataclasses.replace(alone, since_ahead_s=CFG.quiet_s + 0.1)
-    assert prefill_budget(quiet, CFG) == CFG.quiet_budget_s
+    assert prefill_budget(quiet, CFG) == long
+    # no speed measured yet: 0 (the engine's least chunk per sequence)
+    assert prefill_budget(dataclasses.replace(seen, prefill_rate=None), CFG) == 0
     whole = StepConfig(prefill_budget_s=None)  # (no budget at all: whole chunks)
     assert prefill_budget(seen, whole) is None
 
@@ -149,9 +155,9 @@ def test_queues_ahead_are_looked_at_when_due_and_the_batch_is_owed_nothing():
     assert not plan(dataclasses.replace(view, owed=0.1), CFG).look
     assert not plan(dataclasses.replace(view, ahead=False), CFG).look  # none, or stopping
     # the batch's prefill budget: only where it may be cut
-    assert plan(view, CFG).budget_s is None
-    budgeted = dataclasses.replace(view, budgeted=True, own=8)
-    assert plan(budgeted, CFG).budget_s == prefill_budget(budgeted, CFG)
+    assert plan(view, CFG).budget is None
+    budgeted = dataclasses.replace(view, budgeted=True, own=8, prefill_rate=100.0)
+    assert plan(budgeted, CFG).budget == prefill_budget(budgeted, CFG) == 400
 
 
 def test_a_job_for_another_model_waits_the_bound_except_on_the_interactive_queue():

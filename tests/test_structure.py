@@ -154,6 +154,18 @@ def test_no_scheduling_class_grows_past_300_lines():
     assert long == {}
 
 
+def test_scheduling_module_docstrings_stay_short():
+    """At most 20 lines each (issue 69): the rules and their reasons are docs/scheduling.md's."""
+    long = {
+        path.name: len(doc.splitlines())
+        for package in ("runner", "schedule")
+        for path in sorted((ROOT / "worker" / package).glob("*.py"))
+        if (doc := ast.get_docstring(ast.parse(path.read_text()), clean=False))
+        and len(doc.splitlines()) > 20
+    }
+    assert long == {}
+
+
 @pytest.mark.parametrize(
     "module", ["worker.lifecycle.held", "worker.lifecycle.upkeep", "worker.schedule.policy"]
 )

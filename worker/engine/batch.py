@@ -6,13 +6,14 @@ sequences join between steps and leave as they finish. Which jobs may share a
 batch, and taking them off the queue, is the runner's business.
 
 Prefill goes in chunks of :data:`~worker.engine.prefill.PREFILL_STEP` tokens per
-sequence, up to :data:`PREFILL_BATCH` sequences a step. With ``prefill_budget_s`` set
-(the runner sets it when someone may be waiting on a step: an interactive queue is
-served before the batch's), the chunks shrink so that a step's prefill takes about that
-long at the prefill speed measured in this batch (never under :data:`MIN_CHUNK` tokens
-a sequence): on a device where 8 chunks of 512 tokens take a minute (a CPU), a step
-then takes a second or two, so a job waiting for the next step does not wait for
-minutes of other prompts. Where prefill is fast (a GPU), the chunks stay whole.
+sequence, up to :data:`PREFILL_BATCH` sequences a step. With ``prefill_budget`` set (prompt
+tokens a step may prefill, all sequences together: the step plan's token budget,
+``worker.schedule.step.prefill_budget``, sized from :attr:`BatchEngine.prefill_rate`, the
+prompt tokens per second measured here), the chunks shrink to fit it (never under
+:data:`MIN_CHUNK` tokens a sequence): on a device where 8 chunks of 512 tokens take a
+minute (a CPU), a step then takes a second or two, so a job waiting for the next step
+does not wait for minutes of other prompts. Where prefill is fast (a GPU), the chunks
+stay whole.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ UNPADDED_PREFILL = frozenset({"nemotron_h"})
 MIN_CHUNK = 8
 
 
-def budget_chunk(whole: int, budget_s: float, rate: float | None, together: int) -> int:
-    """Prompt tokens a sequence prefills in a step of ``together`` prefilling sequences,
-    so that the step's prefill takes about ``budget_s`` at ``rate`` tokens/s (measured;
-    None before any: the least): between :data:`MIN_CHUNK` and ``whole``."""
-    return max(MIN_CHUNK, min(whole, int((rate or 0.0) * budget_s / together)))
+def budget_chunk(whole: int, budget: int, together: int) -> int:
+    """Prompt tokens a sequence prefills in a step of ``together`` prefilling sequences
+    under a budget of ``budget`` tokens for them all: between :data:`MIN_CHUNK` and
+    ``whole``."""
+    return max(MIN_CHUNK, min(whole, budget // max(1, together)))
 
 
 class BatchEngine:
@@ -59,12 +60,12 @@ class BatchEngine:
         target: LoadedModel,
         max_batch: int,
         prefill_step: int = PREFILL_STEP,
-        prefill_budget_s: float | None = None,
+        prefill_budget: int | None = None,
     ) -> None:
         self.target, self.max_batch = target, max_batch
         self.prefill_step = prefill_step
-        #: Seconds of prefill one step may take (None: whole chunks, however long).
-        self.prefill_budget_s = prefill_budget_s
+        #: Prompt tokens one step may prefill (None: whole chunks, however long).
+        self.prefill_budget = prefill_budget
         self.models = (target,)
         tok = target.tokenizer
         together = 1 if target.config.get("model_type") in UNPADDED_PREFILL else PREFILL_BATCH
@@ -77,7 +78,8 @@ class BatchEngine:
         )
         self._seqs: dict[int, Sequence] = {}
         self._left: dict[int, int] = {}  # prompt tokens still to prefill, by uid
-        self._prefill_rate: float | None = None  # prompt tokens/s measured (running)
+        #: Prompt tokens per second measured in this batch (running; None before any).
+        self.prefill_rate: float | None = None
 
     @property
     def prefilling(self) -> int:
@@ -163,8 +165,8 @@ class BatchEngine:
                 self._left[p.uid] = total - done_tokens
         if work.prompt_tokens and work.prompt_time > 0:
             rate = work.prompt_tokens / work.prompt_time
-            old = self._prefill_rate
-            self._prefill_rate = rate if old is None else (old + rate) / 2
+            old = self.prefill_rate
+            self.prefill_rate = rate if old is None else (old + rate) / 2
         done: list[Finished] = []
         for r in responses:
             seq = self._seqs.get(r.uid)
@@ -180,13 +182,12 @@ class BatchEngine:
         return Step(len(responses), done, bool(prompts))
 
     def _chunk(self) -> int:
-        """The next step's chunk per prefilling sequence: whole, or under a budget what
-        fits it at the speed measured (shared by the sequences prefilled together; the
-        least before any is measured)."""
-        if self.prefill_budget_s is None or not self._left:
+        """The next step's chunk per prefilling sequence: whole, or under a budget its
+        share of it (the sequences prefilled together share the budget)."""
+        if self.prefill_budget is None or not self._left:
             return self.prefill_step
         together = min(len(self._left), self.gen.prefill_batch_size)
-        return budget_chunk(self.prefill_step, self.prefill_budget_s, self._prefill_rate, together)
+        return budget_chunk(self.prefill_step, self.prefill_budget, together)
 
     def close(self) -> None:
         self.gen.close()

@@ -10,7 +10,7 @@ is trimmed off the end, and the rest of a row's rejected tail is rolled round to
 the left of its filled part, where the attention mask skips it. Sequences join
 (all that joined since the last round prefilled together, then appended) and
 leave between rounds, as in :class:`worker.engine.batch.BatchEngine`; under a prefill
-budget (``prefill_budget_s``, as there) each joining row prefills a chunk per round on
+budget (``prefill_budget``, as there) each joining row prefills a chunk per round on
 its own caches, sized to the budget, and is appended once its prompt is in. Without a
 draft model, each row proposes from its own text (prompt lookup,
 ``worker.engine.lookup``): rows with no match this round propose nothing (their
@@ -125,12 +125,13 @@ class SpecBatchEngine:
         *,
         solo: bool = False,
         give_up_below: float | None = None,
-        prefill_budget_s: float | None = None,
+        prefill_budget: int | None = None,
     ) -> None:
         self.target, self.draft, self.k, self.solo = target, draft, k, solo
-        #: Seconds of prefill one round may take (None: joiners prefill whole).
-        self.prefill_budget_s = None if solo else prefill_budget_s
-        self._prefill_rate: float | None = None  # prompt tokens/s, both models (running)
+        #: Prompt tokens one round may prefill (None: joiners prefill whole, together).
+        self.prefill_budget = None if solo else prefill_budget
+        #: Prompt tokens per second measured, both models (running; None before any).
+        self.prefill_rate: float | None = None
         self.models = (target,) if draft is None else (target, draft)
         self.give_up = None
         if give_up_below is not None:
@@ -168,15 +169,14 @@ class SpecBatchEngine:
     def prefill_steps(self) -> int:
         if not self.joining:
             return 0
-        if self.prefill_budget_s is None:
+        if self.prefill_budget is None:
             return 1  # (joiners prefill whole at the next step)
         return max(1, -(-max(len(j.rest) for j in self.joining) // self._chunk()))
 
     def _chunk(self) -> int:
         """Prompt tokens each joining row prefills at the next round under the budget."""
-        assert self.prefill_budget_s is not None
-        together = max(1, len(self.joining))
-        return budget_chunk(PREFILL_STEP, self.prefill_budget_s, self._prefill_rate, together)
+        assert self.prefill_budget is not None
+        return budget_chunk(PREFILL_STEP, self.prefill_budget, len(self.joining))
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)
@@ -370,7 +370,7 @@ class SpecBatchEngine:
         each; those whose prompt is in are appended); whether any prefilled."""
         if not self.joining:
             return False
-        if self.prefill_budget_s is None:
+        if self.prefill_budget is None:
             joiners, self.joining = self.joining, []
             self._join(joiners)
             return True
@@ -383,8 +383,8 @@ class SpecBatchEngine:
                     prefill(self.draft.model, j.rest[:n], j.draft)
                 j.rest, fed = j.rest[n:], fed + n
         if fed:
-            rate, old = fed / max(time.perf_counter() - t, 1e-9), self._prefill_rate
-            self._prefill_rate = rate if old is None else (old + rate) / 2
+            rate, old = fed / max(time.perf_counter() - t, 1e-9), self.prefill_rate
+            self.prefill_rate = rate if old is None else (old + rate) / 2
         ready = [j for j in self.joining if not j.rest]
         if ready:
             self.joining = [j for j in self.joining if j.rest]

@@ -144,27 +144,26 @@ class Lane:
         return (limit, reason) if limit < self.cap else (self.cap, f"cap: {self.cap} (auto)")
 
     # -- stepping ---------------------------------------------------------
-    def step(self, prefill_budget_s: float | None = None) -> float:
-        """One step of the engine (a plain batch prefills at most ``prefill_budget_s`` of
-        prompt, when budgeted): jobs that end are ended. Returns its seconds."""
+    def step(self, prefill_budget: int | None = None) -> float:
+        """One step of the engine (prefilling at most ``prefill_budget`` prompt tokens,
+        when budgeted): jobs that end are ended. Returns its seconds."""
         assert self.engine is not None
         size = len(self.rows)
         self.meter.held(size)
         for row in self.rows.values():
             row.peak = max(row.peak, size)
-        if self.budgeted and isinstance(self.engine, BatchEngine):
-            self.engine.prefill_budget_s = prefill_budget_s
+        if self.budgeted and isinstance(self.engine, (BatchEngine, SpecBatchEngine)):
+            self.engine.prefill_budget = prefill_budget
         t = time.perf_counter()
         with self.host.computing():
             step = self.engine.step()
         seconds = time.perf_counter() - t
-        self.kv_bytes = self.engine.kv_bytes
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes)
+        self.kv_bytes = kv = self.engine.kv_bytes
+        self.peak_kv_bytes = max(self.peak_kv_bytes, kv)
         self._finish_outputs(step.done)
         self._expire()
         self.meter.step(step.sequences, step.tokens, seconds, step.prefilled)
-        # what a token of a job in this lane waits, prefill chunks included
-        self.step_s = ewma(self.step_s, seconds)
+        self.step_s = ewma(self.step_s, seconds)  # what a token here waits, prefills too
         if not step.prefilled:
             self.decode_s = ewma(self.decode_s, seconds)
         return seconds
@@ -359,7 +358,8 @@ class Lane:
 
     def _engine(self) -> Engine:
         if self.engine is None:
-            self.generator, self.engine = _make_engine(self.rt, self.key, self.cap, self.budgeted)
+            budget = 0 if self.budgeted else None  # (the least chunks until a speed is known)
+            self.generator, self.engine = _make_engine(self.rt, self.key, self.cap, budget)
         return self.engine
 
     # -- ending jobs ------------------------------------------------------
@@ -407,22 +407,21 @@ class Lane:
 
 
 def _make_engine(
-    rt: WorkerRuntime, key: BatchKey, cap: int, budgeted: bool
+    rt: WorkerRuntime, key: BatchKey, cap: int, budget: int | None
 ) -> tuple[ChatGenerator, Engine]:
     """The generator and engine of a lane on ``key``: a speculative batch with a draft
     or lookup, else a plain one; mirrored on every rank in a worker group."""
     model, adapter, draft, k, adaptive = key
     named = draft if draft != LOOKUP else None  # a draft model to load
     generator = ChatGenerator.get_or_create(model, named, adapter, cache=rt.cache)
-    budget = rt.step.prefill_budget_s if budgeted else None
     engine: Engine
     if draft is not None:
         planner = Goodput(k, rt.policy.acceptance(model, draft)) if adaptive else None
         engine = SpecBatchEngine(
-            generator.target, generator.draft, k, planner, prefill_budget_s=budget
+            generator.target, generator.draft, k, planner, prefill_budget=budget
         )
     else:
-        engine = BatchEngine(generator.target, cap, prefill_budget_s=budget)
+        engine = BatchEngine(generator.target, cap, prefill_budget=budget)
     if (group := rt.cache.group) is not None:  # mirrored on every rank
         engine = GroupEngine(group, engine, generator.target)
     return generator, engine

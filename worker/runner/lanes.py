@@ -105,7 +105,7 @@ class Lanes:
         with self._guard():
             p = plan(self._view(), self.cfg)
             if p.step == "batch":
-                seconds = lane.step(p.budget_s)
+                seconds = lane.step(p.budget)
                 self._owed = owed_after_step(self._owed, seconds, self.cfg)
             elif p.step == "side":
                 self._step_side()
@@ -248,6 +248,7 @@ class Lanes:
             ahead=bool(self.ahead) and self.host.may_take(),  # a stopping worker takes none
             look_due=now >= self._look_at,
             budgeted=lane.budgeted,
+            prefill_rate=getattr(lane.engine, "prefill_rate", None),
         )
 
     def _first_waiting(self) -> str | None:

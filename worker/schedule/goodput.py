@@ -16,9 +16,8 @@ changes as the batch changes:
 Everything comes from measurement in the running batch: pass times (an affine
 fit in the tokens a pass processes, over recent measurements at each size),
 bookkeeping per token, and each row's acceptance (accepted draft tokens and
-rejections, slowly forgotten, shrunk towards the batch's pooled acceptance).
-Pure Python; the engine (``worker.engine.specbatch``) times its passes and asks
-(:meth:`Goodput.plan`, :meth:`Goodput.observe`).
+rejections, slowly forgotten, shrunk towards the batch's pooled acceptance). Pure
+Python; the engine (``worker.engine.specbatch``) times its passes and asks (``plan``).
 """
 
 from __future__ import annotations

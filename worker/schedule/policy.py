@@ -1,38 +1,21 @@
 """When to speculate: measure each (target, draft) pair and run what is fastest.
 
-``--speculative auto`` (the default) decides per (target, draft) pair from
-measurements on real jobs, with a model that keeps them few and robust:
+``--speculative auto`` (the default) decides per pair from measurements on real jobs:
+plain decoding speed; the draft's acceptance p, pooled over the pair's speculative jobs
+(``worker.schedule.estimators.Acceptance``); a speculative round's time, fitted as a line
+in k. It measures plain, the default k and twice that, predicts each k's speed as
+(1 - p^(k+1)) / (1 - p) tokens per round over the round's time, and runs the fastest.
+While plain wins, the draft is tried again at k=1 after ``probe_every`` jobs, backing off
+up to 16x; while a draft wins, every ``10 * probe_every``-th job measures plain again. A
+job that fixes ``num_draft_tokens`` gets exactly that; greedy output is the same
+whichever runs.
 
-- plain decoding speed (tokens/s, time to first token excluded);
-- the draft's acceptance, pooled over all speculative jobs of the pair
-  (p = accepted / (accepted + rejections), the chance the target agrees with
-  the next draft token: ``worker.schedule.estimators.Acceptance``);
-- the time of one speculative round for the draft lengths tried, fitted as a
-  line in k (it is a draft pass per token plus one verify pass).
-
-It measures plain decoding, the default k and twice that, then predicts every
-k's speed as expected tokens per round, (1 - p^(k+1)) / (1 - p), over the
-round time, and runs the fastest of plain and the predictions. Per-job speed
-varies with how predictable each job's text is, but round times and pooled
-acceptance do not, so the choice settles after three jobs. While plain wins,
-a job runs the draft again at k=1 after ``probe_every`` jobs, then after twice
-as many each time it still loses, up to 16x (a pair whose draft starts paying
-switches; one that never pays costs ever less); while a draft wins, every
-``10 * probe_every``-th job
-re-measures plain, and every speculative job keeps measuring acceptance (a
-draft that stops paying is dropped). A job that fixes
-``num_draft_tokens`` gets exactly that. Greedy output is identical whichever
-runs: speculative decoding never changes it.
-
-Batching or speculating. Speculation speeds up one sequence; continuous
-batching (``worker.engine.batch``) multiplies throughput when many jobs wait.
-When a job with a draft is dequeued and more jobs wait in its queue, auto
-compares the pair's best single-stream speed (plain or predicted best k, once
-measured) with the measured aggregate speeds, at about that many jobs, of a
-plain batch and of a speculative batch that picks each round's k from what it
-measures (``worker.goodput``), and runs the fastest; a speculative batch must
-beat the plain one by :data:`SPEC_BATCH_MARGIN`. The first time a deep queue
-meets a measured pair, it batches once each way to measure.
+Batching or speculating: when more jobs wait in its queue, auto compares the pair's best
+single-stream speed with the measured aggregate speeds, at about that many jobs, of a
+plain batch and of a speculative batch that picks each round's k
+(``worker.schedule.goodput``), and runs the fastest (a speculative batch must beat the
+plain one by :data:`SPEC_BATCH_MARGIN`); a deep queue that meets a measured pair first
+batches once each way, to measure.
 """
 
 from __future__ import annotations

@@ -14,12 +14,10 @@ the queues ahead. For each job found there it asks:
 - :func:`owed_after_beside` / :func:`owed_after_step`: the batch's floor (it keeps
   ``batch_floor`` of the time; it runs a little ahead while none wait).
 
-and before each take, :func:`model_waits`: how long a queue's job for a model not loaded
-may be passed over for one of a loaded model (the take script applies it).
-
-Each reads a :class:`BatchView` (what the runner measured and holds) and a
-:class:`StepConfig` (the constants, frozen; ``WorkerRuntime.step``), and returns a
-decision the runner applies. Tests construct views and check decisions in milliseconds.
+and before each take, :func:`model_waits` (how long a job for a model not loaded may be
+passed over; the take script applies it). Each reads a :class:`BatchView` (what the runner
+measured and holds) and the frozen :class:`StepConfig` (``WorkerRuntime.step``), and
+returns a decision the runner applies; tests check decisions on constructed views.
 """
 
 from __future__ import annotations
@@ -57,7 +55,8 @@ class StepConfig:
     #: Step seconds the batch may run ahead of its floor while none wait ahead (requests
     #: that come together then run back to back).
     floor_credit_s: float = 2.0
-    #: Seconds of prompt prefill a step takes at most while someone may wait on it.
+    #: Seconds of prompt prefill a step takes at most while someone may wait on it (the
+    #: plan turns it into tokens at the prefill speed measured).
     prefill_budget_s: float | None = 0.5
     #: Seconds after an interactive job was last seen waiting that the budget holds
     #: (requests come in streams).
@@ -90,6 +89,7 @@ class BatchView:
     ahead: bool = False  # queues are served before the batch's (and the worker may take)
     look_due: bool = True  # the last look at them is old enough to look again
     budgeted: bool = False  # its prefill may be cut per step (not in a worker group)
+    prefill_rate: float | None = None  # prompt tokens/s its engine measured (None: none yet)
 
 
 def joins(view: BatchView, cfg: StepConfig) -> bool:
@@ -168,7 +168,7 @@ class Plan:
     """One turn of the worker's loop, as :func:`plan` decides it."""
 
     step: Stepped | None  # the lane that steps (None: neither holds a job)
-    budget_s: float | None  # seconds of prompt the batch's step may prefill (None: whole)
+    budget: int | None  # prompt tokens the batch's step may prefill (None: whole chunks)
     look: bool  # look at the queues ahead (a job there goes where :func:`where` says)
 
 
@@ -210,14 +210,17 @@ def preempt_for_room(short: int, freed: Sequence[int]) -> int | None:
     return next((i + 1 for i, f in enumerate(freed) if f >= short), None)
 
 
-def prefill_budget(view: BatchView, cfg: StepConfig) -> float | None:
-    """Seconds of prompt the next step of a plain batch may prefill (None: whole chunks):
-    ``prefill_budget_s`` while an interactive job is in the batch or beside it, or was
-    seen waiting within ``quiet_s``; else ``quiet_budget_s``."""
+def prefill_budget(view: BatchView, cfg: StepConfig) -> int | None:
+    """The token budget: prompt tokens the batch's next step may prefill (None: whole
+    chunks), what its engine prefills in ``prefill_budget_s`` at the speed it measured
+    while an interactive job is in the batch or beside it, or was seen waiting within
+    ``quiet_s``, else in ``quiet_budget_s``; before any speed is measured, 0 (the
+    engine's least chunk per sequence)."""
     if cfg.prefill_budget_s is None:
         return None
     waits = view.own < view.size or view.beside > 0 or view.since_ahead_s < cfg.quiet_s
-    return cfg.prefill_budget_s if waits else cfg.quiet_budget_s
+    seconds = cfg.prefill_budget_s if waits else cfg.quiet_budget_s
+    return int(seconds * (view.prefill_rate or 0.0))
 
 
 def owed_after_beside(owed: float, took: float, cfg: StepConfig) -> float:
