@@ -641,9 +641,7 @@ def test_a_client_that_disconnects_cancels_its_unstarted_job(gateway, conn, tiny
     assert len(batch) == 1
 
 
-def test_concurrent_chat_completions_batch_and_streamed_ones_run_alone(
-    gateway, workers, tiny, conn
-):
+def test_concurrent_chat_completions_batch_streamed_or_not(gateway, workers, tiny, conn):
     gw = gateway()
     client = gw.client()
     # Bad input on the streaming path is refused before anything is queued.
@@ -687,8 +685,8 @@ def test_concurrent_chat_completions_batch_and_streamed_ones_run_alone(
 
     batched = concurrently(stream=False, before_worker=True)
     assert min(batch_sizes(batched)) >= 2, batch_sizes(batched)
-    streamed = concurrently(stream=True, before_worker=False)
-    assert batch_sizes(streamed) == [1] * 4  # a streaming job runs on its own (by design)
+    streamed = concurrently(stream=True, before_worker=False)  # (the worker is up now)
+    assert max(batch_sizes(streamed)) >= 2, batch_sizes(streamed)  # streams batch too
     for i in range(4):  # batched, streamed and alone: the same greedy text
         assert streamed[i][1] == batched[i][1] == ask(i)[1], i
 

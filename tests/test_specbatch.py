@@ -7,11 +7,13 @@ import json
 
 import pytest
 
-from schemas import ChatRequest
+from producer import Client
+from schemas import ChatRequest, keys
 from tests.conftest import chat, run_jobs
 from tests.models import noisy_copy, with_eos
 from tests.test_logprobs import _close
 from tests.test_structured import SCHEMA, schema_format
+from tests.waiting import seconds
 from worker.engine import Prepared, Start, params_for, prompt_tokens
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import ModelCache
@@ -231,16 +233,39 @@ def test_adaptive_k_keeps_every_greedy_output(pair, tiny, which):
         assert accepted >= 0.9 * proposed  # all but proposals past an EOS
 
 
-def test_a_streamed_draft_job_speculates_alone_and_says_why(conn, redis_url, pair):
+@pytest.mark.parametrize("kind", ["plain", "draft", "lookup"])
+def test_streamed_jobs_share_batches_and_stream_what_their_records_hold(
+    conn, redis_url, pair, kind
+):
+    """Streamed jobs join batches (plain, a draft's speculative batch, prompt lookup's)
+    with jobs that do not stream: each record's text is the text unstreamed (greedy), and
+    each stream's pieces concatenate to it and end with its usage. Before, a streamed job
+    always ran alone."""
     target, draft = pair
+    fields = {
+        "draft": {"draft_model": draft},
+        "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
+    }.get(kind, {})
     jobs = {
         f"j{i}": r.model_dump(exclude_none=True)
-        for i, r in enumerate(_requests(target, 4, draft_model=draft))
+        for i, r in enumerate(_requests(target, 6, **fields))
     }
-    jobs["j0"]["stream"] = True
-    got = run_jobs(conn, redis_url, jobs, "streamed", 4, SpeculationPolicy("always"))
-    streamed = got["j0"].metrics
-    assert streamed.speculative and streamed.batch_size == 1
-    assert "streamed, so alone" in streamed.speculation_reason
-    assert all(got[c].metrics.batch_size > 1 for c in ("j1", "j2", "j3"))
-    assert all("streamed" not in got[c].metrics.speculation_reason for c in ("j1", "j2", "j3"))
+    mode = "always" if fields else "never"
+    plain = run_jobs(conn, redis_url, jobs, f"unstreamed-{kind}", 6, SpeculationPolicy(mode))
+    streamed = ("j0", "j2", "j5")
+    for c in streamed:
+        jobs[c]["stream"] = True
+    got = run_jobs(conn, redis_url, jobs, f"streamed-{kind}", 6, SpeculationPolicy(mode))
+    for c, r in got.items():
+        assert r.status == "succeeded", (c, r.error)
+        assert r.response.choices[0].message.content == plain[c].response.choices[0].message.content
+        assert r.metrics.batch_size > 1, c
+        assert r.metrics.speculative is bool(fields), c
+    client = Client(connection=conn)
+    for c in streamed:
+        record = got[c]
+        pieces = list(client.stream(record.job_id, timeout=seconds(10)))
+        assert "".join(pieces) == record.response.choices[0].message.content, c
+        raw = [json.loads(f[b"chunk"]) for _, f in conn.xrange(keys.stream_key(record.job_id))]
+        assert {chunk["id"] for chunk in raw} == {record.response.id}
+        assert raw[-1]["usage"] == record.response.usage.model_dump()

@@ -85,9 +85,10 @@ def test_a_place_at_the_cap_is_taken_from_the_batch_down_to_its_floor():
 
 
 def test_the_batch_job_that_joined_last_gives_its_place_up():
-    own, ahead = keys.DEFAULT_QUEUE, keys.INTERACTIVE_QUEUE
-    assert preempted([own, own, ahead, own, ahead], own) == 3  # not an interactive job's
-    assert preempted([own], own) == 0
+    # (False: an interactive job's row, or a streamed one: never preempted)
+    assert preempted([True, True, False, True, False]) == 3
+    assert preempted([True, False]) == 0
+    assert preempted([True]) == 0
 
 
 def test_the_token_budget_holds_only_while_someone_may_wait():

@@ -27,6 +27,7 @@ from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
 from worker.engine.mirror import GroupEngine
 from worker.engine.models import ModelCache
+from worker.engine.output import GenerationOutput
 from worker.engine.protocol import CannotTake, Engine, Finished
 from worker.engine.request import Prepared
 from worker.engine.specbatch import SpecBatchEngine
@@ -37,6 +38,7 @@ from worker.runner.images import images_of
 from worker.runner.kv import projected
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.stops import Stops
+from worker.runner.streamer import JobStream, stream_ended
 from worker.schedule.admission import Length, Verdict, admit
 from worker.schedule.estimators import ewma
 from worker.schedule.goodput import Goodput
@@ -102,6 +104,7 @@ class Row:
     job: Job
     route: Route
     peak: int = 1  # the most jobs decoding together while this one ran
+    stream: JobStream | None = None  # a streamed job's chunks (never preempted: no restart)
 
 
 class Lane:
@@ -193,8 +196,8 @@ class Lane:
 
     def fail_all(self, e: Exception) -> None:
         """The lane failed: every job in it fails, naming why."""
-        error = GenerationError(f"{type(e).__name__}: {e}")
-        self.end([(r.job, records.failure(r.job, self.rt, error)) for r in self.drain()])
+        error, rows = GenerationError(f"{type(e).__name__}: {e}"), self.drain()
+        self.end([(r.job, records.failure(r.job, self.rt, error)) for r in rows], rows)
 
     def remove(self, row: Row) -> None:
         """Take ``row``'s job out, back to the front of its queue unstarted (preempted)."""
@@ -207,20 +210,6 @@ class Lane:
         log.info("job %s preempted for a job ahead; back in %s", row.job.id, self.queue)
 
     # -- taking jobs ------------------------------------------------------
-    def same_kind(self, job: Job, r: Route) -> bool:
-        """Whether ``job`` is like the draft jobs the lane was started for (k left to the
-        policy): it joins on the lane's terms, so a batch is not starved when the policy
-        changes its mind mid-batch."""
-        req = job.envelope.request
-        return (
-            self.decision is not None
-            and self.draft_named is not None
-            and r.proposer == self.draft_named
-            and r.fixed_k is None
-            and (req.model, req.adapter) == (self.key.model, self.key.adapter)
-            and batchable(req)
-        )
-
     def again(self, job: Job) -> bool:
         """True if ``job`` decodes in this lane already: taken again (its lease here was
         counted lost, say across a Sentinel failover). The run goes on under the new take
@@ -246,12 +235,13 @@ class Lane:
         their places up for its memory, None: it waits for memory instead); hand it back
         to wait for memory, or end it at once with what stops it (False)."""
         req = job.envelope.request
+        conn = self.host.lifecycle.conn
         try:
             self.rt.check_request(req)  # the draft too: batched without it, but named
             with self.host.computing():
                 engine = self._engine()
             assert self.generator is not None
-            images = images_of(self.host.lifecycle.conn, job, self.rt.image_hosts)
+            images = images_of(conn, job, self.rt.image_hosts)
             prepared = self.generator.prepare(self.rt.with_defaults(req), images=images)
             if not self._room_for(job, prepared, keep):
                 return False
@@ -261,8 +251,9 @@ class Lane:
                 draft = self.generator.draft if self.key.draft else None
                 held = len(prepared.prompt) - 1
                 start = self.generator.starting_cache(prepared, held, draft, others, between)
+            stream = JobStream(conn, job, self.generator.target, prepared) if req.stream else None
             with self.host.computing():
-                engine.add(job.id, prepared, start, first=first)
+                engine.add(job.id, prepared, start, stream and stream.streamer, first=first)
         except CannotTake as e:
             self._cannot_take(job, str(e))
             return False
@@ -274,7 +265,7 @@ class Lane:
             error = GenerationError(f"{type(e).__name__}: {e}")
             self.end([(job, records.failure(job, self.rt, error))])
             return False
-        self.rows[job.id] = Row(job, r)
+        self.rows[job.id] = Row(job, r, stream=stream)
         self._reserve()
         return True
 
@@ -297,7 +288,7 @@ class Lane:
         fit, own rows give their places up (``keep`` stay: ``step.preempt_for_room``) or
         it goes back to the front of its queue to wait."""
         length = prepared.length()
-        alone = self._peak([length])
+        alone = self.peak([length])
         self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
         beside = self.ledger.others(self)
         if not self.rows and not beside:
@@ -312,7 +303,7 @@ class Lane:
             return True
         verdict = self.admission(length)
         if not verdict.join and keep is not None:
-            rows, freed = self.evictable(keep, length)
+            rows, freed = evictable(self, keep, length)
             for row in rows[: preempt_for_room(verdict.over, freed) or 0]:
                 self.remove(row)
             verdict = self.admission(length)
@@ -329,22 +320,9 @@ class Lane:
     def admission(self, length: Length) -> Verdict:
         """The scheduler's verdict on a job of ``length`` joining the lane now."""
         assert self.engine is not None
-        return admit(self._peak, list(self.engine.lengths().values()), length, self.room())
+        return admit(self.peak, list(self.engine.lengths().values()), length, self.room())
 
-    def evictable(self, keep: int, joining: Length | None = None) -> tuple[list[Row], list[int]]:
-        """The rows of the lane's own queue that may give their places up, joined last
-        first (the first ``keep`` to join stay), and what its projected KV shrinks by as
-        they leave, one more each time (with ``joining`` in it: a job that would join)."""
-        assert self.engine is not None
-        own = [r for r in self.rows.values() if base_queue(r.job.queue) == self.queue]
-        rows, left, extra = own[keep:][::-1], self.engine.lengths(), [joining] if joining else []
-        base, freed = self._peak([*left.values(), *extra]), []
-        for row in rows:
-            left.pop(row.job.id, None)
-            freed.append(base - self._peak([*left.values(), *extra]))
-        return rows, freed
-
-    def _peak(self, sequences: Sequence[Length]) -> int:
+    def peak(self, sequences: Sequence[Length]) -> int:
         """The most the lane's KV caches can hold for ``sequences`` (the draft's too)."""
         assert self.engine is not None
         return projected(self.engine.models, sequences)
@@ -352,7 +330,7 @@ class Lane:
     def _reserve(self) -> None:
         """Count what the lane's KV caches can grow to in the ledger."""
         assert self.engine is not None
-        self.projected = self._peak(list(self.engine.lengths().values()))
+        self.projected = self.peak(list(self.engine.lengths().values()))
         self.peak_projected_bytes = max(self.peak_projected_bytes, self.projected)
         self.ledger.set(self, self.projected)
 
@@ -363,28 +341,31 @@ class Lane:
         return self.engine
 
     # -- ending jobs ------------------------------------------------------
-    def end(self, ended: list[tuple[Job, ResultRecord]]) -> None:
+    def end(self, ended: list[tuple[Job, ResultRecord]], rows: Sequence[Row] = ()) -> None:
+        """End jobs with their records, then streamed ones' final (or error) chunks."""
         if ended:
             self.host.finish(ended)
+            streams = {r.job.id: r.stream for r in rows}
+            for job, record in ended:
+                stream_ended(self.host.lifecycle.conn, job, record, streams.get(job.id))
 
     def _finish_outputs(self, done: list[Finished]) -> None:
-        ended = []
+        ended, rows = [], []
         assert self.generator is not None
         for job_id, out in done:
             row = self.rows.pop(str(job_id), None)
             if row is None:  # (never expected: one sequence per job, see again)
                 log.error("batch output for job %s, which it does not hold; dropped", job_id)
                 continue
+            rows.append(row)
             if isinstance(out, MlxqError):
                 ended.append((row.job, records.failure(row.job, self.rt, out)))
                 continue
-            record = records.success(
-                row.job, self.rt, out, self.generator, batched_with=row.peak, route=row.route
-            )
+            record = _success(row, self.rt, out, self.generator)
             ended.append((row.job, record))
         if ended:
             self._reserve()
-        self.end(ended)
+        self.end(ended, rows)
 
     def _expire(self) -> None:
         """Jobs that must stop (a cancel, a time limit: ``worker.runner.stops``) leave the
@@ -393,9 +374,10 @@ class Lane:
         if not due:
             return
         assert self.engine is not None
-        ended = []
+        ended, rows = [], []
         for job, error in due:
             row = self.rows.pop(job.id)
+            rows.append(row)
             cut = self.engine.remove(job.id)
             record = records.stopped(
                 job, self.rt, error, [cut] if cut else [], batched_with=row.peak
@@ -403,7 +385,56 @@ class Lane:
             log.info("job %s stopped in the batch on %s: %s", job.id, self.key.model, error.code)
             ended.append((job, record))
         self._reserve()
-        self.end(ended)
+        self.end(ended, rows)
+
+
+def mine(row: Row, queue: str) -> bool:
+    """Whether ``row`` is a job of ``queue`` that may give its place up (not streamed: a
+    stream cannot start over unseen by its reader)."""
+    return base_queue(row.job.queue) == queue and row.stream is None
+
+
+def same_kind(lane: Lane, job: Job, r: Route) -> bool:
+    """Whether ``job`` is like the draft jobs ``lane`` was started for (k left to the
+    policy): it joins on the lane's terms, so a batch is not starved when the policy
+    changes its mind mid-batch."""
+    req = job.envelope.request
+    return (
+        lane.decision is not None
+        and lane.draft_named is not None
+        and r.proposer == lane.draft_named
+        and r.fixed_k is None
+        and (req.model, req.adapter) == (lane.key.model, lane.key.adapter)
+        and batchable(req)
+    )
+
+
+def evictable(lane: Lane, keep: int, joining: Length | None = None) -> tuple[list[Row], list[int]]:
+    """The rows of ``lane``'s own queue that may give their places up (:func:`mine`),
+    joined last first (the first ``keep`` stay), and what its projected KV shrinks by as
+    they leave, one more each time (with ``joining`` in it: a job that would join)."""
+    assert lane.engine is not None
+    rows = [r for r in lane.rows.values() if mine(r, lane.queue)][keep:][::-1]
+    left, extra = lane.engine.lengths(), [joining] if joining else []
+    base, freed = lane.peak([*left.values(), *extra]), []
+    for row in rows:
+        left.pop(row.job.id, None)
+        freed.append(base - lane.peak([*left.values(), *extra]))
+    return rows, freed
+
+
+def _success(
+    row: Row, rt: WorkerRuntime, out: GenerationOutput, gen: ChatGenerator
+) -> ResultRecord:
+    """A finished row's record (a streamed job's parsed as its chunks were)."""
+    s = row.stream
+    return records.success(
+        *(row.job, rt, out, gen),
+        completion_id=s.completion_id if s else None,
+        batched_with=row.peak,
+        route=row.route,
+        parser=s.streamer.parser if s else None,
+    )
 
 
 def _make_engine(

@@ -29,7 +29,16 @@ from schemas.fleet import BatchInfo
 from worker.lifecycle.held import Job
 from worker.runner.alone import kv_need
 from worker.runner.embedjobs import is_embedding
-from worker.runner.lane import PAUSE_AFTER_HAND_BACK_S, QUEUE_EMPTY, Host, Lane, Ledger
+from worker.runner.lane import (
+    PAUSE_AFTER_HAND_BACK_S,
+    QUEUE_EMPTY,
+    Host,
+    Lane,
+    Ledger,
+    evictable,
+    mine,
+    same_kind,
+)
 from worker.schedule.grouping import BatchKey
 from worker.schedule.route import Route, route
 from worker.schedule.step import (
@@ -188,7 +197,7 @@ class Lanes:
         the kind the lane was started for)."""
         depth = max(self.depth, len(lane.rows) + 1)
         r = route(job.envelope.request, self.rt.policy, depth, decide_alone=False)
-        if r.batch != lane.key and lane.same_kind(job, r):
+        if r.batch != lane.key and same_kind(lane, job, r):
             # the policy's new mind is for the next batch
             r = dataclasses.replace(r, batch=lane.key, decision=lane.decision)
         return r
@@ -229,7 +238,7 @@ class Lanes:
         """What the step rules (``worker.schedule.step``) read of the batch now."""
         lane = self.lane
         assert lane is not None
-        own = sum(keys.base_queue(r.job.queue) == self.queue for r in lane.rows.values())
+        own = sum(mine(r, self.queue) for r in lane.rows.values())  # (streams are nobody's)
         smallest = self.rt.policy.sizes.smallest_step_s(*lane.key, most=self.cfg.small_size)
         now = time.monotonic()
         return BatchView(
@@ -288,8 +297,7 @@ class Lanes:
         if to in ("join", "preempt"):
             if to == "preempt":
                 rows = list(lane.rows.values())
-                queues = [keys.base_queue(w.job.queue) for w in rows]
-                lane.remove(rows[preempted(queues, self.queue)])
+                lane.remove(rows[preempted([mine(w, self.queue) for w in rows])])
             self._add(lane, job, r, keep=kept_rows(view, self.cfg))
             return True
         if to == "side":
@@ -314,7 +322,7 @@ class Lanes:
         assert lane is not None
         if self._joining:
             return False
-        rows, freed = lane.evictable(kept_rows(view, self.cfg))
+        rows, freed = evictable(lane, kept_rows(view, self.cfg))
         k = preempt_for_room(self.rt.cache.short_beside(need), freed)
         for row in rows[: k or 0]:
             lane.remove(row)

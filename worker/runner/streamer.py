@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas import ResultRecord
+from redis import Redis
+
+from schemas import ChatRequest, ResultRecord
 from worker.engine.constrain import token_bytes
 from worker.engine.logprobs import LogprobEntry, render
 from worker.engine.models import LoadedModel
@@ -27,7 +29,9 @@ from worker.engine.reasoning import Thinking, thinking_of
 from worker.engine.request import Prepared
 from worker.engine.toolcalls import Family, family_of
 from worker.engine.toolcalls import call_id as call_id_of
+from worker.lifecycle.held import Job
 from worker.lifecycle.streaming import ChunkWriter
+from worker.runner.records import new_completion_id
 
 REASONING, CONTENT = "reasoning_content", "content"
 
@@ -112,3 +116,32 @@ class Streamer:
         for n, call in enumerate(choice.message.tool_calls or ()):
             self._call(n, call.function.name, call.function.arguments)
         self.writer.finish(choice.finish_reason, record.response.usage.model_dump())
+
+
+class JobStream:
+    """A streamed job's chunks while it runs in a lane (``worker.runner.lane``): its
+    stream opened (a job run again starts it over) as it joins, its :class:`Streamer`
+    fed by the engine, its end written by :func:`stream_ended` once its record is."""
+
+    def __init__(self, conn: Redis, job: Job, target: LoadedModel, prepared: Prepared) -> None:
+        req = job.envelope.request
+        assert isinstance(req, ChatRequest)
+        self.completion_id = new_completion_id()
+        writer = ChunkWriter(conn, job.id, self.completion_id, req.model, job.envelope.result_ttl)
+        self.streamer = Streamer.for_job(writer, target, prepared, bool(req.logprobs))
+        writer.start()
+
+
+def stream_ended(conn: Redis, job: Job, record: ResultRecord, stream: JobStream | None) -> None:
+    """Once a job's record is stored: a streamed job's final chunks (a reader that sees
+    the stream end can read the record), or its error chunk when it failed or stopped,
+    whether or not its stream had begun."""
+    req = job.envelope.request
+    if not (isinstance(req, ChatRequest) and req.stream):
+        return
+    if record.error is None and stream is not None:
+        stream.streamer.end(record)
+    elif record.error is not None:
+        cid = stream.completion_id if stream is not None else new_completion_id()
+        writer = ChunkWriter(conn, job.id, cid, req.model, job.envelope.result_ttl)
+        writer.error(record.error.model_dump(mode="json"))

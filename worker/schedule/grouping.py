@@ -1,8 +1,8 @@
 """Which jobs may share a continuous batch, and on what terms.
 
-A job may share a batch (:func:`batchable`) unless it streams, asks for n > 1
-choices (a batch of its own) or samples with a seed (it runs alone so that its
-seed means what it says). Jobs share a batch when their :class:`BatchKey` is equal:
+A job may share a batch (:func:`batchable`, streamed or not) unless it asks for n > 1
+choices (a batch of its own) or samples with a seed (it runs alone so that its seed
+means what it says). Jobs share a batch when their :class:`BatchKey` is equal:
 same (model, adapter), and for jobs that name a draft, what the speculation policy
 decided (``worker.schedule.route``): batched without the draft, or in a speculative
 batch with it at k.
@@ -28,4 +28,4 @@ class BatchKey(NamedTuple):
 def batchable(req: ChatRequest) -> bool:
     """Whether a request may share a batch at all (n > 1: its choices are a batch of
     their own; a seeded sampling job runs alone so that its seed means what it says)."""
-    return not (req.stream or req.n > 1 or (req.seed is not None and req.temperature > 0))
+    return not (req.n > 1 or (req.seed is not None and req.temperature > 0))

@@ -81,7 +81,4 @@ def route(
         decision = Decision(0, f"n={req.n}: the choices decode as one batch, plainly")
     else:
         decision = policy.choose(req.model, proposer, fixed)
-        if req.stream:  # say why a streamed job never shares a speculative batch
-            reason = f"{decision.reason}; streamed, so alone (streams are not batched)"
-            decision = dataclasses.replace(decision, reason=reason)
     return Route(proposer, fixed, None, decision, waiting)

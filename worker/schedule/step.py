@@ -185,11 +185,12 @@ def plan(view: BatchView, cfg: StepConfig) -> Plan:
     return Plan(step, budget, view.ahead and view.look_due and view.owed <= 0)
 
 
-def preempted(queues: Sequence[str], own: str) -> int:
-    """Which row gives its place up when ``where`` says ``preempt``, given each row's queue
-    in the order they joined: the batch's own (``own`` queue) job that joined last, the
-    least work lost (``place_for_one`` keeps at least one of them)."""
-    return max(i for i, q in enumerate(queues) if q == own)
+def preempted(own: Sequence[bool]) -> int:
+    """Which row gives its place up when ``where`` says ``preempt``, given for each row in
+    the order they joined whether it is the batch's own (its queue's, not streamed): the
+    own job that joined last, the least work lost (``place_for_one`` keeps at least one of
+    them)."""
+    return max(i for i, mine in enumerate(own) if mine)
 
 
 def kept_rows(view: BatchView, cfg: StepConfig) -> int:
