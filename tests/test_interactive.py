@@ -274,15 +274,15 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     model = archs.get(kind, tiny.target)
     cache = ModelCache(prefix_bytes=0)
     entry = cache.get(model)[0]
-    body = chat(model, "batch job 0", max_tokens=160, temperature=0, logit_bias=EOS_OFF)
+    body = chat(model, "batch job 0", max_tokens=128, temperature=0, logit_bias=EOS_OFF)
     prompt = len(prompt_tokens(entry.tokenizer, ChatRequest.model_validate(body)))
-    one = batch_peak_bytes(entry.kv, [(prompt + 8, 160)])
+    one = batch_peak_bytes(entry.kv, [(prompt + 8, 128)])
     cache.budget_bytes = entry.nbytes + 4 * one + one // 2
-    batch = _batch(conn, model, 12, 160, logit_bias=EOS_OFF)
+    batch = _batch(conn, model, 8, 128, logit_bias=EOS_OFF)
     rt = runtime.WorkerRuntime(cache=cache, policy=SpeculationPolicy("never"), step=StepConfig())
     worker = _serve(redis_url, rt, max_batch=8)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)  # the batch is at its budget
-    ask = chat(model, "question 0", max_tokens=160, temperature=0, logit_bias=EOS_OFF)
+    ask = chat(model, "question 0", max_tokens=128, temperature=0, logit_bias=EOS_OFF)
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
     asked = client.submit({"i0": {**ask, "stream": path == "alone"}}, batch_id="i").job_ids
     _wait(lambda: _ended(conn, asked) == 1)
@@ -294,9 +294,9 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     assert mine.finished_at < max(r.finished_at for r in records)
     assert rt.stats.peak_projected_kv_bytes <= 4 * one + one // 2
     texts = [r.response.choices[0].message.content for r in records]
-    asks = _asks("batch job", 12, 160)
+    asks = _asks("batch job", 8, 128)
     assert texts == _alone_texts(conn, redis_url, model, asks, logit_bias=EOS_OFF)
-    assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 12  # each ended once
+    assert int(conn.hget(keys.batch_key("b"), "succeeded")) == 8  # each ended once
 
 
 def test_sigkill_while_preempting_loses_nothing(conn, redis_url, tiny, workers):
