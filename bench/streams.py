@@ -25,7 +25,7 @@ from pathlib import Path
 import openai
 from redis import Redis
 
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # (run as a script too)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # (run as a script: last)
 
 from bench.fixtures import model
 from bench.gateway import KEY, start_gateway
