@@ -25,7 +25,9 @@ from pathlib import Path
 import openai
 from redis import Redis
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # (run as a script: last)
+if not __package__:  # run as a script: not from bench/ (its worker.py is no ``worker``)
+    sys.path[0:1] = []
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # (PYTHONPATH goes first)
 
 from bench.fixtures import model
 from bench.gateway import KEY, start_gateway
