@@ -266,7 +266,7 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     conn, redis_url, tiny, archs, path, kind
 ):
     """A batch at its memory budget (four of its jobs fit, not five): an interactive job
-    of the same size joins it (``join``) or runs alone beside it (``alone``: streamed)
+    of the same size joins it (``join``) or runs alone beside it (``alone``: n = 2)
     once the batch jobs that joined last give their places up (as few as free enough:
     a batch's rows are as long as its longest), back to the front of their queue
     unstarted; they end once, their text unchanged. Before, the request waited for
@@ -284,7 +284,8 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)  # the batch is at its budget
     ask = chat(model, "question 0", max_tokens=128, temperature=0, logit_bias=EOS_OFF)
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
-    asked = client.submit({"i0": {**ask, "stream": path == "alone"}}, batch_id="i").job_ids
+    extra = {"n": 2} if path == "alone" else {}  # (n = 2: its choices decode alone)
+    asked = client.submit({"i0": ask | extra}, batch_id="i").job_ids
     _wait(lambda: _ended(conn, asked) == 1)
     worker.join(seconds(180))
     assert rt.stats.preemptions >= 1
