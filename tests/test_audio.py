@@ -486,7 +486,7 @@ def test_an_interactive_job_is_served_before_the_audio_queue_drains(conn, whispe
     joining: it runs once those in flight end, not after the whole audio queue."""
     from schemas import keys
 
-    files = [data_url(_file(1 + i % 3, 16000, "wav", seed=i), "wav") for i in range(44)]
+    files = [data_url(_file(1 + i % 3, 16000, "wav", seed=i), "wav") for i in range(36)]
     # (hotter retries make rows end at different steps: the run never empties by itself)
     audio = Client(connection=conn).submit(
         {f"a{i}": {"model": whisper, "file": f, "language": "en"} for i, f in enumerate(files)}
