@@ -18,6 +18,7 @@ from worker.schedule.step import (
     Waiting,
     joins,
     kept_rows,
+    leavers,
     model_waits,
     owed_after_beside,
     owed_after_step,
@@ -224,3 +225,10 @@ def test_memory_preemption_keeps_a_quarter_of_the_rows_the_batch_takes():
     assert kept_rows(BatchView(cap=8, limit=8), CFG) == 2
     assert kept_rows(BatchView(cap=256, limit=32), CFG) == 8  # auto: the measured limit
     assert kept_rows(BatchView(cap=2, limit=2), CFG) == 1  # at least one
+
+
+def test_memory_is_given_up_by_the_own_rows_that_joined_last():
+    # (False: a row from a queue ahead, or a streamed one)
+    assert leavers([True, False, True, True, False, True], keep=2) == [5, 3]
+    assert leavers([True, True], keep=2) == []
+    assert leavers([False, True], keep=0) == [1]

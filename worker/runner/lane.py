@@ -46,7 +46,7 @@ from worker.schedule.grouping import BatchKey, batchable
 from worker.schedule.meter import BatchMeter
 from worker.schedule.policy import LOOKUP, Decision
 from worker.schedule.route import Route
-from worker.schedule.step import preempt_for_room
+from worker.schedule.step import leavers, preempt_for_room
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +414,8 @@ def evictable(lane: Lane, keep: int, joining: Length | None = None) -> tuple[lis
     joined last first (the first ``keep`` stay), and what its projected KV shrinks by as
     they leave, one more each time (with ``joining`` in it: a job that would join)."""
     assert lane.engine is not None
-    rows = [r for r in lane.rows.values() if mine(r, lane.queue)][keep:][::-1]
+    held = list(lane.rows.values())
+    rows = [held[i] for i in leavers([mine(r, lane.queue) for r in held], keep)]
     left, extra = lane.engine.lengths(), [joining] if joining else []
     base, freed = lane.peak([*left.values(), *extra]), []
     for row in rows:

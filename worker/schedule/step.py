@@ -199,6 +199,13 @@ def kept_rows(view: BatchView, cfg: StepConfig) -> int:
     return max(1, int(min(view.cap, view.limit) * cfg.own_floor))
 
 
+def leavers(own: Sequence[bool], keep: int) -> list[int]:
+    """The rows that may give their memory up, in the order they would: given for each
+    row in the order they joined whether it is the batch's own (its queue's, not
+    streamed), the own ones joined last first; the first ``keep`` own ones stay."""
+    return [i for i, mine in enumerate(own) if mine][keep:][::-1]
+
+
 def preempt_for_room(short: int, freed: Sequence[int]) -> int | None:
     """How many of the batch's own rows (joined last first) give their places up so that a
     job from a queue ahead fits in memory (vLLM preempts by priority under memory as well):
