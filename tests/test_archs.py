@@ -190,7 +190,8 @@ def test_request_controls_match_plain_on_every_cache_type(arch):
 def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch):
     """Alone, a continuous batch, speculative (always and auto), streamed, n = 2, with a
     shared system prompt or a shared document in the user message (reused on tokens),
-    through a real worker: each job's text is the plain job's."""
+    through a real worker: each job's text is the plain job's. A seeded sampling job
+    samples the same text alone, batched and as choice 0."""
     system = {"role": "system", "content": (LONG + " ") * 3}
 
     def job(i: int, **fields) -> dict:
@@ -205,7 +206,9 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
         return base | fields
 
     jobs = range(6)
-    plain = run_jobs(conn, redis_url, {f"j{i}": job(i) for i in jobs}, f"{arch.name}-plain")
+    seeded = {"temperature": 0.9, "seed": 5}  # sampled from its own key: alone, batched, n
+    asks = {f"j{i}": job(i) for i in jobs} | {"s": job(6, **seeded)}
+    plain = run_jobs(conn, redis_url, asks, f"{arch.name}-plain")
     texts = {c: r.response.choices[0].message.content for c, r in plain.items()}
     cached = [plain[f"j{i}"].response.usage.prompt_tokens_details.cached_tokens for i in jobs]
     # j0 keeps the system prompt (a boundary), j2 and j4 reuse it; the document: j1 keeps
@@ -220,10 +223,13 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
         "n": ({"n": 2}, 1, "auto"),
     }
     for name, (fields, max_batch, mode) in variants.items():
+        asks = {f"j{i}": job(i, **fields) for i in jobs}
+        if name in ("batch", "n"):  # (speculation samples another way: its own test)
+            asks["s"] = job(6, **seeded, **fields)
         got = run_jobs(
             conn,
             redis_url,
-            {f"j{i}": job(i, **fields) for i in jobs},
+            asks,
             f"{arch.name}-{name}",
             max_batch=max_batch,
             policy=SpeculationPolicy(mode),
@@ -231,6 +237,10 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
         for c, r in got.items():
             assert r.status == "succeeded", (name, c, r.error)
             choices = r.response.choices
+            if c == "s":  # choice 0 draws from the job's seed; choice 1 from seed + 1
+                assert choices[0].message.content == texts["s"], name
+                assert r.metrics.batch_size > 1, name
+                continue
             assert [ch.message.content for ch in choices] == [texts[c]] * len(choices), name
 
 

@@ -6,6 +6,7 @@ from producer import Client
 from schemas import keys
 from schemas.store import read_result
 from tests.conftest import chat, run_worker
+from tests.test_choices import NO_EOS
 from worker.engine.models import ModelCache
 from worker.runner import runtime
 from worker.schedule.batchsize import ADAPTIVE, PLAIN
@@ -52,7 +53,7 @@ def test_jobs_that_must_run_alone_are_handed_back_in_order(conn, redis_url, tiny
     s = client.submit(
         {
             "b1": chat(tiny.target, max_tokens=6, temperature=0),
-            "seeded": chat(tiny.target, max_tokens=6, temperature=0.9, seed=5),
+            "choices": chat(tiny.target, max_tokens=6, temperature=0.9, n=2),
             "other-model": chat(tiny.twin, max_tokens=6, temperature=0),
             "draft": chat(tiny.target, max_tokens=6, temperature=0, draft_model=tiny.twin),
             "b2": chat(tiny.target, max_tokens=6, temperature=0),
@@ -61,7 +62,7 @@ def test_jobs_that_must_run_alone_are_handed_back_in_order(conn, redis_url, tiny
     run_worker(redis_url, runtime=runtime.WorkerRuntime(cache=ModelCache()), max_batch=8)
     records = {r.custom_id: r for r in (read_result(conn, j) for j in s.job_ids)}
     assert all(r.status == "succeeded" for r in records.values())
-    assert records["seeded"].metrics.batch_size == 1
+    assert records["choices"].metrics.batch_size == 2  # its own two choices
     assert records["draft"].metrics.batch_size == 1
     assert records["draft"].metrics.draft_model == tiny.twin
     # b1 stopped claiming at the first job it could not take: FIFO order holds.
@@ -69,14 +70,42 @@ def test_jobs_that_must_run_alone_are_handed_back_in_order(conn, redis_url, tiny
     assert order[0].custom_id == "b1"
 
 
-def test_seeded_job_alone_is_reproducible_despite_batching(conn, redis_url, tiny):
+def _text(record) -> str:
+    assert record.status == "succeeded", record.error
+    return record.response.choices[0].message.content
+
+
+def test_a_seeded_job_samples_the_same_text_alone_batched_streamed_and_as_choice_0(
+    conn, redis_url, tiny
+):
+    """A seeded sampling job draws from its own key: batched among other jobs (sampled,
+    greedy, other seeds), streamed in that batch, alone, and as choice 0 of n = 3 with
+    the same seed, it samples the same text; another seed samples another. With a draft
+    it still runs alone (its proposals per round would depend on the rows beside it)."""
     client = Client(connection=conn)
-    body = chat(tiny.target, max_tokens=10, temperature=0.9, seed=11)
-    a = client.submit([body, chat(tiny.target, max_tokens=10, temperature=0)])
-    b = client.submit([body])
+    body = chat(tiny.target, max_tokens=12, temperature=0.9, seed=11, logit_bias=NO_EOS)
+    batch = client.submit(
+        {
+            "seeded": body,
+            "streamed": body | {"stream": True},
+            "other-seed": body | {"seed": 12},
+            "greedy": chat(tiny.target, max_tokens=12, temperature=0),
+            "unseeded": chat(tiny.target, max_tokens=12, temperature=0.9),
+            "drafted": body | {"draft_model": tiny.twin},
+        },
+        batch_id="seeded-batch",
+    )
     run_worker(redis_url, max_batch=8)
-    first, second = read_result(conn, a.job_ids[0]), read_result(conn, b.job_ids[0])
-    assert first.response.choices[0].message.content == second.response.choices[0].message.content
+    got = {r.custom_id: r for r in (read_result(conn, j) for j in batch.job_ids)}
+    alone = client.submit([body], batch_id="seeded-alone")
+    choices = client.submit([body | {"n": 3}], batch_id="seeded-n")
+    run_worker(redis_url, max_batch=1)
+    text = _text(read_result(conn, alone.job_ids[0]))
+    assert got["seeded"].metrics.batch_size > 1 and got["streamed"].metrics.batch_size > 1
+    assert _text(got["seeded"]) == _text(got["streamed"]) == text
+    assert read_result(conn, choices.job_ids[0]).response.choices[0].message.content == text
+    assert _text(got["other-seed"]) != text
+    assert got["drafted"].metrics.batch_size == 1 and got["drafted"].metrics.draft_model
 
 
 def test_job_timeout_inside_a_batch(conn, redis_url, tiny):

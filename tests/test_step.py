@@ -232,3 +232,25 @@ def test_memory_is_given_up_by_the_own_rows_that_joined_last():
     assert leavers([True, False, True, True, False, True], keep=2) == [5, 3]
     assert leavers([True, True], keep=2) == []
     assert leavers([False, True], keep=0) == [1]
+
+
+@pytest.mark.parametrize(
+    ("fields", "batch"),
+    [
+        ({"temperature": 0.9, "seed": 3}, True),  # its own key: the same draws in a batch
+        ({"temperature": 0, "seed": 3}, True),
+        ({"stream": True}, True),
+        ({"n": 2}, False),  # its choices are a batch of their own
+        ({"temperature": 0.9, "seed": 3, "draft_model": "d"}, False),  # proposals vary
+        ({"temperature": 0.9, "seed": 3, "speculation": {"method": "prompt_lookup"}}, False),
+        ({"temperature": 0, "seed": 3, "draft_model": "d"}, True),  # greedy: no draws
+    ],
+)
+def test_which_jobs_may_share_a_batch(fields, batch):
+    from schemas import ChatRequest
+    from worker.schedule.policy import SpeculationPolicy
+    from worker.schedule.route import route
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    r = route(ChatRequest.model_validate(body), SpeculationPolicy("always"), 8)
+    assert (r.batch is not None) is batch, r

@@ -133,7 +133,10 @@ def sampler_for(params: GenerationParams) -> Any:
 
 
 def plain_sampler(params: GenerationParams) -> Any:
-    """The sampler of a sequence decoded alone (the global random state, seeded per job)."""
+    """The sampler of a sequence decoded alone: a seeded one's own key, as in a batch
+    (:class:`KeyedSampler`: the same draws alone or among others), else a fresh one."""
+    if params.seed is not None and params.temperature > 0:
+        return KeyedSampler(settings_of(params), params.seed)
     return _make(settings_of(params))
 
 

@@ -405,7 +405,7 @@ def same_kind(lane: Lane, job: Job, r: Route) -> bool:
         and r.proposer == lane.draft_named
         and r.fixed_k is None
         and (req.model, req.adapter) == (lane.key.model, lane.key.adapter)
-        and batchable(req)
+        and batchable(req, r.proposer)
     )
 
 

@@ -1,8 +1,10 @@
 """Which jobs may share a continuous batch, and on what terms.
 
-A job may share a batch (:func:`batchable`, streamed or not) unless it asks for n > 1
-choices (a batch of its own) or samples with a seed (it runs alone so that its seed
-means what it says). Jobs share a batch when their :class:`BatchKey` is equal:
+A job may share a batch (:func:`batchable`, streamed, seeded or not) unless it asks
+for n > 1 choices (a batch of its own) or samples with a seed and speculates. A seeded
+sampling job draws from its own random key on every path
+(``worker.engine.sampling.KeyedSampler``), so it samples the same text alone or among
+others. Jobs share a batch when their :class:`BatchKey` is equal:
 same (model, adapter), and for jobs that name a draft, what the speculation policy
 decided (``worker.schedule.route``): batched without the draft, or in a speculative
 batch with it at k.
@@ -25,7 +27,10 @@ class BatchKey(NamedTuple):
     adaptive: bool = False  # k chosen each round (``worker.schedule.goodput``)
 
 
-def batchable(req: ChatRequest) -> bool:
-    """Whether a request may share a batch at all (n > 1: its choices are a batch of
-    their own; a seeded sampling job runs alone so that its seed means what it says)."""
-    return not (req.n > 1 or (req.seed is not None and req.temperature > 0))
+def batchable(req: ChatRequest, proposer: str | None = None) -> bool:
+    """Whether a request may share a batch at all: not with n > 1 (its choices are a
+    batch of their own), nor sampled with a seed and a ``proposer`` (a draft or prompt
+    lookup: how many tokens it proposes a round, and so its random draws, would depend
+    on the rows beside it; alone they do not)."""
+    seeded = req.seed is not None and req.temperature > 0
+    return req.n == 1 and not (seeded and proposer is not None)

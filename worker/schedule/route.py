@@ -66,7 +66,7 @@ def route(
     policy.first_use(req.model, req.adapter, proposer)  # the fleet's figures, once
     fixed = policy.fixed_k(req)
     waiting = 1
-    if batching and batchable(req):
+    if batching and batchable(req, proposer):
         if proposer is None:
             return Route(None, fixed, BatchKey(req.model, req.adapter, None, 0))
         waiting = depth() if callable(depth) else depth
