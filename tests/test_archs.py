@@ -221,10 +221,11 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
         "spec-auto": ({"draft_model": arch.noisy}, 4, "auto"),
         "stream": ({"stream": True, "draft_model": arch.twin}, 1, "auto"),
         "n": ({"n": 2}, 1, "auto"),
+        "n-batch": ({"n": 2}, 5, "auto"),  # choices as rows of a batch among others
     }
     for name, (fields, max_batch, mode) in variants.items():
         asks = {f"j{i}": job(i, **fields) for i in jobs}
-        if name in ("batch", "n"):  # (speculation samples another way: its own test)
+        if name in ("batch", "n", "n-batch"):  # (speculation samples another way: its own test)
             asks["s"] = job(6, **seeded, **fields)
         got = run_jobs(
             conn,
@@ -242,6 +243,8 @@ def test_every_worker_path_gives_the_text_of_the_job_alone(conn, redis_url, arch
                 assert r.metrics.batch_size > 1, name
                 continue
             assert [ch.message.content for ch in choices] == [texts[c]] * len(choices), name
+        if name == "n-batch":  # two jobs' choices decoded together
+            assert max(r.metrics.batch_size for r in got.values()) >= 4
 
 
 @pytest.mark.parametrize("shape", ["system", "document"])

@@ -46,6 +46,33 @@ def test_greedy_choices_equal_the_single_answer(conn, redis_url, tiny):
     assert _texts(records["three"]) == [single] * 3
 
 
+def test_choices_join_a_batch_and_sample_what_they_sample_alone(conn, redis_url, tiny):
+    """A job's n choices are n sequences of a running batch: seeded, each samples what it
+    samples alone, and ``batch_size`` counts every sequence it decoded with."""
+    job = chat(tiny.target, max_tokens=10, temperature=0.9, seed=3, n=3, logit_bias=NO_EOS)
+    alone = run_jobs(conn, redis_url, {"a": job}, "n-alone")["a"]
+    others = {f"o{i}": chat(tiny.target, content=f"other {i}", max_tokens=10) for i in range(3)}
+    batched = run_jobs(conn, redis_url, {**others, "a": job}, "n-batched", max_batch=8)
+    assert _texts(batched["a"]) == _texts(alone) and len(set(_texts(alone))) > 1
+    assert batched["a"].metrics.batch_size >= 4 and alone.metrics.batch_size == 3
+    assert batched["a"].response.usage.completion_tokens == 3 * 10
+
+
+def test_choices_wait_for_as_many_places_first_in_first_out(conn, redis_url, tiny):
+    """A job of 4 choices under ``--max-batch 4`` joins once 4 places are free; the job
+    behind it waits behind it (nothing overtakes a job waiting for places)."""
+    jobs = {
+        "long": chat(tiny.target, content="a long one", max_tokens=24, logit_bias=NO_EOS),
+        "four": chat(tiny.target, max_tokens=4, n=4, logit_bias=NO_EOS),
+        "after": chat(tiny.target, content="after", max_tokens=4, logit_bias=NO_EOS),
+    }
+    got = run_jobs(conn, redis_url, jobs, "n-places", max_batch=4)
+    assert got["long"].metrics.batch_size == 1  # "four" did not fit beside it, nor "after"
+    assert got["four"].metrics.batch_size == 4
+    order = [r.custom_id for r in sorted(got.values(), key=lambda r: r.finished_at)]
+    assert order == ["long", "four", "after"]
+
+
 def test_choices_with_a_schema_and_logprobs(conn, redis_url, tiny):
     job = chat(
         tiny.target,

@@ -146,42 +146,37 @@ class ChatGenerator:
         in ``others``; ``completion_tokens`` counts every choice's tokens."""
         job = self._job(request)
         n = job.request.n if job.request is not None else 1
-        group = self.models.group
         engine: Engine = BatchEngine(self.target, n)
-        if group is not None:  # every rank runs the choices
-            engine = GroupEngine(group, engine, self.target)
+        if self.models.group is not None:  # every rank runs the choices
+            engine = GroupEngine(self.models.group, engine, self.target)
         start_at = time.perf_counter()
         try:
-            if group is not None:
-                starts, transient = self._kept_choices(job, n)
-            else:
-                layers, held, reused = self._shared_prefill(job)
-                starts = [
-                    Start(restore(layers, held), held, reused) if layers else NO_START
-                    for _ in range(n)
-                ]
-                transient = None
-            seed = job.params.seed
-            for i in range(n):
-                choice = job.with_params(seed=seed + i) if seed is not None else job
+            starts, held = self.choice_starts(job, n)
+            for i, choice in enumerate(choices_of(job, n)):
                 engine.add(i, choice, starts[i])
-            if transient is not None:  # (every choice holds its copy now)
-                self.models.prefixes.forget(self.target.key, transient)
+            held()
         except BaseException:
             engine.close()
             raise
         outs = run_to_end(engine, stop, tags=range(n))
-        first, others = outs[0], tuple(outs[i] for i in range(1, n))
-        total = sum(o.completion_tokens for o in outs.values())
-        elapsed = time.perf_counter() - start_at
-        decode = max(elapsed - first.time_to_first_token_s, 1e-9)
-        return replace(
-            first,
-            completion_tokens=total,
-            generation_tokens_per_s=total / decode,
-            total_time_s=elapsed,
-            others=others,
-        )
+        return with_choices([outs[i] for i in range(n)], time.perf_counter() - start_at)
+
+    def choice_starts(self, job: Prepared, n: int) -> tuple[list[Start], Callable[[], None]]:
+        """Where each of ``n`` choices of ``job`` starts: all of its prompt but the last
+        token prefilled once (from a kept prefix, if any), each choice from its own copy;
+        and what to call once every choice holds its copy (in a worker group, whose ranks
+        hold it as a kept entry, that entry goes unless it was kept before)."""
+        if self.models.group is not None:
+            starts, transient = self._kept_choices(job, n)
+            key, store = self.target.key, self.models.prefixes
+            if transient is None:
+                return starts, lambda: None
+            return starts, lambda: store.forget(key, transient)
+        layers, held, reused = self._shared_prefill(job)
+        starts = [
+            Start(restore(layers, held), held, reused) if layers else NO_START for _ in range(n)
+        ]
+        return starts, lambda: None
 
     def _shared_prefill(self, job: Prepared) -> tuple[list[Any] | None, int, int]:
         """The KV state of all of ``prompt`` but its last token, computed once for every
@@ -333,3 +328,24 @@ def _chat_model(entry: LoadedModel, what: str) -> None:
         raise ModelKindError(
             f"{what} {entry.name!r} is an {kind} model, not a chat model: send it {route} requests"
         )
+
+
+def choices_of(job: Prepared, n: int) -> list[Prepared]:
+    """The ``n`` choices of ``job``: with a ``seed``, choice i draws from seed + i."""
+    seed = job.params.seed
+    return [job.with_params(seed=seed + i) if seed is not None else job for i in range(n)]
+
+
+def with_choices(outs: Sequence[GenerationOutput], elapsed: float) -> GenerationOutput:
+    """One output of a job's choices (``outs``, choice 0 first) that took ``elapsed``
+    seconds: choice 0's, the others in ``others``, ``completion_tokens`` counting all."""
+    first, others = outs[0], tuple(outs[1:])
+    total = sum(o.completion_tokens for o in outs)
+    decode = max(elapsed - first.time_to_first_token_s, 1e-9)
+    return replace(
+        first,
+        completion_tokens=total,
+        generation_tokens_per_s=total / decode,
+        total_time_s=elapsed,
+        others=others,
+    )

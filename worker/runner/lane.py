@@ -17,14 +17,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from schemas.keys import base_queue
 from worker.engine.batch import BatchEngine
-from worker.engine.generator import ChatGenerator
+from worker.engine.generator import ChatGenerator, choices_of, with_choices
 from worker.engine.mirror import GroupEngine
 from worker.engine.models import ModelCache
 from worker.engine.output import GenerationOutput
@@ -103,8 +103,27 @@ class Ledger:
 class Row:
     job: Job
     route: Route
-    peak: int = 1  # the most jobs decoding together while this one ran
+    peak: int = 1  # the most sequences decoding together while this one ran
     stream: JobStream | None = None  # a streamed job's chunks (never preempted: no restart)
+    n: int = 1  # its choices: a sequence each in the engine (:func:`choice_tag`)
+    outs: dict[int, GenerationOutput] = field(default_factory=dict)  # choices ended
+    began: float = 0.0  # when it joined (perf_counter): its choices' time
+
+    def tags(self) -> list[str]:
+        """Its sequences' tags in the engine, choice 0 first."""
+        return [choice_tag(self.job.id, i) for i in range(self.n)]
+
+
+def choice_tag(job_id: str, i: int) -> str:
+    """The engine's tag of a job's choice ``i``: its id for choice 0 (and a job of one),
+    ``id#i`` for the others (job ids hold no ``#``: ``schemas.keys``)."""
+    return job_id if i == 0 else f"{job_id}#{i}"
+
+
+def tag_owner(tag: str) -> tuple[str, int]:
+    """The job id and choice of an engine's tag (:func:`choice_tag`)."""
+    job_id, _, i = tag.partition("#")
+    return job_id, int(i) if i else 0
 
 
 class Lane:
@@ -124,7 +143,7 @@ class Lane:
         self.meter = BatchMeter(self.rt.policy, key)
         self.stops = Stops(host.lifecycle.conn, self.rt.time_limit_s)  # cancels, time limits
         self.pause_until = 0.0  # takes nothing before (a job could not join)
-        self.held: Length | None = None  # (prompt, max_tokens) waiting for memory
+        self.held: tuple[Length, int] | None = None  # (prompt, max_tokens), n: waiting
         self.reason = QUEUE_EMPTY  # why it holds what it holds
         self.projected = 0  # the most its KV caches can grow to (bytes)
         self.kv_bytes = 0  # measured, after the last step
@@ -139,8 +158,12 @@ class Lane:
         fixed = first_route.fixed_k is not None
         self.draft_named = first_route.proposer if not fixed else None
 
+    def size(self) -> int:
+        """The sequences the lane holds (a job with n choices holds n)."""
+        return sum(r.n for r in self.rows.values())
+
     def limit(self) -> tuple[int, str]:
-        """How many jobs the lane may hold now, and why (before memory)."""
+        """How many sequences the lane may hold now, and why (before memory)."""
         if self.host.max_batch is not None:
             return self.cap, f"cap: --max-batch {self.cap}"
         limit, reason = self.rt.policy.sizes.limit(*self.key)
@@ -151,7 +174,7 @@ class Lane:
         """One step of the engine (prefilling at most ``prefill_budget`` prompt tokens,
         when budgeted): jobs that end are ended. Returns its seconds."""
         assert self.engine is not None
-        size = len(self.rows)
+        size = self.size()
         self.meter.held(size)
         for row in self.rows.values():
             row.peak = max(row.peak, size)
@@ -201,8 +224,7 @@ class Lane:
 
     def remove(self, row: Row) -> None:
         """Take ``row``'s job out, back to the front of its queue unstarted (preempted)."""
-        assert self.engine is not None
-        self.engine.remove(row.job.id)
+        self.remove_choices(row)
         del self.rows[row.job.id]
         self.host.lifecycle.requeue(row.job)
         self.rt.stats.preemptions += 1
@@ -243,8 +265,11 @@ class Lane:
             assert self.generator is not None
             images = images_of(conn, job, self.rt.image_hosts)
             prepared = self.generator.prepare(self.rt.with_defaults(req), images=images)
-            if not self._room_for(job, prepared, keep):
+            if not self._room_for(job, prepared, keep, req.n):
                 return False
+            if req.n > 1:
+                self._add_choices(job, r, prepared, req.n, first)
+                return True
             upcoming = functools.partial(self.host.lifecycle.peek, job.queue, PEEK)
             others = company(self.generator, prepared, upcoming, self.rt.scout)
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
@@ -265,9 +290,34 @@ class Lane:
             error = GenerationError(f"{type(e).__name__}: {e}")
             self.end([(job, records.failure(job, self.rt, error))])
             return False
-        self.rows[job.id] = Row(job, r, stream=stream)
-        self._reserve()
+        self._joined(Row(job, r, stream=stream))
         return True
+
+    def _joined(self, row: Row) -> None:
+        row.began = time.perf_counter()
+        self.rows[row.job.id] = row
+        self._reserve()
+
+    def _add_choices(self, job: Job, r: Route, prepared: Prepared, n: int, first: bool) -> None:
+        """``job``'s n choices as n sequences: all of its prompt but the last token
+        prefilled once (here, unbudgeted), each choice from its own copy (with a seed,
+        choice i draws from seed + i), as ``ChatGenerator.generate_choices`` runs them."""
+        engine, generator = self.engine, self.generator
+        assert engine is not None and generator is not None
+        added: list[str] = []
+        with self.host.computing():
+            starts, held = generator.choice_starts(prepared, n)
+            try:
+                for i, choice in enumerate(choices_of(prepared, n)):
+                    engine.add(choice_tag(job.id, i), choice, starts[i], first=first)
+                    added.append(choice_tag(job.id, i))
+            except BaseException:
+                for tag in added:
+                    engine.remove(tag)
+                raise
+            finally:
+                held()
+        self._joined(Row(job, r, n=n))
 
     def _cannot_take(self, job: Job, reason: str) -> None:
         """The engine cannot hold ``job``. A speculative lane's refusal bars the pair from
@@ -282,13 +332,13 @@ class Lane:
         self.pause_until = float("inf")  # nothing more joins: the lane's key is barred now
         self.reason = f"refused: {reason}"
 
-    def _room_for(self, job: Job, prepared: Prepared, keep: int | None) -> bool:
-        """Whether the lane has KV memory for ``job`` now. If nothing else runs, make room
-        (kept prefixes go) or raise ContextTooLargeError; if others run and it does not
-        fit, own rows give their places up (``keep`` stay: ``step.preempt_for_room``) or
-        it goes back to the front of its queue to wait."""
+    def _room_for(self, job: Job, prepared: Prepared, keep: int | None, n: int = 1) -> bool:
+        """Whether the lane has places and KV memory for ``job`` (``n`` choices) now. If
+        nothing else runs, make room (kept prefixes go) or raise ContextTooLargeError; if
+        others run and it does not fit, own rows give their places up (``keep`` stay:
+        ``step.preempt_for_room``) or it goes back to the front of its queue to wait."""
         length = prepared.length()
-        alone = self.peak([length])
+        alone = self.peak([length] * n)
         self.rt.cache.check_kv_fits(alone, prepared.label)  # one that never fits fails now
         beside = self.ledger.others(self)
         if not self.rows and not beside:
@@ -301,26 +351,33 @@ class Lane:
                 return False
             self.rt.cache.make_kv_room(beside + alone, prepared.label)
             return True
-        verdict = self.admission(length)
-        if not verdict.join and keep is not None:
-            rows, freed = evictable(self, keep, length)
+        verdict = self.admission(length, n)
+        if not verdict.join and verdict.over and keep is not None:
+            rows, freed = evictable(self, keep, [length] * n)
             for row in rows[: preempt_for_room(verdict.over, freed) or 0]:
                 self.remove(row)
-            verdict = self.admission(length)
+            verdict = self.admission(length, n)
         if verdict.join:
             return True
         self.host.lifecycle.requeue(job)
-        self.held, self.reason = length, verdict.reason
+        self.held, self.reason = (length, n), verdict.reason
         return False
 
     # -- memory -----------------------------------------------------------
     def room(self) -> int:
         return self.rt.cache.kv_room() - self.ledger.others(self)
 
-    def admission(self, length: Length) -> Verdict:
-        """The scheduler's verdict on a job of ``length`` joining the lane now."""
+    def admission(self, length: Length, n: int = 1) -> Verdict:
+        """The scheduler's verdict on a job of ``length`` (``n`` choices) joining the lane
+        now: a job of n choices needs n free places (none when the lane is empty)."""
         assert self.engine is not None
-        return admit(self.peak, list(self.engine.lengths().values()), length, self.room())
+        limit, why = self.limit()
+        if self.rows and self.size() + n > limit:
+            free = max(limit - self.size(), 0)
+            return Verdict(
+                False, 0, f"places: the next job's {n} choices need {n}, {free} free ({why})"
+            )
+        return admit(self.peak, list(self.engine.lengths().values()), length, self.room(), n)
 
     def peak(self, sequences: Sequence[Length]) -> int:
         """The most the lane's KV caches can hold for ``sequences`` (the draft's too)."""
@@ -350,22 +407,45 @@ class Lane:
                 stream_ended(self.host.lifecycle.conn, job, record, streams.get(job.id))
 
     def _finish_outputs(self, done: list[Finished]) -> None:
+        """Jobs whose every choice ended are ended; a choice that failed fails its job
+        (its other choices leave the engine)."""
         ended, rows = [], []
-        assert self.generator is not None
-        for job_id, out in done:
-            row = self.rows.pop(str(job_id), None)
+        assert self.generator is not None and self.engine is not None
+        for tag, out in done:
+            job_id, i = tag_owner(str(tag))
+            row = self.rows.get(job_id)
             if row is None:  # (never expected: one sequence per job, see again)
                 log.error("batch output for job %s, which it does not hold; dropped", job_id)
                 continue
-            rows.append(row)
             if isinstance(out, MlxqError):
+                self.remove_choices(row, i)
                 ended.append((row.job, records.failure(row.job, self.rt, out)))
-                continue
-            record = _success(row, self.rt, out, self.generator)
-            ended.append((row.job, record))
+            else:
+                row.outs[i] = out
+                if len(row.outs) < row.n:
+                    continue
+                done_at = time.perf_counter() - row.began
+                whole = with_choices([row.outs[c] for c in range(row.n)], done_at)
+                ended.append(
+                    (row.job, _success(row, self.rt, whole if row.n > 1 else out, self.generator))
+                )
+            rows.append(self.rows.pop(job_id))
         if ended:
             self._reserve()
         self.end(ended, rows)
+
+    def remove_choices(self, row: Row, but: int | None = None) -> list[GenerationOutput]:
+        """``row``'s choices still in the engine (all but ``but``) leave it: what each of
+        its choices made so far, by choice (those that ended, as they ended)."""
+        assert self.engine is not None
+        made = []
+        for i, tag in enumerate(row.tags()):
+            out = row.outs.get(i)
+            if out is None and i != but:
+                out = self.engine.remove(tag)
+            if out is not None:
+                made.append(out)
+        return made
 
     def _expire(self) -> None:
         """Jobs that must stop (a cancel, a time limit: ``worker.runner.stops``) leave the
@@ -378,10 +458,8 @@ class Lane:
         for job, error in due:
             row = self.rows.pop(job.id)
             rows.append(row)
-            cut = self.engine.remove(job.id)
-            record = records.stopped(
-                job, self.rt, error, [cut] if cut else [], batched_with=row.peak
-            )
+            cut = self.remove_choices(row)
+            record = records.stopped(job, self.rt, error, cut, batched_with=row.peak)
             log.info("job %s stopped in the batch on %s: %s", job.id, self.key.model, error.code)
             ended.append((job, record))
         self._reserve()
@@ -409,18 +487,20 @@ def same_kind(lane: Lane, job: Job, r: Route) -> bool:
     )
 
 
-def evictable(lane: Lane, keep: int, joining: Length | None = None) -> tuple[list[Row], list[int]]:
+def evictable(lane: Lane, keep: int, joining: Sequence[Length] = ()) -> tuple[list[Row], list[int]]:
     """The rows of ``lane``'s own queue that may give their places up (:func:`mine`),
     joined last first (the first ``keep`` stay), and what its projected KV shrinks by as
-    they leave, one more each time (with ``joining`` in it: a job that would join)."""
+    they leave, one more each time (with ``joining`` in it: a job's sequences that would
+    join)."""
     assert lane.engine is not None
     held = list(lane.rows.values())
     rows = [held[i] for i in leavers([mine(r, lane.queue) for r in held], keep)]
-    left, extra = lane.engine.lengths(), [joining] if joining else []
-    base, freed = lane.peak([*left.values(), *extra]), []
+    left = lane.engine.lengths()
+    base, freed = lane.peak([*left.values(), *joining]), []
     for row in rows:
-        left.pop(row.job.id, None)
-        freed.append(base - lane.peak([*left.values(), *extra]))
+        for tag in row.tags():
+            left.pop(tag, None)
+        freed.append(base - lane.peak([*left.values(), *joining]))
     return rows, freed
 
 

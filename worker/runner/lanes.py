@@ -169,11 +169,11 @@ class Lanes:
         """Free places of ``lane`` filled from its queue, its model's jobs first."""
         while time.monotonic() >= lane.pause_until:
             limit, reason = lane.limit()
-            if len(lane.rows) >= limit:
+            if lane.size() >= limit:
                 lane.reason = reason
                 return
             if lane.held is not None:
-                if not lane.admission(lane.held).join:
+                if not lane.admission(*lane.held).join:
                     return  # the job at the head waits for room; nothing overtakes it
                 lane.held = None
             job = self.host.take_from(lane.queue, lane.key.model)  # its model's first
@@ -195,7 +195,7 @@ class Lanes:
     def _route(self, lane: Lane, job: Job) -> Route:
         """How ``job`` would run beside ``lane``'s rows (on the lane's terms when it is of
         the kind the lane was started for)."""
-        depth = max(self.depth, len(lane.rows) + 1)
+        depth = max(self.depth, lane.size() + 1)
         r = route(job.envelope.request, self.rt.policy, depth, decide_alone=False)
         if r.batch != lane.key and same_kind(lane, job, r):
             # the policy's new mind is for the next batch
@@ -242,7 +242,7 @@ class Lanes:
         smallest = self.rt.policy.sizes.smallest_step_s(*lane.key, most=self.cfg.small_size)
         now = time.monotonic()
         return BatchView(
-            size=len(lane.rows),
+            size=lane.size(),
             cap=self.cap,
             limit=lane.limit()[0],
             own=own,
@@ -372,7 +372,7 @@ class Beside:
         self.lane: Lane | None = None
 
     def rows(self) -> int:
-        return len(self.lane.rows) if self.lane is not None else 0
+        return self.lane.size() if self.lane is not None else 0
 
     def again(self, job: Job) -> bool:
         return self.lane is not None and self.lane.again(job)
@@ -394,9 +394,9 @@ class Beside:
             self.lane.start(r)
         lane = self.lane
         limit, _ = lane.limit()
-        if len(lane.rows) < limit and lane.add(job, r, first=True):
+        if lane.size() < limit and lane.add(job, r, first=True):
             return True
-        if len(lane.rows) >= limit:
+        if lane.size() >= limit:
             self.host.lifecycle.requeue(job)  # the side lane takes it when a place frees
         if not lane.rows:
             self.close()
@@ -435,7 +435,7 @@ def published(lane: Lane) -> BatchInfo:
     """What the worker publishes of its batch's lane (``producer fleet``)."""
     return BatchInfo(
         model=lane.key[0],
-        size=len(lane.rows),
+        size=lane.size(),
         limit=lane.limit()[0],
         reason=lane.reason,
         kv_mb=round(lane.kv_bytes / 1e6, 1),

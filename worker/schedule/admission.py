@@ -63,20 +63,26 @@ class Verdict:
 
 
 def admit(
-    peak: Callable[[Sequence[Length]], int], running: Sequence[Length], job: Length, room: int
+    peak: Callable[[Sequence[Length]], int],
+    running: Sequence[Length],
+    job: Length,
+    room: int,
+    n: int = 1,
 ) -> Verdict:
-    """Memory admission of ``job`` into a batch of ``running`` sequences: it joins if
-    the batch's projected KV (``peak``: :func:`batch_peak_bytes` summed over the batch's
-    models) with it fits in ``room``. A job that does not fit waits at the head of its
-    queue, and the batch takes nothing past it until it does (first in, first out)."""
-    over = peak([*running, job]) - room
+    """Memory admission of ``job`` (``n`` sequences: its choices) into a batch of
+    ``running`` sequences: it joins if the batch's projected KV (``peak``:
+    :func:`batch_peak_bytes` summed over the batch's models) with it fits in ``room``. A
+    job that does not fit waits at the head of its queue, and the batch takes nothing past
+    it until it does (first in, first out)."""
+    over = peak([*running, *[job] * n]) - room
     if over <= 0:
         return Verdict(True)
     prompt, max_tokens = job
+    times = f"{n} x " if n > 1 else ""
     return Verdict(
         False,
         over,
-        f"memory: the next job ({prompt} + {max_tokens} tokens) would take the "
+        f"memory: the next job ({times}{prompt} + {max_tokens} tokens) would take the "
         f"batch's KV cache {over / 1e6:.1f} MB past the {room / 1e6:.1f} MB left",
     )
 

@@ -1,13 +1,13 @@
 """Which jobs may share a continuous batch, and on what terms.
 
-A job may share a batch (:func:`batchable`, streamed, seeded or not) unless it asks
-for n > 1 choices (a batch of its own) or samples with a seed and speculates. A seeded
-sampling job draws from its own random key on every path
-(``worker.engine.sampling.KeyedSampler``), so it samples the same text alone or among
-others. Jobs share a batch when their :class:`BatchKey` is equal:
-same (model, adapter), and for jobs that name a draft, what the speculation policy
-decided (``worker.schedule.route``): batched without the draft, or in a speculative
-batch with it at k.
+A job may share a batch (:func:`batchable`): streamed, seeded or not, and with n > 1
+choices (n sequences of the batch, their prompt prefilled once), unless it speculates
+and asks for n > 1 or samples with a seed. A seeded sampling job (choice i of n: seed +
+i) draws from its own random key on every path (``worker.engine.sampling.KeyedSampler``),
+so it samples the same text alone or among others. Jobs share a batch when their
+:class:`BatchKey` is equal: same (model, adapter), and for jobs that name a draft, what
+the speculation policy decided (``worker.schedule.route``): batched without the draft,
+or in a speculative batch with it at k.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ class BatchKey(NamedTuple):
 
 
 def batchable(req: ChatRequest, proposer: str | None = None) -> bool:
-    """Whether a request may share a batch at all: not with n > 1 (its choices are a
-    batch of their own), nor sampled with a seed and a ``proposer`` (a draft or prompt
-    lookup: how many tokens it proposes a round, and so its random draws, would depend
-    on the rows beside it; alone they do not)."""
+    """Whether a request may share a batch at all: not with a ``proposer`` (a draft or
+    prompt lookup) when it asks for n > 1 choices (alone they decode as a plain batch of
+    their own) or samples with a seed (how many tokens it proposes a round, and so its
+    random draws, would depend on the rows beside it; alone they do not)."""
     seeded = req.seed is not None and req.temperature > 0
-    return req.n == 1 and not (seeded and proposer is not None)
+    return proposer is None or not (seeded or req.n > 1)
