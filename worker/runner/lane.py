@@ -1,7 +1,8 @@
 """A lane: one engine, the jobs it decodes (its rows) and their records, nothing else.
 
 One lane per batch key (model, adapter, draft or lookup and k): :meth:`Lane.add` puts a
-taken job in (prepared, its KV room checked, ``first``: its prompt before the others'),
+taken job in (prepared, its places and KV room checked, ``first``: its prompt before the
+others'; a row each, n sequences for n choices: ``worker.runner.rows``),
 :meth:`Lane.step` steps the engine once and ends the jobs that finished or must stop
 (``worker.runner.stops``), :meth:`Lane.remove` takes one out unstarted (preempted),
 :meth:`Lane.close` frees its engine and room. What to take, which lane steps and how
@@ -17,14 +18,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from schemas import GenerationError, MlxqError, ResultRecord
 from schemas.fleet import BatchInfo
 from schemas.keys import base_queue
 from worker.engine.batch import BatchEngine
-from worker.engine.generator import ChatGenerator, choices_of, with_choices
+from worker.engine.generator import ChatGenerator
 from worker.engine.mirror import GroupEngine
 from worker.engine.models import ModelCache
 from worker.engine.output import GenerationOutput
@@ -36,6 +36,7 @@ from worker.runner import records
 from worker.runner.company import PEEK, company
 from worker.runner.images import images_of
 from worker.runner.kv import projected
+from worker.runner.rows import Row, add_choices, remove_choices, tag_owner
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.stops import Stops
 from worker.runner.streamer import JobStream, stream_ended
@@ -97,33 +98,6 @@ class Ledger:
     def others(self, lane: Lane) -> int:
         """What the other live lanes' caches can grow to."""
         return sum(n for other, n in self.held.items() if other is not lane)
-
-
-@dataclass
-class Row:
-    job: Job
-    route: Route
-    peak: int = 1  # the most sequences decoding together while this one ran
-    stream: JobStream | None = None  # a streamed job's chunks (never preempted: no restart)
-    n: int = 1  # its choices: a sequence each in the engine (:func:`choice_tag`)
-    outs: dict[int, GenerationOutput] = field(default_factory=dict)  # choices ended
-    began: float = 0.0  # when it joined (perf_counter): its choices' time
-
-    def tags(self) -> list[str]:
-        """Its sequences' tags in the engine, choice 0 first."""
-        return [choice_tag(self.job.id, i) for i in range(self.n)]
-
-
-def choice_tag(job_id: str, i: int) -> str:
-    """The engine's tag of a job's choice ``i``: its id for choice 0 (and a job of one),
-    ``id#i`` for the others (job ids hold no ``#``: ``schemas.keys``)."""
-    return job_id if i == 0 else f"{job_id}#{i}"
-
-
-def tag_owner(tag: str) -> tuple[str, int]:
-    """The job id and choice of an engine's tag (:func:`choice_tag`)."""
-    job_id, _, i = tag.partition("#")
-    return job_id, int(i) if i else 0
 
 
 class Lane:
@@ -224,7 +198,7 @@ class Lane:
 
     def remove(self, row: Row) -> None:
         """Take ``row``'s job out, back to the front of its queue unstarted (preempted)."""
-        self.remove_choices(row)
+        remove_choices(self.engine, row)
         del self.rows[row.job.id]
         self.host.lifecycle.requeue(row.job)
         self.rt.stats.preemptions += 1
@@ -268,7 +242,9 @@ class Lane:
             if not self._room_for(job, prepared, keep, req.n):
                 return False
             if req.n > 1:
-                self._add_choices(job, r, prepared, req.n, first)
+                with self.host.computing():
+                    add_choices(engine, self.generator, job.id, prepared, req.n, first)
+                self._joined(Row(job, r, n=req.n))
                 return True
             upcoming = functools.partial(self.host.lifecycle.peek, job.queue, PEEK)
             others = company(self.generator, prepared, upcoming, self.rt.scout)
@@ -294,30 +270,8 @@ class Lane:
         return True
 
     def _joined(self, row: Row) -> None:
-        row.began = time.perf_counter()
         self.rows[row.job.id] = row
         self._reserve()
-
-    def _add_choices(self, job: Job, r: Route, prepared: Prepared, n: int, first: bool) -> None:
-        """``job``'s n choices as n sequences: all of its prompt but the last token
-        prefilled once (here, unbudgeted), each choice from its own copy (with a seed,
-        choice i draws from seed + i), as ``ChatGenerator.generate_choices`` runs them."""
-        engine, generator = self.engine, self.generator
-        assert engine is not None and generator is not None
-        added: list[str] = []
-        with self.host.computing():
-            starts, held = generator.choice_starts(prepared, n)
-            try:
-                for i, choice in enumerate(choices_of(prepared, n)):
-                    engine.add(choice_tag(job.id, i), choice, starts[i], first=first)
-                    added.append(choice_tag(job.id, i))
-            except BaseException:
-                for tag in added:
-                    engine.remove(tag)
-                raise
-            finally:
-                held()
-        self._joined(Row(job, r, n=n))
 
     def _cannot_take(self, job: Job, reason: str) -> None:
         """The engine cannot hold ``job``. A speculative lane's refusal bars the pair from
@@ -418,34 +372,16 @@ class Lane:
                 log.error("batch output for job %s, which it does not hold; dropped", job_id)
                 continue
             if isinstance(out, MlxqError):
-                self.remove_choices(row, i)
+                remove_choices(self.engine, row, but=i)
                 ended.append((row.job, records.failure(row.job, self.rt, out)))
+            elif (whole := row.took(i, out)) is not None:
+                ended.append((row.job, _success(row, self.rt, whole, self.generator)))
             else:
-                row.outs[i] = out
-                if len(row.outs) < row.n:
-                    continue
-                done_at = time.perf_counter() - row.began
-                whole = with_choices([row.outs[c] for c in range(row.n)], done_at)
-                ended.append(
-                    (row.job, _success(row, self.rt, whole if row.n > 1 else out, self.generator))
-                )
+                continue
             rows.append(self.rows.pop(job_id))
         if ended:
             self._reserve()
         self.end(ended, rows)
-
-    def remove_choices(self, row: Row, but: int | None = None) -> list[GenerationOutput]:
-        """``row``'s choices still in the engine (all but ``but``) leave it: what each of
-        its choices made so far, by choice (those that ended, as they ended)."""
-        assert self.engine is not None
-        made = []
-        for i, tag in enumerate(row.tags()):
-            out = row.outs.get(i)
-            if out is None and i != but:
-                out = self.engine.remove(tag)
-            if out is not None:
-                made.append(out)
-        return made
 
     def _expire(self) -> None:
         """Jobs that must stop (a cancel, a time limit: ``worker.runner.stops``) leave the
@@ -458,7 +394,7 @@ class Lane:
         for job, error in due:
             row = self.rows.pop(job.id)
             rows.append(row)
-            cut = self.remove_choices(row)
+            cut = remove_choices(self.engine, row)
             record = records.stopped(job, self.rt, error, cut, batched_with=row.peak)
             log.info("job %s stopped in the batch on %s: %s", job.id, self.key.model, error.code)
             ended.append((job, record))
