@@ -255,3 +255,15 @@ def test_which_jobs_may_share_a_batch(fields, batch):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     r = route(ChatRequest.model_validate(body), SpeculationPolicy("always"), 8)
     assert (r.batch is not None) is batch, r
+
+
+def test_a_job_of_n_choices_joins_only_where_n_places_are_free():
+    view = BatchView(size=6, cap=8, limit=8, own=6, step_s=0.1, decode_s=0.1)
+    two, three = Waiting(True, True, False, 2), Waiting(True, True, False, 3)
+    cfg = dataclasses.replace(CFG, join_mode="always")
+    assert where(view, two, cfg) == "join"
+    assert where(view, three, cfg) == "alone"  # it fits beside: not a preempt, not a wait
+    assert where(view, dataclasses.replace(three, fits_beside=False), cfg) == "wait"
+    full = dataclasses.replace(view, size=8)
+    assert where(full, Waiting(True, True, False), cfg) == "preempt"  # one sequence: at the cap
+    assert where(full, dataclasses.replace(two, fits_beside=False), cfg) == "wait"

@@ -326,7 +326,7 @@ class Lane:
         now: a job of n choices needs n free places (none when the lane is empty)."""
         assert self.engine is not None
         limit, why = self.limit()
-        if self.rows and self.size() + n > limit:
+        if n > 1 and self.rows and self.size() + n > limit:
             free = max(limit - self.size(), 0)
             return Verdict(
                 False, 0, f"places: the next job's {n} choices need {n}, {free} free ({why})"

@@ -286,7 +286,8 @@ class Lanes:
         r = self._route(lane, job)
         alone = route(req, self.rt.policy, batching=False)
         view = self._view()
-        waiting = Waiting(r.batch == lane.key and not self._joining, True, self.beside.takes(r))
+        joinable = r.batch == lane.key and not self._joining
+        waiting = Waiting(joinable, True, self.beside.takes(r), req.n)
         to = where(view, waiting, self.cfg)  # a join pays whatever room there is beside
         if to not in ("join", "preempt"):  # (so the job is prepared for its need only now)
             need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)

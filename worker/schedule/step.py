@@ -134,6 +134,7 @@ class Waiting:
     joinable: bool  # its batch key is the batch's, and no prefix is prefilling to keep
     fits_beside: bool  # its KV caches, alone, fit beside what the batch reserves
     side_lane: bool  # it can be batched in the side lane (its key's, or none open; no group)
+    sequences: int = 1  # n > 1 choices: n sequences, joining only where n places are free
 
 
 #: Where a waiting job runs: ``join`` the batch (``preempt``: after the batch job that
@@ -147,8 +148,11 @@ def where(view: BatchView, job: Waiting, cfg: StepConfig) -> Where:
     there is a place (:func:`place_for_one`); else beside the batch, in the side lane
     when it can be batched, alone otherwise, when its caches fit beside the batch's; when
     they do not, it joins even where joining does not pay (slower than beside, sooner
-    than waiting) if there is a place, and waits for the batch to end if there is none."""
+    than waiting) if there is a place, and waits for the batch to end if there is none.
+    A job of several sequences (n choices) joins only where that many places are free."""
     place = place_for_one(view, cfg) if job.joinable else "full"
+    if job.sequences > 1 and view.size + job.sequences > view.limit:
+        place = "full"  # (no preempting for several places: it runs beside, or waits)
     can_join = place != "full"
     if can_join and joins(view, cfg):
         return "join" if place == "free" else "preempt"
