@@ -53,7 +53,7 @@ from producer.localredis import LocalRedis
 from schemas import keys
 from schemas.store import read_result
 from worker.engine.models import ModelCache
-from worker.runner import lanes
+from worker.runner import beside, lanes
 from worker.runner.loop import Worker
 from worker.runner.runtime import WorkerRuntime
 from worker.schedule import step
@@ -218,7 +218,7 @@ def main() -> None:
                 for i, (arm, how) in enumerate(arms):
                     if how not in chosen:
                         continue
-                    cls, side = lanes.Lanes, lanes.Beside
+                    cls, side = lanes.Lanes, beside.Beside
                     saved = (cls._urgent, step.joins, cls._between_chunks, side.takes)
                     if how == "always":  # the budget on every step (before issue 69)
                         rt.step = replace(cfg, quiet_budget_s=cfg.prefill_budget_s or 0.0)

@@ -21,7 +21,7 @@ from producer.metrics import _worker_metrics
 from schemas import ChatRequest, keys
 from schemas.fleet import Histogram, WorkerInfo
 from schemas.store import read_result
-from tests.conftest import chat, run_worker
+from tests.conftest import chat, run_jobs, run_worker
 from tests.waiting import seconds, wait_for
 from worker.dev.tinymodels import TinySpec, ensure_model
 from worker.engine import prompt_tokens
@@ -201,7 +201,7 @@ def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tin
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_flood_of_interactive_jobs_cannot_stop_the_batch(conn, redis_url, tiny, stream):
-    """(``stream``: each runs alone; else they join, or run in a side batch beside it.)
+    """(They join, or run in a side batch beside it; ``stream``: streamed, batched alike.)
     The floor is of time (a quarter of it, once the bank the batch saved while none
     waited is spent: made small here, or this tiny model's flood would run on it)."""
     batch = _batch(conn, tiny.target, 40, 12)
@@ -248,7 +248,8 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     batch = _batch(conn, tiny.target, 12, 160)
     worker = _serve(redis_url, _rt(), max_batch=4)
     _wait(lambda: _ended(conn, batch) >= 1)  # a batch job's 160 steps: the bank is full
-    asked = _interactive(conn, tiny.target, 3, n=2)  # n = 2: each runs alone
+    lookup = {"method": "prompt_lookup"}  # n = 2 with a proposer: each runs alone
+    asked = _interactive(conn, tiny.target, 3, n=2, speculation=lookup)
     _wait(lambda: _ended(conn, asked) == 3)
     worker.join(seconds(120))
     runs = "".join(events)
@@ -266,7 +267,8 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     conn, redis_url, tiny, archs, path, kind
 ):
     """A batch at its memory budget (four of its jobs fit, not five): an interactive job
-    of the same size joins it (``join``) or runs alone beside it (``alone``: n = 2)
+    of the same size joins it (``join``) or runs alone beside it (``alone``: n = 2 by
+    prompt lookup)
     once the batch jobs that joined last give their places up (as few as free enough:
     a batch's rows are as long as its longest), back to the front of their queue
     unstarted; they end once, their text unchanged. Before, the request waited for
@@ -284,7 +286,8 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)  # the batch is at its budget
     ask = chat(model, "question 0", max_tokens=128, temperature=0, logit_bias=EOS_OFF)
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
-    extra = {"n": 2} if path == "alone" else {}  # (n = 2: its choices decode alone)
+    lookup = {"n": 2, "speculation": {"method": "prompt_lookup"}}  # (its choices: alone)
+    extra = lookup if path == "alone" else {}
     asked = client.submit({"i0": ask | extra}, batch_id="i").job_ids
     _wait(lambda: _ended(conn, asked) == 1)
     worker.join(seconds(180))
@@ -432,13 +435,37 @@ def test_interactive_jobs_batched_beside_the_batch_end_with_their_text_alone(
     assert _texts(conn, asked) + _texts(conn, batch) == alone
 
 
+def test_jobs_ahead_for_two_other_models_run_in_a_side_lane_each(conn, redis_url, tiny):
+    """Jobs ahead for two other loaded models (they cannot join the batch) are batched in
+    a side lane per model, stepped in turn beside the batch: each ends with its text
+    alone, before the batch does."""
+    rt, models = _rt(join="never"), (tiny.twin, tiny.draft)
+    for m in models:
+        rt.cache.get(m)  # (a side lane runs only on a model that is loaded)
+    batch = _batch(conn, tiny.target, 8, 96)
+    worker = _serve(redis_url, rt, max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
+    jobs = {
+        f"{m}{i}": chat(model, f"question {i}", max_tokens=8, temperature=0)
+        for m, model in zip("td", models, strict=True)
+        for i in range(2)
+    }
+    asked = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(jobs, batch_id="i")
+    _wait(lambda: _ended(conn, asked.job_ids) == 4)
+    assert _ended(conn, batch) < 8
+    worker.join(seconds(120))
+    assert [read_result(conn, j).metrics.batch_size for j in asked.job_ids] == [2, 2, 2, 2]
+    alone = run_jobs(conn, redis_url, jobs, "alone")  # one at a time, a fresh worker
+    assert _texts(conn, asked.job_ids) == [_texts(conn, [alone[c].job_id])[0] for c in jobs]
+
+
 def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(
     conn, redis_url, tiny
 ):
     batch = _batch(conn, tiny.target, 60, 48)
     worker = _serve(redis_url, _rt(), max_batch=4)
     _wait(lambda: _ended(conn, batch) >= 1)
-    choices = _interactive(conn, tiny.target, 1, tag="n", n=2)  # n: a batch of its own
+    choices = _interactive(conn, tiny.target, 1, tag="n", n=2)  # it joins or runs beside
     other = _interactive(conn, tiny.draft, 1, tag="o")  # a model not loaded: it waits
     _wait(lambda: _ended(conn, choices) == 1)
     assert _ended(conn, batch) < 60  # ran between two steps

@@ -2,12 +2,13 @@
 
 A job whose route (``worker.schedule.route``) names a batch opens the worker's *batch
 lane* (``worker.runner.lane``: an engine and its rows) on its queue; jobs of queues
-served before it (``mlxq.interactive``) join that lane, run in a *side lane* beside it,
-run alone between two turns, or wait for it to end. Each turn of the worker's loop asks
+served before it (``mlxq.interactive``) join that lane, run in the *side lane* of their
+batch key beside it (``worker.runner.beside``), run alone between two turns, or wait for
+it to end. Each turn of the worker's loop asks
 the step rules for a plan (``worker.schedule.step.plan``: which lane steps, how much
 prompt it may prefill, whether to look at the queues ahead), applies it, fills free
 places from each lane's queue (its model's jobs first) and publishes. Memory admits each
-joiner (the KV bytes a lane can grow to, one ledger for both; one that does not fit
+joiner (the KV bytes a lane can grow to, one ledger for all; one that does not fit
 waits at the front of its queue, first in first out), ``--max-batch auto`` grows a lane
 while a larger one measures faster, and a job that cannot join goes back to the front of
 its queue. The rules are ``worker.schedule.step``'s, pure, with their constants in
@@ -19,15 +20,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from redis.exceptions import RedisError
 
-from schemas import ChatRequest, keys
+from schemas import ChatRequest
 from schemas.fleet import BatchInfo
 from worker.lifecycle.held import Job
 from worker.runner.alone import kv_need
+from worker.runner.beside import Beside
 from worker.runner.embedjobs import is_embedding
 from worker.runner.lane import (
     PAUSE_AFTER_HAND_BACK_S,
@@ -64,14 +66,14 @@ LOOK_EVERY_S = 0.1
 
 
 class Lanes:
-    """A worker's batch lane and side lane, and one turn of its loop over them."""
+    """A worker's batch lane and side lanes, and one turn of its loop over them."""
 
     def __init__(self, host: Host) -> None:
         self.host, self.rt = host, host.rt
         self.cfg = self.rt.step  # the step rules' constants
         self.cap = host.max_batch or AUTO_CAP
         self.ledger = Ledger(self.rt.cache)
-        #: The batch's lane (None: no batch runs), and the side lane beside it.
+        #: The batch's lane (None: no batch runs), and the side lanes beside it.
         self.lane: Lane | None = None
         self.beside = Beside(host, self.ledger, self.cap)
         self.queue, self.depth = "", 1  # the batch's queue; how many waited when it began
@@ -123,7 +125,7 @@ class Lanes:
             self._fill(lane)
             self.beside.close_if_empty()
             self._publish()
-            if not lane.rows and self.beside.lane is None:
+            if not lane.rows and not self.beside.lanes:
                 lane.meter.close()
                 self._end()
 
@@ -137,7 +139,7 @@ class Lanes:
         except Exception as e:
             log.exception("batch on %s failed; failing its %d job(s)", lane.key[0], len(lane.rows))
             lane.fail_all(e)
-            self._end()  # (the side lane's jobs run later)
+            self._end()  # (the side lanes' jobs run later)
         except BaseException:
             for row in lane.drain():
                 self.host.lifecycle.requeue(row.job)
@@ -145,7 +147,7 @@ class Lanes:
             raise
 
     def _end(self) -> None:
-        """The batch has ended: its lanes close (jobs still in the side lane go back)."""
+        """The batch has ended: its lanes close (jobs still in side lanes go back)."""
         self.beside.close(requeue=True)
         self.host.batch = None
         if self.lane is not None:
@@ -211,7 +213,7 @@ class Lanes:
     def _between_chunks(self) -> None:
         """Between two chunks of a shared prefix prefilled as a job joins: that prefill is
         the batch's work, paid to its floor as a step's; jobs waiting ahead may be taken
-        (none joins now) and the side lane steps while the batch is owed nothing."""
+        (none joins now) and side lanes step while the batch is owed nothing."""
         now = time.perf_counter()
         self._owed = owed_after_step(self._owed, now - self._chunk_at, self.cfg)
         self._joining = True
@@ -226,7 +228,7 @@ class Lanes:
 
     def _urgent(self) -> None:
         """Jobs waiting in the queues served before the batch's: they join it, or run in
-        the side lane or alone between two steps, or (none possible) wait for the batch."""
+        their side lane or alone between two steps, or (none possible) wait for the batch."""
         self._look_at = time.monotonic() + LOOK_EVERY_S
         while (queue := self._first_waiting()) is not None:
             self._seen_ahead = time.monotonic()
@@ -347,8 +349,8 @@ class Lanes:
         return self._owed <= 0
 
     def _step_side(self) -> None:
-        """One step of the side lane, then its free places filled; paid to the batch's
-        floor while the batch's lane holds jobs (or is prefilling a kept prefix)."""
+        """One step of a side lane (each in turn), then its free places filled; paid to
+        the batch's floor while its lane holds jobs (or is prefilling a kept prefix)."""
         assert self.lane is not None
         bound = bool(self.lane.rows) or self._joining
         t = time.perf_counter()
@@ -362,74 +364,6 @@ class Lanes:
         if now >= self._published_at + PUBLISH_EVERY_S:
             self._published_at = now
             self.host.batch = published(self.lane) if self.lane is not None else None
-
-
-class Beside:
-    """The side lane: jobs from queues ahead of the batch's, batched beside its lane (one
-    batch key at a time; not in a worker group, whose ranks mirror one engine)."""
-
-    def __init__(self, host: Host, ledger: Ledger, cap: int) -> None:
-        self.host, self.ledger, self.cap = host, ledger, cap
-        self.lane: Lane | None = None
-
-    def rows(self) -> int:
-        return self.lane.size() if self.lane is not None else 0
-
-    def again(self, job: Job) -> bool:
-        return self.lane is not None and self.lane.again(job)
-
-    def takes(self, r: Route) -> bool:
-        """Whether a job routed ``r`` (it could not join the batch) runs here: it can be
-        batched, and the side lane is for its batch's key (or none runs yet)."""
-        if r.batch is None or self.host.rt.cache.group is not None:
-            return False
-        return self.lane is None or self.lane.key == r.batch
-
-    def put(self, job: Job, r: Route) -> bool:
-        """Put ``job`` in (the lane opened for it if none runs): False when it went back
-        to wait for room (or ended at once, failing)."""
-        assert r.batch is not None
-        if self.lane is None:
-            queue = keys.base_queue(job.queue)
-            self.lane = Lane(self.host, queue, r.batch, self.ledger, self.cap, budgeted=False)
-            self.lane.start(r)
-        lane = self.lane
-        limit, _ = lane.limit()
-        if lane.size() < limit and lane.add(job, r, first=True):
-            return True
-        if lane.size() >= limit:
-            self.host.lifecycle.requeue(job)  # the side lane takes it when a place frees
-        if not lane.rows:
-            self.close()
-        return False
-
-    def step(self, fill: Callable[[Lane], None]) -> bool:
-        """One step, then ``fill`` its free places: False when it failed (its own jobs
-        fail, not the batch's, and it closes)."""
-        lane = self.lane
-        assert lane is not None
-        try:
-            lane.step()
-            fill(lane)
-        except Exception as e:
-            log.exception("side lane on %s failed; failing its job(s)", lane.key[0])
-            lane.fail_all(e)
-            self.close()
-            return False
-        except BaseException:
-            self.close(requeue=True)
-            raise
-        return True
-
-    def close_if_empty(self) -> None:
-        if self.lane is not None and not self.lane.rows:
-            self.lane.meter.close()
-            self.close()
-
-    def close(self, requeue: bool = False) -> None:
-        if self.lane is not None:
-            self.lane.close(requeue)
-            self.lane = None
 
 
 def published(lane: Lane) -> BatchInfo:

@@ -64,6 +64,9 @@ class StepConfig:
     #: Seconds of prompt prefill a plain batch's step takes at most while nobody waits
     #: (larger chunks; a request arriving meanwhile waits at most that step).
     quiet_budget_s: float = 4.0
+    #: The most side lanes (batch keys: models, or a model's plain and speculative jobs)
+    #: live beside a batch; a job for another key runs alone between two steps.
+    side_lanes: int = 3
 
     def __post_init__(self) -> None:
         if self.join_mode not in JOIN_MODES:

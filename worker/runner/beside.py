@@ -1,0 +1,99 @@
+"""The side lanes: jobs from queues ahead of the batch's, batched beside its lane.
+
+A job taken ahead (``mlxq.interactive``) that does not join the batch's lane but can be
+batched runs in the side lane of its batch key, opened for it when none is open: at most
+``StepConfig.side_lanes`` keys at a time (several loaded models, or one model's plain and
+speculative jobs), each an engine with its own KV caches, counted in the worker's one
+ledger. Each side step steps one of them, in turn. Not in a worker group, whose ranks
+mirror one engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from schemas import keys
+from worker.lifecycle.held import Job
+from worker.runner.lane import Host, Lane, Ledger
+from worker.schedule.grouping import BatchKey
+from worker.schedule.route import Route
+
+log = logging.getLogger(__name__)
+
+
+class Beside:
+    """The side lanes beside a batch's lane, one per batch key, stepped in turn."""
+
+    def __init__(self, host: Host, ledger: Ledger, cap: int) -> None:
+        self.host, self.ledger, self.cap = host, ledger, cap
+        self.lanes: dict[BatchKey, Lane] = {}
+        self._turn = 0  # which lane steps next (in the order they opened)
+
+    def rows(self) -> int:
+        """The sequences all side lanes hold."""
+        return sum(lane.size() for lane in self.lanes.values())
+
+    def again(self, job: Job) -> bool:
+        return any(lane.again(job) for lane in self.lanes.values())
+
+    def takes(self, r: Route) -> bool:
+        """Whether a job routed ``r`` (it could not join the batch) runs here: it can be
+        batched, and its key's lane is open or another may open."""
+        if r.batch is None or self.host.rt.cache.group is not None:
+            return False
+        return r.batch in self.lanes or len(self.lanes) < self.host.rt.step.side_lanes
+
+    def put(self, job: Job, r: Route) -> bool:
+        """Put ``job`` in its key's lane (opened for it if none is): False when it went
+        back to wait for a place or room (or ended at once, failing)."""
+        assert r.batch is not None
+        lane = self.lanes.get(r.batch)
+        if lane is None:
+            queue = keys.base_queue(job.queue)
+            lane = Lane(self.host, queue, r.batch, self.ledger, self.cap, budgeted=False)
+            lane.start(r)
+            self.lanes[r.batch] = lane
+        limit, _ = lane.limit()
+        if lane.size() < limit and lane.add(job, r, first=True):
+            return True
+        if lane.size() >= limit:
+            self.host.lifecycle.requeue(job)  # its lane takes it when a place frees
+        if not lane.rows:
+            self._close(lane)
+        return False
+
+    def step(self, fill: Callable[[Lane], None]) -> bool:
+        """One step of the next side lane in turn, then ``fill`` its free places: False
+        when it failed (its own jobs fail, not the batch's or the other lanes', and it
+        closes)."""
+        order = list(self.lanes.values())
+        lane = order[self._turn % len(order)]
+        self._turn += 1
+        try:
+            lane.step()
+            fill(lane)
+        except Exception as e:
+            log.exception("side lane on %s failed; failing its job(s)", lane.key[0])
+            lane.fail_all(e)
+            self._close(lane)
+            return False
+        except BaseException:
+            self.close(requeue=True)
+            raise
+        return True
+
+    def close_if_empty(self) -> None:
+        """Side lanes left without jobs close."""
+        for lane in [x for x in self.lanes.values() if not x.rows]:
+            lane.meter.close()
+            self._close(lane)
+
+    def close(self, requeue: bool = False) -> None:
+        """Every side lane closes (``requeue``: their jobs go back to their queues)."""
+        for lane in list(self.lanes.values()):
+            self._close(lane, requeue)
+
+    def _close(self, lane: Lane, requeue: bool = False) -> None:
+        self.lanes.pop(lane.key, None)
+        lane.close(requeue)
