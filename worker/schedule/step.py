@@ -77,16 +77,16 @@ class StepConfig:
 class BatchView:
     """What the step rules read of one running batch."""
 
-    size: int = 0  # rows held
-    cap: int = 256  # the most rows it may hold (``--max-batch N``, or the auto cap)
-    limit: int = 256  # the rows it takes from its queue now (``--max-batch``, or measured)
+    size: int = 0  # sequences held (a row each; a job's n choices are n)
+    cap: int = 256  # the most sequences it may hold (``--max-batch N``, or the auto cap)
+    limit: int = 256  # the sequences it takes from its queue now (``--max-batch``, measured)
     own: int = 0  # rows from the batch's own queue (the others came from queues ahead)
     step_s: float | None = None  # its steps' seconds, prefills too (running average)
     decode_s: float | None = None  # its steps' seconds that only decoded (running)
     smallest_step_s: float | None = None  # a step at the smallest size measured (<= small)
     prefill_steps: int = 0  # steps still to carry prompt chunks of its rows, about
     in_group: bool = False  # a worker group's (its ranks step alike; no side batch)
-    beside: int = 0  # rows of the side lane beside it
+    beside: int = 0  # sequences of the side lanes beside it
     since_ahead_s: float = float("inf")  # since a job was last seen waiting ahead
     owed: float = 0.0  # step seconds the batch is owed by work beside it (< 0: ahead)
     ahead: bool = False  # queues are served before the batch's (and the worker may take)
