@@ -60,17 +60,20 @@ def test_choices_join_a_batch_and_sample_what_they_sample_alone(conn, redis_url,
 
 def test_choices_wait_for_as_many_places_first_in_first_out(conn, redis_url, tiny):
     """A job of 4 choices under ``--max-batch 4`` joins once 4 places are free; the job
-    behind it waits behind it (nothing overtakes a job waiting for places)."""
+    behind it waits behind it (nothing overtakes a job waiting for places). One of 6
+    choices, more than the cap, runs once the batch is empty."""
     jobs = {
         "long": chat(tiny.target, content="a long one", max_tokens=24, logit_bias=NO_EOS),
         "four": chat(tiny.target, max_tokens=4, n=4, logit_bias=NO_EOS),
         "after": chat(tiny.target, content="after", max_tokens=4, logit_bias=NO_EOS),
+        "six": chat(tiny.target, max_tokens=4, n=6, seed=1, temperature=1.0, logit_bias=NO_EOS),
     }
     got = run_jobs(conn, redis_url, jobs, "n-places", max_batch=4)
     assert got["long"].metrics.batch_size == 1  # "four" did not fit beside it, nor "after"
     assert got["four"].metrics.batch_size == 4
     order = [r.custom_id for r in sorted(got.values(), key=lambda r: r.finished_at)]
-    assert order == ["long", "four", "after"]
+    assert order == ["long", "four", "after", "six"]
+    assert len(got["six"].response.choices) == 6 and got["six"].metrics.batch_size == 6
 
 
 def test_choices_with_a_schema_and_logprobs(conn, redis_url, tiny):
@@ -120,10 +123,15 @@ def test_the_prompt_is_prefilled_once_for_all_choices(tiny):
 
 
 def test_a_draft_with_n_decodes_plainly_and_says_why(conn, redis_url, tiny):
+    """Alone or in a plain batch beside another job (its choices decode plainly)."""
     job = chat(tiny.target, max_tokens=6, temperature=0, n=2, draft_model=tiny.draft)
     r = run_jobs(conn, redis_url, {"a": job}, "draft")["a"]
     assert len(_texts(r)) == 2
     assert not r.metrics.speculative and "n=2" in r.metrics.speculation_reason
+    other = chat(tiny.target, content="another", max_tokens=6, temperature=0)
+    got = run_jobs(conn, redis_url, {"o": other, "a": job}, "draft-batched", max_batch=4)
+    assert _texts(got["a"]) == _texts(r) and got["a"].metrics.batch_size == 3
+    assert not got["a"].metrics.speculative and "n=2" in got["a"].metrics.speculation_reason
 
 
 def test_n_above_the_workers_cap_fails_with_a_400(conn, redis_url, tiny):

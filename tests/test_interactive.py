@@ -49,7 +49,7 @@ def _interactive(
     conn, model: str, count: int, tag: str = "i", tenant: str = keys.DEFAULT_TENANT, **fields
 ) -> list[str]:
     jobs = {
-        f"{tag}{i}": chat(model, f"question {i}", max_tokens=8, temperature=0, **fields)
+        f"{tag}{i}": chat(model, f"question {i}", **({"max_tokens": 8, "temperature": 0} | fields))
         for i in range(count)
     }
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
@@ -228,7 +228,7 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
 
     events: list[str] = []
     step, alone = BatchEngine.step, Worker.run_alone
-    inside = threading.Event()  # (a job alone with n = 2 steps a batch engine of its own)
+    inside = threading.Event()  # (steps of an engine of a job alone are not the batch's)
 
     def stepped(self):
         if not inside.is_set():
@@ -248,8 +248,8 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     batch = _batch(conn, tiny.target, 12, 160)
     worker = _serve(redis_url, _rt(), max_batch=4)
     _wait(lambda: _ended(conn, batch) >= 1)  # a batch job's 160 steps: the bank is full
-    lookup = {"method": "prompt_lookup"}  # n = 2 with a proposer: each runs alone
-    asked = _interactive(conn, tiny.target, 3, n=2, speculation=lookup)
+    solo = {"temperature": 0.9, "seed": 1, "speculation": {"method": "prompt_lookup"}}
+    asked = _interactive(conn, tiny.target, 3, **solo)  # seeded and proposing: alone
     _wait(lambda: _ended(conn, asked) == 3)
     worker.join(seconds(120))
     runs = "".join(events)
@@ -267,8 +267,8 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     conn, redis_url, tiny, archs, path, kind
 ):
     """A batch at its memory budget (four of its jobs fit, not five): an interactive job
-    of the same size joins it (``join``) or runs alone beside it (``alone``: n = 2 by
-    prompt lookup)
+    of the same size joins it (``join``) or runs alone beside it (``alone``: sampled with
+    a seed, by prompt lookup)
     once the batch jobs that joined last give their places up (as few as free enough:
     a batch's rows are as long as its longest), back to the front of their queue
     unstarted; they end once, their text unchanged. Before, the request waited for
@@ -286,8 +286,8 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)  # the batch is at its budget
     ask = chat(model, "question 0", max_tokens=128, temperature=0, logit_bias=EOS_OFF)
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
-    lookup = {"n": 2, "speculation": {"method": "prompt_lookup"}}  # (its choices: alone)
-    extra = lookup if path == "alone" else {}
+    lookup = {"temperature": 0.9, "seed": 1, "speculation": {"method": "prompt_lookup"}}
+    extra = lookup if path == "alone" else {}  # (seeded and proposing: it runs alone)
     asked = client.submit({"i0": ask | extra}, batch_id="i").job_ids
     _wait(lambda: _ended(conn, asked) == 1)
     worker.join(seconds(180))

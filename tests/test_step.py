@@ -241,7 +241,8 @@ def test_memory_is_given_up_by_the_own_rows_that_joined_last():
         ({"temperature": 0, "seed": 3}, True),
         ({"stream": True}, True),
         ({"n": 2}, True),  # n sequences of the batch
-        ({"n": 2, "draft_model": "d"}, False),  # alone: its choices decode plainly
+        ({"n": 2, "draft_model": "d"}, True),  # its choices decode plainly: a plain batch
+        ({"n": 2, "seed": 3, "speculation": {"method": "prompt_lookup"}}, True),
         ({"temperature": 0.9, "seed": 3, "draft_model": "d"}, False),  # proposals vary
         ({"temperature": 0.9, "seed": 3, "speculation": {"method": "prompt_lookup"}}, False),
         ({"temperature": 0, "seed": 3, "draft_model": "d"}, True),  # greedy: no draws

@@ -1,13 +1,14 @@
 """Which jobs may share a continuous batch, and on what terms.
 
 A job may share a batch (:func:`batchable`): streamed, seeded or not, and with n > 1
-choices (n sequences of the batch, their prompt prefilled once), unless it speculates
-and asks for n > 1 or samples with a seed. A seeded sampling job (choice i of n: seed +
-i) draws from its own random key on every path (``worker.engine.sampling.KeyedSampler``),
-so it samples the same text alone or among others. Jobs share a batch when their
-:class:`BatchKey` is equal: same (model, adapter), and for jobs that name a draft, what
-the speculation policy decided (``worker.schedule.route``): batched without the draft,
-or in a speculative batch with it at k.
+choices (n sequences of a plain batch, their prompt prefilled once, even when it names a
+draft), unless it samples one choice with a seed and speculates. A seeded sampling job
+(choice i of n: seed + i) draws from its own random key on every path
+(``worker.engine.sampling.KeyedSampler``), so it samples the same text alone or among
+others. Jobs share a batch when their :class:`BatchKey` is equal: same (model, adapter),
+and for jobs that name a draft, what the speculation policy decided
+(``worker.schedule.route``): batched without the draft, or in a speculative batch with
+it at k.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ class BatchKey(NamedTuple):
 
 
 def batchable(req: ChatRequest, proposer: str | None = None) -> bool:
-    """Whether a request may share a batch at all: not with a ``proposer`` (a draft or
-    prompt lookup) when it asks for n > 1 choices (alone they decode as a plain batch of
-    their own) or samples with a seed (how many tokens it proposes a round, and so its
-    random draws, would depend on the rows beside it; alone they do not)."""
+    """Whether a request may share a batch at all: not when it samples one choice with a
+    seed and a ``proposer`` (a draft or prompt lookup: how many tokens it proposes a
+    round, and so its random draws, would depend on the rows beside it; alone they do
+    not). A job's n > 1 choices decode plainly, so they share a plain batch."""
     seeded = req.seed is not None and req.temperature > 0
-    return proposer is None or not (seeded or req.n > 1)
+    return proposer is None or req.n > 1 or not seeded

@@ -67,6 +67,9 @@ def route(
     fixed = policy.fixed_k(req)
     waiting = 1
     if batching and batchable(req, proposer):
+        if proposer is not None and req.n > 1:  # (its choices decode plainly anyway)
+            choices = Decision(0, f"n={req.n}: the choices decode plainly, batched")
+            return Route(proposer, fixed, BatchKey(req.model, req.adapter, None, 0), choices)
         if proposer is None:
             return Route(None, fixed, BatchKey(req.model, req.adapter, None, 0))
         waiting = depth() if callable(depth) else depth
