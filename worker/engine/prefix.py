@@ -89,10 +89,8 @@ class Mirror(Protocol):
 
 log = logging.getLogger(__name__)
 
-#: Prefixes shorter than this are not worth an entry (tokens): one block. A chat
-#: template's own system prompt is worth it (SmolLM2's: 26 of each 38-token prompt; 32
-#: such jobs queued at once ran 1.14x faster with 16 than with 32: docs/benchmarks.md).
-MIN_TOKENS = 16
+#: Prefixes shorter than this are not worth an entry (tokens).
+MIN_TOKENS = 32
 #: Prompts are compared in blocks of this many tokens (a shared part is found to the
 #: last whole block both prompts have).
 BLOCK = 16
