@@ -134,11 +134,18 @@ def test_a_draft_with_n_decodes_plainly_and_says_why(conn, redis_url, tiny):
     assert not got["a"].metrics.speculative and "n=2" in got["a"].metrics.speculation_reason
 
 
-def test_n_above_the_workers_cap_fails_with_a_400(conn, redis_url, tiny):
-    jobs = {"big": chat(tiny.target, n=5, max_tokens=2), "ok": chat(tiny.target, max_tokens=2)}
-    records = run_jobs(conn, redis_url, jobs, "cap", max_n=4)
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_n_above_the_workers_cap_fails_with_a_400(conn, redis_url, tiny, max_batch):
+    """Alone, or taken into a running batch: the job fails by name, the others run."""
+    jobs = {
+        "first": chat(tiny.target, content="first", max_tokens=8),
+        "big": chat(tiny.target, n=5, max_tokens=2),
+        "ok": chat(tiny.target, max_tokens=2),
+    }
+    records = run_jobs(conn, redis_url, jobs, f"cap{max_batch}", max_batch=max_batch, max_n=4)
     assert records["big"].status_code == 400 and "--max-n 4" in records["big"].error.message
-    assert records["ok"].status == "succeeded"
+    assert records["ok"].status == "succeeded" and records["first"].status == "succeeded"
+    assert records["ok"].metrics.batch_size == (2 if max_batch == 4 else 1)
 
 
 @pytest.mark.parametrize(
