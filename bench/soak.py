@@ -3,10 +3,12 @@
 Counts what the promise is about: every job ends with exactly one result record.
 
     .venv/bin/python -m bench.soak [--jobs 300] [--workers 3] [--seconds 240] [--max-batch 8]
-        [--tenants N] [--batches N]
+        [--tenants N] [--batches N] [--mixed]
 
 ``--max-batch 1`` runs every job on the one-at-a-time path; the default runs them
-in continuous batches (one kill hands back several jobs).
+in continuous batches (one kill hands back several jobs). ``--mixed``: every 5th job is
+sampled with a seed and every 7th asks for 3 seeded choices (rows of n sequences in the
+batches); each of those must end with all its choices.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8, help="the workers' --max-batch")
     ap.add_argument("--tenants", type=int, default=0, help="split the jobs over N tenants")
     ap.add_argument("--batches", type=int, default=1, help="N batches per tenant (they take turns)")
+    ap.add_argument("--mixed", action="store_true", help="seeded and n = 3 jobs among the rest")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     OUT.mkdir(exist_ok=True)
@@ -75,6 +78,11 @@ def main() -> None:
             }
             for i in range(args.jobs)
         }
+        choices = {f"j{i}" for i in range(args.jobs) if args.mixed and i % 7 == 3}
+        for i in range(args.jobs) if args.mixed else ():
+            if f"j{i}" in choices or i % 5 == 1:  # sampled with a seed; n = 3 for choices
+                n = 3 if f"j{i}" in choices else 1
+                requests[f"j{i}"] |= {"temperature": 0.8, "seed": i, "n": n}
         # --tenants N: N tenants' batches sharing the queue fairly (fair.lua on every take,
         # requeue and recovery); --batches N: each tenant's batches taking turns (a ring)
         names = [f"t{i}" for i in range(args.tenants)] or [keys.DEFAULT_TENANT]
@@ -140,11 +148,16 @@ def main() -> None:
             "results_duplicated": len(announced) - len(set(announced)),
             "jobs_lost": args.jobs - len(records),
             "requeued_after_crash": sum(int(conn.get(keys.crashes_key(j)) or 0) for j in ids),
+            "choice_jobs_short": sum(
+                len(r["response"]["choices"]) != 3
+                for r in records
+                if r["custom_id"] in choices and r["status"] == "succeeded"
+            ),
             "seconds": round(elapsed, 1),
         }
     (OUT / "soak.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
-    if report["jobs_lost"] or report["results_duplicated"]:
+    if report["jobs_lost"] or report["results_duplicated"] or report["choice_jobs_short"]:
         sys.exit(1)
 
 
