@@ -78,11 +78,14 @@ def main() -> None:
             }
             for i in range(args.jobs)
         }
-        choices = {f"j{i}" for i in range(args.jobs) if args.mixed and i % 7 == 3}
-        for i in range(args.jobs) if args.mixed else ():
-            if f"j{i}" in choices or i % 5 == 1:  # sampled with a seed; n = 3 for choices
-                n = 3 if f"j{i}" in choices else 1
-                requests[f"j{i}"] |= {"temperature": 0.8, "seed": i, "n": n}
+        choices = {f"j{i}" for i in range(3, args.jobs, 7)} if args.mixed else set()
+        seeded = {f"j{i}" for i in range(1, args.jobs, 5)} if args.mixed else set()
+        for cid in choices | seeded:  # sampled with a seed; 3 choices for the choice jobs
+            requests[cid] |= {
+                "temperature": 0.8,
+                "seed": int(cid[1:]),
+                "n": 1 + 2 * (cid in choices),
+            }
         # --tenants N: N tenants' batches sharing the queue fairly (fair.lua on every take,
         # requeue and recovery); --batches N: each tenant's batches taking turns (a ring)
         names = [f"t{i}" for i in range(args.tenants)] or [keys.DEFAULT_TENANT]

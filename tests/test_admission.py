@@ -270,3 +270,24 @@ def test_max_batch_accepts_auto_and_numbers():
     assert BatchSize().convert("auto", None, None) is None
     assert BatchSize().convert(" AUTO ", None, None) is None
     assert BatchSize().convert("16", None, None) == 16
+
+
+@pytest.mark.parametrize(
+    ("held", "n", "limit", "joins"),
+    [
+        (6, 2, 8, True),  # two places free
+        (7, 2, 8, False),  # one free: it waits for the second
+        (0, 6, 4, True),  # more choices than the cap: an empty lane takes them
+        (8, 1, 8, True),  # one sequence: counted before it is taken
+    ],
+)
+def test_a_job_of_n_choices_needs_n_places(held, n, limit, joins):
+    from worker.schedule.admission import places
+
+    verdict = places(held, n, limit, "cap: --max-batch 8")
+    assert verdict.join is joins
+    if not joins:
+        assert (
+            verdict.reason == "places: the next job's 2 choices need 2, 1 free (cap: --max-batch 8)"
+        )
+        assert verdict.over == 0  # (no memory to make: nothing is preempted for places)

@@ -268,3 +268,12 @@ def test_a_job_of_n_choices_joins_only_where_n_places_are_free():
     full = dataclasses.replace(view, size=8)
     assert where(full, Waiting(True, True, False), cfg) == "preempt"  # one sequence: at the cap
     assert where(full, dataclasses.replace(two, fits_beside=False), cfg) == "wait"
+
+
+def test_a_side_lane_per_key_up_to_the_configured_number():
+    from worker.schedule.step import side_lane_free
+
+    cfg = dataclasses.replace(CFG, side_lanes=2)
+    assert side_lane_free([], "a", cfg) and side_lane_free(["a"], "b", cfg)
+    assert side_lane_free(["a", "b"], "a", cfg)  # its key's lane is open
+    assert not side_lane_free(["a", "b"], "c", cfg)  # a third key runs alone

@@ -124,20 +124,12 @@ class KeyedSampler:
 
 
 def sampler_for(params: GenerationParams) -> Any:
-    """The sampler of one sequence in a batch: shared among sequences with the same
-    settings (one call samples them all), or a :class:`KeyedSampler` of its own when
-    seeded."""
+    """The sampler of one sequence, alone or in a batch: shared among sequences with the
+    same settings (one call samples a batch's), or a :class:`KeyedSampler` of its own
+    when seeded (the same draws alone or among others)."""
     if params.seed is not None and params.temperature > 0:
         return KeyedSampler(settings_of(params), params.seed)
     return _sampler(settings_of(params))
-
-
-def plain_sampler(params: GenerationParams) -> Any:
-    """The sampler of a sequence decoded alone: a seeded one's own key, as in a batch
-    (:class:`KeyedSampler`: the same draws alone or among others), else a fresh one."""
-    if params.seed is not None and params.temperature > 0:
-        return KeyedSampler(settings_of(params), params.seed)
-    return _make(settings_of(params))
 
 
 def pick(

@@ -23,7 +23,7 @@ from worker.engine.output import GenerationOutput
 from worker.engine.prefill import PREFILL_STEP
 from worker.engine.protocol import NO_START, CannotTake, Start, Step
 from worker.engine.request import Prepared
-from worker.engine.sampling import logits_processors, plain_sampler
+from worker.engine.sampling import logits_processors, sampler_for
 from worker.engine.sequence import OnText, Sequence
 
 #: One token from mlx-lm's loop: (token, finish reason if it ends there, logprobs).
@@ -66,8 +66,6 @@ class SingleEngine:
         if self._seq is not None:
             raise CannotTake("a job alone is one sequence: this engine holds one already")
         prompt, params = job.prompt, job.params
-        if params.seed is not None:
-            mx.random.seed(params.seed)
         mx.reset_peak_memory()
         self._last = None
         n_t = cache_count(self.target.model)
@@ -85,7 +83,7 @@ class SingleEngine:
             self.target.tokenizer,
             mx.array(job.prompt[cached:]),
             max_tokens=params.max_tokens,
-            sampler=plain_sampler(params),
+            sampler=sampler_for(params),
             logits_processors=logits_processors(params),
             prefill_step_size=PREFILL_STEP,
             prompt_cache=cache,

@@ -221,9 +221,7 @@ class SpecBatchEngine:
             what = "this pair" if self.draft is not None else "this model"
             where = "speculation" if self.solo else "a speculative batch"
             raise CannotTake(f"{where} cannot hold {what}: {why}")
-        if self.solo:
-            if params.seed is not None:
-                mx.random.seed(params.seed)
+        if self.solo:  # (a seeded row draws from its own key: sampler_for)
             mx.reset_peak_memory()
         row = _Row(
             tag,

@@ -18,6 +18,7 @@ from worker.lifecycle.held import Job
 from worker.runner.lane import Host, Lane, Ledger
 from worker.schedule.grouping import BatchKey
 from worker.schedule.route import Route
+from worker.schedule.step import side_lane_free
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class Beside:
         batched, and its key's lane is open or another may open."""
         if r.batch is None or self.host.rt.cache.group is not None:
             return False
-        return r.batch in self.lanes or len(self.lanes) < self.host.rt.step.side_lanes
+        return side_lane_free(self.lanes.keys(), r.batch, self.host.rt.step)
 
     def put(self, job: Job, r: Route) -> bool:
         """Put ``job`` in its key's lane (opened for it if none is): False when it went

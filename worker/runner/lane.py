@@ -40,7 +40,7 @@ from worker.runner.rows import Row, add_choices, remove_choices, tag_owner
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.stops import Stops
 from worker.runner.streamer import JobStream, stream_ended
-from worker.schedule.admission import Length, Verdict, admit
+from worker.schedule.admission import Length, Verdict, admit, places
 from worker.schedule.estimators import ewma
 from worker.schedule.goodput import Goodput
 from worker.schedule.grouping import BatchKey, batchable
@@ -323,14 +323,10 @@ class Lane:
 
     def admission(self, length: Length, n: int = 1) -> Verdict:
         """The scheduler's verdict on a job of ``length`` (``n`` choices) joining the lane
-        now: a job of n choices needs n free places (none when the lane is empty)."""
+        now: its places (``admission.places``), then its memory (``admission.admit``)."""
         assert self.engine is not None
-        limit, why = self.limit()
-        if n > 1 and self.rows and self.size() + n > limit:
-            free = max(limit - self.size(), 0)
-            return Verdict(
-                False, 0, f"places: the next job's {n} choices need {n}, {free} free ({why})"
-            )
+        if not (verdict := places(self.size(), n, *self.limit())).join:
+            return verdict
         return admit(self.peak, list(self.engine.lengths().values()), length, self.room(), n)
 
     def peak(self, sequences: Sequence[Length]) -> int:

@@ -87,6 +87,17 @@ def admit(
     )
 
 
+def places(held: int, n: int, limit: int, why: str) -> Verdict:
+    """Whether a lane holding ``held`` sequences of ``limit`` (``why``: what sets it) has
+    places for a job of ``n`` sequences (its choices): an empty lane takes it whatever
+    ``n`` (more than the cap then run once it is empty); a job of one is counted before it
+    is taken (``worker.runner.lanes``), so only several need a verdict."""
+    if n <= 1 or held == 0 or held + n <= limit:
+        return Verdict(True)
+    free = max(limit - held, 0)
+    return Verdict(False, 0, f"places: the next job's {n} choices need {n}, {free} free ({why})")
+
+
 def job_label(prompt: int, max_tokens: int) -> str:
     """How errors name a sequence's size."""
     return f"a prompt of {prompt} tokens with max_tokens {max_tokens}"

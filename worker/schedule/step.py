@@ -22,7 +22,7 @@ returns a decision the runner applies; tests check decisions on constructed view
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -138,6 +138,12 @@ class Waiting:
     fits_beside: bool  # its KV caches, alone, fit beside what the batch reserves
     side_lane: bool  # it can be batched in the side lane (its key's, or none open; no group)
     sequences: int = 1  # n > 1 choices: n sequences, joining only where n places are free
+
+
+def side_lane_free(open_keys: Collection[Hashable], key: Hashable, cfg: StepConfig) -> bool:
+    """Whether a job of batch ``key`` has a side lane: its key's is open (``open_keys``),
+    or fewer than ``side_lanes`` are."""
+    return key in open_keys or len(open_keys) < cfg.side_lanes
 
 
 #: Where a waiting job runs: ``join`` the batch (``preempt``: after the batch job that
