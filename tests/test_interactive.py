@@ -45,6 +45,15 @@ def _batch(conn, model: str, n: int, tokens: int, tag: str = "b", **fields) -> l
     return Client(connection=conn).submit(jobs, batch_id=tag).job_ids
 
 
+def _long_batch(conn, model: str, n: int) -> list[str]:
+    """``n`` batch jobs that run until cancelled (EOS barred; thousands of tokens on
+    ``tiny.slow``): what runs beside them ends first by construction, not by timing."""
+    bodies = {
+        f"l{i}": chat(model, f"long {i}", max_tokens=6000, logit_bias={"3": -100}) for i in range(n)
+    }
+    return Client(connection=conn).submit(bodies, batch_id="long").job_ids
+
+
 def _interactive(
     conn, model: str, count: int, tag: str = "i", tenant: str = keys.DEFAULT_TENANT, **fields
 ) -> list[str]:
@@ -442,7 +451,7 @@ def test_jobs_ahead_for_two_other_models_run_in_a_side_lane_each(conn, redis_url
     rt, models = _rt(join="never"), (tiny.twin, tiny.draft)
     for m in models:
         rt.cache.get(m)  # (a side lane runs only on a model that is loaded)
-    batch = _batch(conn, tiny.target, 8, 96)
+    batch = _long_batch(conn, tiny.slow, 4)
     worker = _serve(redis_url, rt, max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
     jobs = {
@@ -452,11 +461,32 @@ def test_jobs_ahead_for_two_other_models_run_in_a_side_lane_each(conn, redis_url
     }
     asked = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(jobs, batch_id="i")
     _wait(lambda: _ended(conn, asked.job_ids) == 4)
-    assert _ended(conn, batch) < 8
+    assert _ended(conn, batch) == 0
+    Client(connection=conn).cancel("long")  # (the running batch stops at its next step)
     worker.join(seconds(120))
     assert [read_result(conn, j).metrics.batch_size for j in asked.job_ids] == [2, 2, 2, 2]
     alone = run_jobs(conn, redis_url, jobs, "alone")  # one at a time, a fresh worker
     assert _texts(conn, asked.job_ids) == [_texts(conn, [alone[c].job_id])[0] for c in jobs]
+
+
+def test_a_batch_queue_job_for_another_loaded_model_runs_beside_the_batch(conn, redis_url, tiny):
+    """Jobs of the batch's own queue for another loaded model, behind the batch's jobs
+    (its model's are taken first), run in that model's side lane once the queue holds
+    nothing more for the batch: they end before the batch does, with their text alone.
+    Before, they went back to the queue until the batch ended."""
+    rt = _rt(join="never")
+    rt.cache.get(tiny.twin)  # (a side lane runs only on a model that is loaded)
+    batch = _long_batch(conn, tiny.slow, 3)  # (a place free: the lane takes more)
+    jobs = {f"t{i}": chat(tiny.twin, f"question {i}", max_tokens=8, temperature=0) for i in "01"}
+    other = Client(connection=conn).submit(jobs, batch_id="t").job_ids
+    worker = _serve(redis_url, rt, max_batch=4)
+    _wait(lambda: _ended(conn, other) == 2)
+    assert _ended(conn, batch) == 0
+    Client(connection=conn).cancel("long")  # (the running batch stops at its next step)
+    worker.join(seconds(120))
+    assert [read_result(conn, j).metrics.batch_size for j in other] == [2, 2]
+    alone = run_jobs(conn, redis_url, jobs, "alone")  # one at a time, a fresh worker
+    assert _texts(conn, other) == [_texts(conn, [alone[c].job_id])[0] for c in jobs]
 
 
 def test_jobs_the_batch_cannot_hold_run_between_its_steps_or_wait_for_its_end(

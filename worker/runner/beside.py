@@ -1,7 +1,8 @@
 """The side lanes: jobs from queues ahead of the batch's, batched beside its lane.
 
 A job taken ahead (``mlxq.interactive``) that does not join the batch's lane but can be
-batched runs in the side lane of its batch key, opened for it when none is open: at most
+batched, or a job a lane took for another key whose models are loaded, runs in the side
+lane of its batch key, opened for it when none is open: at most
 ``StepConfig.side_lanes`` keys at a time (several loaded models, or one model's plain and
 speculative jobs), each an engine with its own KV caches, counted in the worker's one
 ledger. Each side step steps one of them, in turn. Not in a worker group, whose ranks
@@ -17,6 +18,7 @@ from schemas import keys
 from worker.lifecycle.held import Job
 from worker.runner.lane import Host, Lane, Ledger
 from worker.schedule.grouping import BatchKey
+from worker.schedule.policy import LOOKUP
 from worker.schedule.route import Route
 from worker.schedule.step import side_lane_free
 
@@ -44,6 +46,17 @@ class Beside:
         if r.batch is None or self.host.rt.cache.group is not None:
             return False
         return side_lane_free(self.lanes.keys(), r.batch, self.host.rt.step)
+
+    def adopts(self, r: Route, batch: BatchKey) -> bool:
+        """Whether a job a lane took for another key (routed ``r``) runs here: not the
+        ``batch``'s key (its lane takes it), its models loaded (loading one could evict
+        a lane's), a side lane free for it."""
+        if r.batch is None or r.batch == batch or not self.takes(r):
+            return False
+        model, adapter, draft = r.batch.model, r.batch.adapter, r.batch.draft
+        cache = self.host.rt.cache
+        warm = (model, adapter) in cache
+        return warm and (draft in (None, LOOKUP) or (draft, None) in cache)
 
     def put(self, job: Job, r: Route) -> bool:
         """Put ``job`` in its key's lane (opened for it if none is): False when it went

@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 
 #: The reason a lane holds what it holds when its queue has nothing more.
 QUEUE_EMPTY = "queue: no more jobs waiting"
-#: Seconds a lane stops taking jobs after one could not join (FIFO: it waits first).
-PAUSE_AFTER_HAND_BACK_S = 1.0
 
 
 class Host(Protocol):
@@ -81,19 +79,23 @@ class Host(Protocol):
 
 class Ledger:
     """The KV bytes each live lane's caches can grow to; their sum is reserved in the model
-    cache (kept prefixes keep out of it)."""
+    cache (kept prefixes keep out of it). ``version`` counts its changes (a job joined or
+    left a lane, a lane closed): a job that could not be placed waits for the next."""
 
     def __init__(self, cache: ModelCache) -> None:
         self.cache = cache
         self.held: dict[Lane, int] = {}  # a live lane -> the bytes its caches can grow to
+        self.version = 0
 
     def set(self, lane: Lane, nbytes: int) -> None:
         self.held[lane] = nbytes
+        self.version += 1
         self.cache.reserve(sum(self.held.values()))
 
     def drop(self, lane: Lane) -> None:
-        self.held.pop(lane, None)
-        self.cache.reserve(sum(self.held.values()))
+        if self.held.pop(lane, None) is not None:  # (a lane that never held a job: no change)
+            self.version += 1
+            self.cache.reserve(sum(self.held.values()))
 
     def others(self, lane: Lane) -> int:
         """What the other live lanes' caches can grow to."""
@@ -116,7 +118,8 @@ class Lane:
         self.draft_named: str | None = None  # the draft the first job named (k left to policy)
         self.meter = BatchMeter(self.rt.policy, key)
         self.stops = Stops(host.lifecycle.conn, self.rt.time_limit_s)  # cancels, time limits
-        self.pause_until = 0.0  # takes nothing before (a job could not join)
+        self.barred = False  # takes nothing more (the engine refused the lane's key)
+        self.blocked: int | None = None  # the ledger's version when a job could not be placed
         self.held: tuple[Length, int] | None = None  # (prompt, max_tokens), n: waiting
         self.reason = QUEUE_EMPTY  # why it holds what it holds
         self.projected = 0  # the most its KV caches can grow to (bytes)
@@ -135,6 +138,15 @@ class Lane:
     def size(self) -> int:
         """The sequences the lane holds (a job with n choices holds n)."""
         return sum(r.n for r in self.rows.values())
+
+    def may_take(self) -> bool:
+        """Whether the lane may take jobs now: not barred, and the lanes changed since a
+        job at the head of its queue could not be placed (FIFO: it goes first)."""
+        return not self.barred and self.blocked != self.ledger.version
+
+    def block(self) -> None:
+        """A job at the head of the lane's queue went back: take again when lanes change."""
+        self.blocked = self.ledger.version
 
     def limit(self) -> tuple[int, str]:
         """How many sequences the lane may hold now, and why (before memory)."""
@@ -177,14 +189,9 @@ class Lane:
         self.ledger.drop(self)
         if self.engine is not None:
             self.engine.close()
-        self.rt.stats.add_batch(self.meter.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
-        mb = (self.peak_kv_bytes / 1e6, self.peak_projected_bytes / 1e6)
-        log.info(
-            "lane on %s ended: up to %d jobs, KV %.1f MB (projected up to %.1f MB)",
-            self.key[0],
-            self.meter.peak_size,
-            *mb,
-        )
+        peaks = (self.meter.peak_size, self.peak_kv_bytes, self.peak_projected_bytes)
+        self.rt.stats.add_batch(*peaks)
+        log.info("lane on %s ended: %d jobs, KV %d B, projected %d B", self.key.model, *peaks)
 
     def drain(self) -> list[Row]:
         """Every job still in the lane (the lane is empty afterwards)."""
@@ -244,8 +251,7 @@ class Lane:
             if req.n > 1:
                 with self.host.computing():
                     add_choices(engine, self.generator, job.id, prepared, req.n, first)
-                self._joined(Row(job, r, n=req.n))
-                return True
+                return self._joined(Row(job, r, n=req.n))
             upcoming = functools.partial(self.host.lifecycle.peek, job.queue, PEEK)
             others = company(self.generator, prepared, upcoming, self.rt.scout)
             with self.host.computing():  # a shared prefix not kept yet is prefilled once here
@@ -266,12 +272,12 @@ class Lane:
             error = GenerationError(f"{type(e).__name__}: {e}")
             self.end([(job, records.failure(job, self.rt, error))])
             return False
-        self._joined(Row(job, r, stream=stream))
-        return True
+        return self._joined(Row(job, r, stream=stream))
 
-    def _joined(self, row: Row) -> None:
+    def _joined(self, row: Row) -> bool:
         self.rows[row.job.id] = row
         self._reserve()
+        return True
 
     def _cannot_take(self, job: Job, reason: str) -> None:
         """The engine cannot hold ``job``. A speculative lane's refusal bars the pair from
@@ -283,7 +289,7 @@ class Lane:
         log.warning("job %s: %s; %s runs its draft jobs another way", job.id, reason, self.key[0])
         self.rt.policy.refuse_spec_batch(self.key.model, self.key.draft, reason)
         self.host.lifecycle.requeue(job)
-        self.pause_until = float("inf")  # nothing more joins: the lane's key is barred now
+        self.barred = True  # nothing more joins: the lane's key is barred now
         self.reason = f"refused: {reason}"
 
     def _room_for(self, job: Job, prepared: Prepared, keep: int | None, n: int = 1) -> bool:
@@ -301,7 +307,7 @@ class Lane:
         if not self.rows:  # beside another lane: it waits for room there is not
             if not self.rt.cache.fits_beside(alone):
                 self.host.lifecycle.requeue(job)
-                self.pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+                self.block()
                 return False
             self.rt.cache.make_kv_room(beside + alone, prepared.label)
             return True

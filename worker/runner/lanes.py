@@ -3,15 +3,16 @@
 A job whose route (``worker.schedule.route``) names a batch opens the worker's *batch
 lane* (``worker.runner.lane``: an engine and its rows) on its queue; jobs of queues
 served before it (``mlxq.interactive``) join that lane, run in the *side lane* of their
-batch key beside it (``worker.runner.beside``), run alone between two turns, or wait for
-it to end. Each turn of the worker's loop asks
-the step rules for a plan (``worker.schedule.step.plan``: which lane steps, how much
-prompt it may prefill, whether to look at the queues ahead), applies it, fills free
-places from each lane's queue (its model's jobs first) and publishes. Memory admits each
-joiner (the KV bytes a lane can grow to, one ledger for all; one that does not fit
-waits at the front of its queue, first in first out), ``--max-batch auto`` grows a lane
-while a larger one measures faster, and a job that cannot join goes back to the front of
-its queue. The rules are ``worker.schedule.step``'s, pure, with their constants in
+batch key beside it (``worker.runner.beside``), run alone between two turns, or wait.
+Each turn of the worker's loop asks the step rules for a plan
+(``worker.schedule.step.plan``: which lane steps, how much prompt it may prefill,
+whether to look at the queues ahead), applies it, fills free places from each lane's
+queue (its model's jobs first; one of another key whose models are loaded runs in that
+key's side lane) and publishes. Memory admits each joiner (the KV bytes a lane can grow
+to, one ledger for all), ``--max-batch auto`` grows a lane while a larger one measures
+faster. A job that cannot be placed goes back to the front of its queue, first in first
+out, and is taken again when the lanes change (a job joins or leaves one: no timer).
+The rules are ``worker.schedule.step``'s, pure, with their constants in
 ``WorkerRuntime.step``; docs/scheduling.md tells them with their reasons.
 """
 
@@ -32,7 +33,6 @@ from worker.runner.alone import kv_need
 from worker.runner.beside import Beside
 from worker.runner.embedjobs import is_embedding
 from worker.runner.lane import (
-    PAUSE_AFTER_HAND_BACK_S,
     QUEUE_EMPTY,
     Host,
     Lane,
@@ -63,6 +63,8 @@ PUBLISH_EVERY_S = 0.5
 AUTO_CAP = 256
 #: Seconds between two looks at the queues served before the batch's.
 LOOK_EVERY_S = 0.1
+#: Seconds before the queues ahead are looked at again after Redis did not answer.
+REDIS_RETRY_S = 1.0
 
 
 class Lanes:
@@ -79,6 +81,7 @@ class Lanes:
         self.queue, self.depth = "", 1  # the batch's queue; how many waited when it began
         self.ahead: list[str] = []  # the queues served before the batch's
         self._look_at = 0.0
+        self._waits: int | None = None  # the ledger's version when a job ahead went back
         self._owed = 0.0  # step seconds the batch is owed by work beside it (< 0: ahead)
         self._seen_ahead = -float("inf")  # when a job was last seen waiting ahead
         self._joining = False  # inside a join (a kept prefix prefilling): none may join now
@@ -97,7 +100,7 @@ class Lanes:
         self.cfg, self.queue, self.depth = self.rt.step, queue, depth
         before = host.queues.index(queue) if queue in host.queues else 0
         self.ahead = host.queues[:before]
-        self._owed, self._seen_ahead, self._look_at = 0.0, -float("inf"), 0.0
+        self._owed, self._seen_ahead, self._look_at, self._waits = 0.0, -float("inf"), 0.0, None
         # someone may wait for the next step: prefill is cut to fit (not in a group)
         budgeted = bool(self.ahead) and self.rt.cache.group is None
         self.lane = lane = Lane(host, queue, key, self.ledger, self.cap, budgeted)
@@ -108,8 +111,8 @@ class Lanes:
 
     def turn(self) -> None:
         """One turn of the worker's loop while a batch runs: the plan's lane steps, jobs
-        waiting ahead go where the rules say, free places fill. The batch ends when both
-        lanes are empty. A BaseException (a cold shutdown) gives every job still in a
+        waiting ahead go where the rules say, free places fill. The batch ends when every
+        lane is empty. A BaseException (a cold shutdown) gives every job still in a
         lane back to its queue; an unexpected error fails the batch's lane's jobs."""
         lane = self.lane
         assert lane is not None
@@ -141,17 +144,16 @@ class Lanes:
             lane.fail_all(e)
             self._end()  # (the side lanes' jobs run later)
         except BaseException:
-            for row in lane.drain():
-                self.host.lifecycle.requeue(row.job)
-            self._end()
+            self._end(requeue=True)
             raise
 
-    def _end(self) -> None:
-        """The batch has ended: its lanes close (jobs still in side lanes go back)."""
+    def _end(self, requeue: bool = False) -> None:
+        """The batch has ended: its lanes close (jobs still in side lanes go back, and
+        with ``requeue`` those in the batch's lane too)."""
         self.beside.close(requeue=True)
         self.host.batch = None
         if self.lane is not None:
-            self.lane.close()
+            self.lane.close(requeue)
             self.lane = None
 
     def _add(self, lane: Lane, job: Job, r: Route, keep: int | None = None) -> bool:
@@ -160,16 +162,15 @@ class Lanes:
         (a job from a queue ahead, first to prefill): own rows that stay when others make
         memory for it."""
         first = keep is not None
-        between = (
-            self._between_chunks if lane is self.lane and lane.budgeted and not first else None
-        )
+        chunked = lane is self.lane and lane.budgeted and not first
+        between = self._between_chunks if chunked else None
         self._chunk_at = time.perf_counter()
         return lane.add(job, r, first=first, between=between, keep=keep)
 
     # -- taking jobs ------------------------------------------------------
     def _fill(self, lane: Lane) -> None:
         """Free places of ``lane`` filled from its queue, its model's jobs first."""
-        while time.monotonic() >= lane.pause_until:
+        while lane.may_take():
             limit, reason = lane.limit()
             if lane.size() >= limit:
                 lane.reason = reason
@@ -184,14 +185,15 @@ class Lanes:
                 return
             if lane.again(job):
                 continue
-            if is_embedding(job):  # embedded after the batch, with its like
+            r = None if is_embedding(job) else self._route(lane, job)  # (embedded after)
+            if r is not None and r.batch == lane.key:
+                if not self._add(lane, job, r):
+                    return
+            elif r is None or self.lane is None or not self.beside.adopts(r, self.lane.key):
                 self._hand_back(lane, job)
                 return
-            r = self._route(lane, job)
-            if r.batch != lane.key:
-                self._hand_back(lane, job)
-                return
-            if not self._add(lane, job, r):
+            elif not self.beside.put(job, r):
+                lane.block()  # it went back to the front: it goes first
                 return
 
     def _route(self, lane: Lane, job: Job) -> Route:
@@ -205,9 +207,10 @@ class Lanes:
         return r
 
     def _hand_back(self, lane: Lane, job: Job) -> None:
-        """``job`` cannot join ``lane``: back to the front of its queue, the lane pausing."""
+        """``job`` cannot run in the lanes now: back to the front of its queue, first in
+        first out; ``lane`` takes again when the lanes change (a job joins or leaves)."""
         self.host.lifecycle.requeue(job)
-        lane.pause_until = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+        lane.block()
 
     # -- interactive jobs -------------------------------------------------
     def _between_chunks(self) -> None:
@@ -257,7 +260,7 @@ class Lanes:
             since_ahead_s=now - self._seen_ahead,
             owed=self._owed,
             ahead=bool(self.ahead) and self.host.may_take(),  # a stopping worker takes none
-            look_due=now >= self._look_at,
+            look_due=now >= self._look_at and self._waits != self.ledger.version,
             budgeted=lane.budgeted,
             prefill_rate=getattr(lane.engine, "prefill_rate", None),
         )
@@ -269,7 +272,7 @@ class Lanes:
             return self.host.lifecycle.first_waiting(self.ahead)
         except RedisError as e:
             log.warning("could not look at %s (%s); looking again later", self.ahead, e)
-            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+            self._look_at = time.monotonic() + REDIS_RETRY_S
             return None
 
     def _urgent_one(self, job: Job) -> bool:
@@ -306,12 +309,12 @@ class Lanes:
         if to == "side":
             if self.beside.put(job, r):
                 return True
-            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+            self._waits = self.ledger.version  # it went back: looked at when lanes change
             return False
         if to == "wait":
             self.host.lifecycle.requeue(job)  # first in its queue still: after the batch
-            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
-            log.info("job %s waits for the batch on %s to end", job.id, lane.key.model)
+            self._waits = self.ledger.version
+            log.debug("job %s waits for the lanes to change", job.id)
             return False
         t = time.monotonic()
         self.host.run_alone(job, alone)
@@ -336,7 +339,7 @@ class Lanes:
         is loaded (loading one could evict the batch's), else after the batch."""
         if (job.envelope.request.model, None) not in self.rt.cache:
             self.host.lifecycle.requeue(job)
-            self._look_at = time.monotonic() + PAUSE_AFTER_HAND_BACK_S
+            self._waits = self.ledger.version
             return False
         t = time.monotonic()
         self.host.run_embeddings(job)
