@@ -315,8 +315,12 @@ def test_worker_processes_share_by_default_and_producer_policy_shows_and_forgets
         )
         return [read_result(conn, j).metrics.speculation_reason for j in s.job_ids]
 
-    assert _measuring(serve("one")) >= 2
-    assert _measuring(serve("two")) == 0
+    first = serve("one")
+    assert _measuring(first) >= 2
+    # the second process measures none of the arms the first did (an arm the first
+    # skipped as losing may still be measured: its own plain speed, on a busy machine,
+    # can make it look worth a try)
+    assert not _arms(serve("two")) & _arms(first)
     runner = CliRunner()
     shown = runner.invoke(main, ["policy", "show", "--redis-url", redis_url])
     assert shown.exit_code == 0, shown.output
