@@ -219,7 +219,7 @@ def main() -> None:
                     if how not in chosen:
                         continue
                     cls, side = lanes.Lanes, beside.Beside
-                    saved = (cls._urgent, step.joins, cls._between_chunks, side.takes)
+                    saved = (cls._look_ahead, step.joins, cls._between_chunks, side.takes)
                     if how == "always":  # the budget on every step (before issue 69)
                         rt.step = replace(cfg, quiet_budget_s=cfg.prefill_budget_s or 0.0)
                     if how == "bank0":
@@ -227,7 +227,7 @@ def main() -> None:
                     if how != "now":  # the rules before the side batch
                         side.takes = lambda self, r: False  # type: ignore[method-assign]
                     if how == "nolook":
-                        lanes.Lanes._urgent = lambda self: None  # type: ignore[method-assign]
+                        lanes.Lanes._look_ahead = lambda self: None  # type: ignore[method-assign]
                     if how == "whole":
                         rt.step = replace(cfg, prefill_budget_s=None)
                         lanes.Lanes._between_chunks = lambda self: None  # type: ignore[method-assign]
@@ -247,7 +247,7 @@ def main() -> None:
                         rate = batch_rate(conn, ids, t0)
                     finally:
                         (
-                            cls._urgent,
+                            cls._look_ahead,
                             step.joins,
                             cls._between_chunks,
                             side.takes,

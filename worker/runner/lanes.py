@@ -124,7 +124,7 @@ class Lanes:
             elif p.step == "side":
                 self._step_side()
             if p.look:
-                self._urgent()
+                self._look_ahead()
             self._fill(lane)
             self.beside.close_if_empty()
             self._publish()
@@ -222,21 +222,21 @@ class Lanes:
         self._joining = True
         try:
             if plan(self._view(), self.cfg).look:
-                self._urgent()
+                self._look_ahead()
             while self.beside.rows() and self._owed <= 0:
                 self._step_side()
         finally:
             self._joining = False
             self._chunk_at = time.perf_counter()
 
-    def _urgent(self) -> None:
+    def _look_ahead(self) -> None:
         """Jobs waiting in the queues served before the batch's: they join it, or run in
         their side lane or alone between two steps, or (none possible) wait for the batch."""
         self._look_at = time.monotonic() + LOOK_EVERY_S
         while (queue := self._first_waiting()) is not None:
             self._seen_ahead = time.monotonic()
             job = self.host.take_from(queue)
-            if job is None or not self._urgent_one(job):
+            if job is None or not self._place_ahead(job):
                 return
 
     def _view(self) -> BatchView:
@@ -275,7 +275,7 @@ class Lanes:
             self._look_at = time.monotonic() + REDIS_RETRY_S
             return None
 
-    def _urgent_one(self, job: Job) -> bool:
+    def _place_ahead(self, job: Job) -> bool:
         """Run ``job`` from a queue ahead of the batch's where the step rules say
         (``worker.schedule.step.where``): True when the next may come now (it joined,
         ended at once, or ran beside with the batch owed nothing), False when the batch
@@ -285,7 +285,7 @@ class Lanes:
         if lane.again(job) or self.beside.again(job):
             return True
         if is_embedding(job):
-            return self._urgent_embeddings(job)
+            return self._embed_ahead(job)
         req = job.envelope.request
         assert isinstance(req, ChatRequest)
         r = self._route(lane, job)
@@ -334,7 +334,7 @@ class Lanes:
             lane.remove(row)
         return bool(k)
 
-    def _urgent_embeddings(self, job: Job) -> bool:
+    def _embed_ahead(self, job: Job) -> bool:
         """An embedding job from a queue ahead: embedded between two steps when its model
         is loaded (loading one could evict the batch's), else after the batch."""
         if (job.envelope.request.model, None) not in self.rt.cache:
