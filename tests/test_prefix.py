@@ -33,6 +33,7 @@ from worker.engine.prefix import (
     restore,
     snapshot,
 )
+from worker.engine.protocol import drive
 from worker.runner import runtime
 from worker.runner.alone import generate_reserved
 from worker.schedule.admission import batch_peak_bytes
@@ -128,7 +129,7 @@ def test_short_prefixes_are_not_kept_and_a_repeated_prompt_is(conn, redis_url, t
 def _entry(cache: ModelCache, model: str, system: str):
     gen = ChatGenerator.get_or_create(model, cache=cache)
     req = ChatRequest.model_validate(with_system(model, "x", system=system, max_tokens=2))
-    generate_reserved(gen, gen.prepare(req))  # as a worker runs it: its KV reserved
+    drive(generate_reserved(gen, gen.prepare(req)))  # as a worker runs it: its KV reserved
     return gen
 
 

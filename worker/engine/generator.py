@@ -23,7 +23,16 @@ from worker.engine.models import LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
 from worker.engine.prefill import prefill
 from worker.engine.prefix import MIN_TOKENS, common_prefix, image_key, starting_cache
-from worker.engine.protocol import NO_START, Engine, Start, Stop, run_to_end
+from worker.engine.protocol import (
+    NO_START,
+    Engine,
+    Start,
+    Steps,
+    Stop,
+    drive,
+    run_to_end,
+    steps_to_end,
+)
 from worker.engine.request import Prepared, message_boundary, prepare, prompt_tokens
 from worker.engine.sequence import OnText
 from worker.engine.single import SingleEngine
@@ -92,7 +101,11 @@ class ChatGenerator:
     def _job(self, request: ChatRequest | Prepared, default_k: int = 3) -> Prepared:
         return request if isinstance(request, Prepared) else self.prepare(request, default_k)
 
-    def generate(
+    def generate(self, request: ChatRequest | Prepared, *args: Any, **kw: Any) -> GenerationOutput:
+        """Run ``request`` to its end (:meth:`generate_steps`, which takes the same arguments)."""
+        return drive(self.generate_steps(request, *args, **kw))
+
+    def generate_steps(
         self,
         request: ChatRequest | Prepared,
         default_num_draft_tokens: int = 3,
@@ -104,8 +117,9 @@ class ChatGenerator:
         lookup: Lookup | None = None,
         give_up_below: float | None = None,
         company: Sequence[Sequence[int]] = (),
-    ) -> GenerationOutput:
-        """Run ``request`` (its messages and sampling fields; or prepared) on these models.
+    ) -> Steps[GenerationOutput]:
+        """Run ``request`` (its messages and sampling fields; or prepared) on these models,
+        a step at a time (``worker.engine.protocol.steps_to_end``).
 
         ``use_draft=False`` decodes plainly even with a draft loaded; ``lookup``
         speculates with prompt lookup instead (the draft is not used); ``give_up_below``
@@ -135,7 +149,7 @@ class ChatGenerator:
         except BaseException:
             engine.close()  # (a group's followers made the engine too)
             raise
-        return run_to_end(engine, stop)[0]
+        return (yield from steps_to_end(engine, stop))[0]
 
     def generate_choices(
         self, request: ChatRequest | Prepared, stop: Stop | None = None

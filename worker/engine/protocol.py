@@ -10,9 +10,9 @@ BatchGenerator (insert / next / remove).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from schemas import MlxqError
 from worker.engine.models import LoadedModel
@@ -158,16 +158,40 @@ class Stopped(Exception):
         self.error, self.outputs = error, outputs
 
 
+T = TypeVar("T")
+#: A run a step at a time: it yields before each step of its engine, returning its result.
+Steps = Generator[None, None, T]
+
+
+def drive(steps: Steps[T]) -> T:
+    """Run ``steps`` to its end: its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
 def run_to_end(
     engine: Engine, stop: Stop | None = None, tags: Sequence[Hashable] = (0,)
 ) -> dict[Hashable, GenerationOutput]:
-    """Step ``engine`` until every sequence it holds (``tags``) has ended: their outputs by
-    tag. A sequence's failure is raised (an :class:`~schemas.MlxqError`); ``stop`` is
-    checked at every step, and what it raises ends the run as :class:`Stopped`, with what
-    each sequence still held had made. The engine is closed either way."""
+    """Step ``engine`` until every sequence it holds (``tags``) has ended (:func:`steps_to_end`)."""
+    return drive(steps_to_end(engine, stop, tags))
+
+
+def steps_to_end(
+    engine: Engine, stop: Stop | None = None, tags: Sequence[Hashable] = (0,)
+) -> Steps[dict[Hashable, GenerationOutput]]:
+    """Step ``engine`` until every sequence it holds (``tags``) has ended, yielding before
+    each step (a worker's loop steps other lanes between): their outputs by tag. A
+    sequence's failure is raised (an :class:`~schemas.MlxqError`); ``stop`` is checked at
+    every step, and what it raises ends the run as :class:`Stopped`, with what each
+    sequence still held had made. The engine is closed either way (closing the steps
+    too)."""
     outs: dict[Hashable, GenerationOutput] = {}
     try:
         while len(engine):
+            yield
             for tag, out in engine.step().done:
                 if isinstance(out, MlxqError):
                     raise out

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from redis import Redis
 
@@ -18,7 +19,7 @@ from schemas import GenerationError, MlxqError, ResultRecord
 from worker.engine.generator import ChatGenerator
 from worker.engine.models import LoadedModel
 from worker.engine.output import GenerationOutput
-from worker.engine.protocol import Stop, Stopped
+from worker.engine.protocol import Steps, Stop, Stopped, drive
 from worker.engine.request import Prepared
 from worker.engine.sequence import OnText
 from worker.lifecycle.held import Job
@@ -47,6 +48,10 @@ def speed_of(out: GenerationOutput) -> JobSpeed:
     return JobSpeed(out.completion_tokens, out.decode_s, accepted, rejections)
 
 
+#: How a job alone holds its KV room while it runs: (bytes, what) -> a context.
+Reserve = Callable[[int, str], AbstractContextManager[None]]
+
+
 def generate_reserved(
     generator: ChatGenerator,
     job: Prepared,
@@ -56,21 +61,26 @@ def generate_reserved(
     lookup: bool = False,
     give_up_below: float | None = None,
     others: Sequence[Sequence[int]] = (),
-) -> GenerationOutput:
-    """``job`` alone (with the draft when ``speculative``; by prompt lookup instead with
-    ``lookup``), its KV caches reserved in the model cache while it runs: they must fit,
+    reserve: Reserve | None = None,
+) -> Steps[GenerationOutput]:
+    """``job`` alone, a step at a time (with the draft when ``speculative``; by prompt
+    lookup instead with ``lookup``), its KV caches reserved while it runs (``reserve``;
+    by default in the model cache, on top of what a paused batch holds): they must fit,
     or it fails naming the numbers, and kept prefixes keep out of that room.
     ``others``: prompts of jobs queued after it (``worker.runner.company``)."""
     models = _reserved_models(generator, speculative, lookup)
-    with generator.models.reserving(projected(models, [job.length()]), job.label):
-        return generator.generate(
-            job,
-            on_text=on_text,
-            use_draft=speculative,
-            stop=stop,
-            lookup=job.params.lookup if speculative and lookup else None,
-            give_up_below=give_up_below,
-            company=others,
+    hold = reserve or generator.models.reserving
+    with hold(projected(models, [job.length()]), job.label):
+        return (
+            yield from generator.generate_steps(
+                job,
+                on_text=on_text,
+                use_draft=speculative,
+                stop=stop,
+                lookup=job.params.lookup if speculative and lookup else None,
+                give_up_below=give_up_below,
+                company=others,
+            )
         )
 
 
@@ -123,9 +133,22 @@ AfterRecord = Callable[[], None] | None
 def run_alone(
     job: Job, route: Route, rt: WorkerRuntime, conn: Redis, upcoming: Upcoming | None = None
 ) -> tuple[ResultRecord, AfterRecord]:
-    """Generate ``job`` on its own, as ``route`` says (``worker.schedule.route``: plain or
-    speculative, k and why, decided when it was taken). Whatever goes wrong becomes its
-    failed record; only BaseExceptions (a cold shutdown) escape.
+    """Generate ``job`` on its own, to its end (:func:`alone_steps`)."""
+    return drive(alone_steps(job, route, rt, conn, upcoming))
+
+
+def alone_steps(
+    job: Job,
+    route: Route,
+    rt: WorkerRuntime,
+    conn: Redis,
+    upcoming: Upcoming | None = None,
+    reserve: Reserve | None = None,
+) -> Steps[tuple[ResultRecord, AfterRecord]]:
+    """Generate ``job`` on its own, a step at a time, as ``route`` says
+    (``worker.schedule.route``: plain or speculative, k and why, decided when it was
+    taken); ``reserve``: how its KV room is held (:func:`generate_reserved`). Whatever
+    goes wrong becomes its failed record; only BaseExceptions (a cold shutdown) escape.
 
     With ``stream: true`` the text is also appended to the job's chunk stream
     (``worker.lifecycle.streaming``) as it is produced; the final chunk (or the error
@@ -168,7 +191,7 @@ def run_alone(
         streamer = None
         if writer is not None:
             streamer = Streamer.for_job(writer, target, prepared, bool(req.logprobs))
-        out = generate_reserved(
+        out = yield from generate_reserved(
             generator,
             prepared,
             route.speculative,
@@ -177,6 +200,7 @@ def run_alone(
             lookup=route.proposer == LOOKUP,
             give_up_below=decision.give_up_below if decision is not None else None,
             others=company(generator, prepared, upcoming, rt.scout),
+            reserve=reserve,
         )
         if decision is not None and route.proposer is not None:
             rt.policy.record(req.model, route.proposer, decision, speed_of(out))
