@@ -10,6 +10,7 @@ jobs cannot stop the batch.
 from __future__ import annotations
 
 import itertools
+import re
 import signal
 import threading
 
@@ -195,13 +196,15 @@ def test_a_side_batch_reserves_its_kv_room_beside_the_batch(conn, redis_url, tin
         return step(self, *args)
 
     monkeypatch.setattr(lanes.Lane, "step", stepped)
-    batch = _batch(conn, tiny.target, 8, 96)
+    batch = _long_batch(conn, tiny.slow, 4)
     worker = _serve(redis_url, _rt(join="never"), max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 4)
-    asked = _interactive(conn, tiny.target, 2)
+    asked = _interactive(conn, tiny.slow, 2)
     _wait(lambda: _ended(conn, asked) == 2)
+    assert _ended(conn, batch) == 0
+    Client(connection=conn).cancel("long")  # (the running batch stops at its next step)
     worker.join(seconds(120))
-    assert _ended(conn, batch) == 8
+    assert _ended(conn, batch) == 4
     assert all(reserved == mine + side for _, reserved, mine, side in seen)
     sides = [side for kind, _, _, side in seen if kind == "side"]
     assert sides and min(sides) > 0  # the side's room was reserved
@@ -231,7 +234,7 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
 ):
     """Jobs the batch cannot hold run alone one after another while the batch has banked
     step time (each owes a third of what it took); they wait for a step only once they
-    have used it up."""
+    have used it up. (No side lane here: with one, such jobs step in solo lanes.)"""
     from worker.engine.batch import BatchEngine
     from worker.runner.loop import Worker
 
@@ -255,7 +258,7 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     monkeypatch.setattr(BatchEngine, "step", stepped)
     monkeypatch.setattr(Worker, "run_alone", ran)
     batch = _batch(conn, tiny.target, 12, 160)
-    worker = _serve(redis_url, _rt(), max_batch=4)
+    worker = _serve(redis_url, _rt(side_lanes=0), max_batch=4)
     _wait(lambda: _ended(conn, batch) >= 1)  # a batch job's 160 steps: the bank is full
     solo = {"temperature": 0.9, "seed": 1, "speculation": {"method": "prompt_lookup"}}
     asked = _interactive(conn, tiny.target, 3, **solo)  # seeded and proposing: alone
@@ -263,6 +266,42 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     worker.join(seconds(120))
     runs = "".join(events)
     assert runs.count("a") == 3 and "aaa" in runs, runs[-40:]
+
+
+def test_a_job_that_cannot_share_a_batch_steps_in_a_solo_lane_beside_it(
+    conn, redis_url, tiny, monkeypatch
+):
+    """A job ahead that cannot be batched (one sampled choice with a seed and prompt
+    lookup) runs in a solo lane, stepped in turn with the batch, which goes on decoding
+    while it runs (before, it ran to its end between two of the batch's steps); it
+    samples the text it samples alone."""
+    events: list[str] = []
+    steps = {BatchEngine: BatchEngine.step, SpecBatchEngine: SpecBatchEngine.step}
+    for cls, mark in ((BatchEngine, "s"), (SpecBatchEngine, "o")):
+
+        def stepped(self, _step=steps[cls], _mark=mark):
+            events.append(_mark)
+            return _step(self)
+
+        monkeypatch.setattr(cls, "step", stepped)
+    batch = _long_batch(conn, tiny.slow, 2)
+    rt = _rt(SpeculationPolicy("always"), join="never", floor_credit_s=0.0)
+    worker = _serve(redis_url, rt, max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 2)
+    solo = {"temperature": 0.9, "seed": 7, "speculation": {"method": "prompt_lookup"}}
+    job = {"o": chat(tiny.slow, "say it again and again", max_tokens=24, **solo)}
+    asked = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(job, batch_id="o")
+    _wait(lambda: _ended(conn, asked.job_ids) == 1)
+    assert _ended(conn, batch) == 0
+    Client(connection=conn).cancel("long")
+    worker.join(seconds(120))
+    runs = "".join(events)
+    assert re.search("o+s+o", runs), runs  # the batch stepped while it ran
+    record = read_result(conn, asked.job_ids[0])
+    assert record.status == "succeeded" and record.metrics.speculation_method == "prompt_lookup"
+    monkeypatch.undo()
+    alone = run_jobs(conn, redis_url, job, "alone", policy=SpeculationPolicy("always"))
+    assert _texts(conn, asked.job_ids) == _texts(conn, [alone["o"].job_id])  # nothing beside
 
 
 EOS_OFF = {"3": -100}  # the tiny tokenizer's EOS: jobs run to max_tokens

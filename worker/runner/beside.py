@@ -5,8 +5,9 @@ batched, or a job a lane took for another key whose models are loaded, runs in t
 lane of its batch key, opened for it when none is open: at most
 ``StepConfig.side_lanes`` keys at a time (several loaded models, or one model's plain and
 speculative jobs), each an engine with its own KV caches, counted in the worker's one
-ledger. Each side step steps one of them, in turn. Not in a worker group, whose ranks
-mirror one engine.
+ledger. A job from a queue ahead that cannot share a batch runs in a solo lane of its
+own (``worker.runner.solo``), counted as one of them. Each side step steps one of them,
+in turn. Not in a worker group, whose ranks mirror one engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from schemas import keys
 from worker.lifecycle.held import Job
 from worker.runner.lane import Host, Lane, Ledger
+from worker.runner.solo import Solo
 from worker.schedule.grouping import BatchKey
 from worker.schedule.policy import LOOKUP
 from worker.schedule.route import Route
@@ -31,21 +33,29 @@ class Beside:
     def __init__(self, host: Host, ledger: Ledger, cap: int) -> None:
         self.host, self.ledger, self.cap = host, ledger, cap
         self.lanes: dict[BatchKey, Lane] = {}
+        self.solos: list[Solo] = []  # jobs that cannot share a batch, one lane each
         self._turn = 0  # which lane steps next (in the order they opened)
 
+    @property
+    def live(self) -> bool:
+        return bool(self.lanes or self.solos)
+
     def rows(self) -> int:
-        """The sequences all side lanes hold."""
-        return sum(lane.size() for lane in self.lanes.values())
+        """The sequences all side lanes hold (a solo lane's one too)."""
+        return sum(lane.size() for lane in self.lanes.values()) + len(self.solos)
 
     def again(self, job: Job) -> bool:
-        return any(lane.again(job) for lane in self.lanes.values())
+        return any(x.again(job) for x in [*self.lanes.values(), *self.solos])
 
     def takes(self, r: Route) -> bool:
-        """Whether a job routed ``r`` (it could not join the batch) runs here: it can be
-        batched, and its key's lane is open or another may open."""
-        if r.batch is None or self.host.rt.cache.group is not None:
+        """Whether a job routed ``r`` (it could not join the batch) runs here: in its key's
+        lane (open, or another may open), or in a solo lane (it cannot be batched: a
+        route alone, with its decision) where another may open."""
+        if self.host.rt.cache.group is not None:
             return False
-        return side_lane_free(self.lanes.keys(), r.batch, self.host.rt.step)
+        key = r.batch if r.batch is not None else (object() if r.decision else None)
+        opened = [*self.lanes.keys(), *self.solos]
+        return key is not None and side_lane_free(opened, key, self.host.rt.step)
 
     def adopts(self, r: Route, batch: BatchKey) -> bool:
         """Whether a job a lane took for another key (routed ``r``) runs here: not the
@@ -60,8 +70,14 @@ class Beside:
 
     def put(self, job: Job, r: Route) -> bool:
         """Put ``job`` in its key's lane (opened for it if none is): False when it went
-        back to wait for a place or room (or ended at once, failing)."""
-        assert r.batch is not None
+        back to wait for a place or room (or ended at once, failing). A job routed alone
+        opens a solo lane."""
+        if r.batch is None:
+            solo = Solo(self.host, self.ledger, job, r)
+            solo.step()  # prepared, its KV room held now (before any lane takes it)
+            if solo.running:
+                self.solos.append(solo)
+            return True
         lane = self.lanes.get(r.batch)
         if lane is None:
             queue = keys.base_queue(job.queue)
@@ -81,9 +97,14 @@ class Beside:
         """One step of the next side lane in turn, then ``fill`` its free places: False
         when it failed (its own jobs fail, not the batch's or the other lanes', and it
         closes)."""
-        order = list(self.lanes.values())
+        order: list[Lane | Solo] = [*self.lanes.values(), *self.solos]
         lane = order[self._turn % len(order)]
         self._turn += 1
+        if isinstance(lane, Solo):  # (what fails it is its record: alone_steps)
+            lane.step()
+            if not lane.running:
+                self.solos.remove(lane)
+            return True
         try:
             lane.step()
             fill(lane)
@@ -107,6 +128,9 @@ class Beside:
         """Every side lane closes (``requeue``: their jobs go back to their queues)."""
         for lane in list(self.lanes.values()):
             self._close(lane, requeue)
+        for solo in self.solos:
+            solo.close(requeue)
+        self.solos = []
 
     def _close(self, lane: Lane, requeue: bool = False) -> None:
         self.lanes.pop(lane.key, None)

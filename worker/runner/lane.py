@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -84,20 +84,20 @@ class Ledger:
 
     def __init__(self, cache: ModelCache) -> None:
         self.cache = cache
-        self.held: dict[Lane, int] = {}  # a live lane -> the bytes its caches can grow to
+        self.held: dict[Hashable, int] = {}  # a live lane (or solo) -> the bytes it can grow to
         self.version = 0
 
-    def set(self, lane: Lane, nbytes: int) -> None:
+    def set(self, lane: Hashable, nbytes: int) -> None:
         self.held[lane] = nbytes
         self.version += 1
         self.cache.reserve(sum(self.held.values()))
 
-    def drop(self, lane: Lane) -> None:
+    def drop(self, lane: Hashable) -> None:
         if self.held.pop(lane, None) is not None:  # (a lane that never held a job: no change)
             self.version += 1
             self.cache.reserve(sum(self.held.values()))
 
-    def others(self, lane: Lane) -> int:
+    def others(self, lane: Hashable) -> int:
         """What the other live lanes' caches can grow to."""
         return sum(n for other, n in self.held.items() if other is not lane)
 

@@ -3,7 +3,8 @@
 A job whose route (``worker.schedule.route``) names a batch opens the worker's *batch
 lane* (``worker.runner.lane``: an engine and its rows) on its queue; jobs of queues
 served before it (``mlxq.interactive``) join that lane, run in the *side lane* of their
-batch key beside it (``worker.runner.beside``), run alone between two turns, or wait.
+batch key beside it (``worker.runner.beside``; one that cannot be batched, a solo lane:
+``worker.runner.solo``), run alone between two turns, or wait.
 Each turn of the worker's loop asks the step rules for a plan
 (``worker.schedule.step.plan``: which lane steps, how much prompt it may prefill,
 whether to look at the queues ahead), applies it, fills free places from each lane's
@@ -128,7 +129,7 @@ class Lanes:
             self._fill(lane)
             self.beside.close_if_empty()
             self._publish()
-            if not lane.rows and not self.beside.lanes:
+            if not lane.rows and not self.beside.live:
                 lane.meter.close()
                 self._end()
 
@@ -148,8 +149,7 @@ class Lanes:
             raise
 
     def _end(self, requeue: bool = False) -> None:
-        """The batch has ended: its lanes close (jobs still in side lanes go back, and
-        with ``requeue`` those in the batch's lane too)."""
+        """The batch has ended: its lanes close (side lanes' jobs go back; ``requeue``: all)."""
         self.beside.close(requeue=True)
         self.host.batch = None
         if self.lane is not None:
@@ -290,9 +290,10 @@ class Lanes:
         assert isinstance(req, ChatRequest)
         r = self._route(lane, job)
         alone = route(req, self.rt.policy, batching=False)
+        side = r if r.batch is not None else alone  # (one that cannot be batched: solo)
         view = self._view()
         joinable = r.batch == lane.key and not self._joining
-        waiting = Waiting(joinable, True, self.beside.takes(r), req.n)
+        waiting = Waiting(joinable, True, self.beside.takes(side), req.n)
         to = where(view, waiting, self.cfg)  # a join pays whatever room there is beside
         if to not in ("join", "preempt"):  # (so the job is prepared for its need only now)
             need = kv_need(job, alone, self.rt, self.host.lifecycle.conn)
@@ -307,7 +308,7 @@ class Lanes:
             self._add(lane, job, r, keep=kept_rows(view, self.cfg))
             return True
         if to == "side":
-            if self.beside.put(job, r):
+            if self.beside.put(job, side):
                 return True
             self._waits = self.ledger.version  # it went back: looked at when lanes change
             return False
