@@ -28,9 +28,11 @@ the arms are *batch + requests*, *one at a time (before)* and *whole chunks (bef
 a prefix prefilled to keep as a job joins does not look at the interactive queue (the
 rules before the prefill budget). ``--only-long``: idle and the long arms only;
 ``--arms now,alone,...``: only those arms (now, always, alone, bank0, nolook, whole;
-*always*: the prefill budget on every step, the rule before issue 69).
+*always*: the prefill budget on every step, the rule before issue 69). ``--solo``: the
+requests sampled with a seed, by prompt lookup: they cannot share a batch (a solo lane
+each since issue 69 step 8; before, each ran to its end between two batch steps).
 
-    .venv/bin/python -m bench.interactive [--batch-jobs 96] [--requests 12] [--long 2000]
+    .venv/bin/python -m bench.interactive [--batch-jobs 96] [--requests 12] [--long 2000] [--solo]
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ OUT = Path(__file__).parent / "out"
 QUEUES = [keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE]
 
 
+#: ``--solo``: requests that cannot share a batch (sampled with a seed, by prompt lookup).
+SOLO = {"temperature": 0.8, "extra_body": {"speculation": {"method": "prompt_lookup"}}}
+#: What every request asks besides its prompt (greedy, or :data:`SOLO` with its seed).
+FIELDS: dict = {"temperature": 0}
+
+
 def requests(base: str, target: str, n: int, every: float, tokens: int) -> list[float]:
     """``n`` chat completions, one started every ``every`` seconds: their latencies."""
     client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=900)
@@ -75,7 +83,7 @@ def requests(base: str, target: str, n: int, every: float, tokens: int) -> list[
             model=target,
             messages=[{"role": "user", "content": f"interactive question {i}"}],
             max_tokens=tokens,
-            temperature=0,
+            **(FIELDS | ({"seed": i} if FIELDS is SOLO else {})),
         )
         out[i] = time.perf_counter() - start
 
@@ -174,7 +182,10 @@ def main() -> None:
     ap.add_argument("--only-long", action="store_true", help="idle and the long arms only")
     ap.add_argument("--arms", default="now,always,alone,bank0,nolook,whole", help="arms to run")
     ap.add_argument("--target", default=None)
+    ap.add_argument("--solo", action="store_true", help="requests seeded, by prompt lookup")
     args = ap.parse_args()
+    global FIELDS
+    FIELDS = SOLO if args.solo else FIELDS
     chosen = set(args.arms.split(","))
     target = args.target or model("wide")
     rt = WorkerRuntime(cache=ModelCache(), policy=SpeculationPolicy("never"))

@@ -268,40 +268,53 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     assert runs.count("a") == 3 and "aaa" in runs, runs[-40:]
 
 
-def test_a_job_that_cannot_share_a_batch_steps_in_a_solo_lane_beside_it(
+def test_jobs_that_cannot_share_a_batch_step_in_solo_lanes_beside_it(
     conn, redis_url, tiny, monkeypatch
 ):
-    """A job ahead that cannot be batched (one sampled choice with a seed and prompt
-    lookup) runs in a solo lane, stepped in turn with the batch, which goes on decoding
-    while it runs (before, it ran to its end between two of the batch's steps); it
-    samples the text it samples alone."""
+    """Jobs ahead that cannot be batched (one sampled choice with a seed and prompt
+    lookup) run in solo lanes, first come first served, stepped in turn with the batch,
+    which goes on decoding while they run (before, each ran to its end between two of
+    the batch's steps); each samples the text it samples alone."""
     events: list[str] = []
-    steps = {BatchEngine: BatchEngine.step, SpecBatchEngine: SpecBatchEngine.step}
-    for cls, mark in ((BatchEngine, "s"), (SpecBatchEngine, "o")):
+    solos: list[SpecBatchEngine] = []  # the solo engines, in the order they stepped
+    plain, spec = BatchEngine.step, SpecBatchEngine.step
 
-        def stepped(self, _step=steps[cls], _mark=mark):
-            events.append(_mark)
-            return _step(self)
+    def batch_step(self):
+        events.append("s")
+        return plain(self)
 
-        monkeypatch.setattr(cls, "step", stepped)
+    def solo_step(self):
+        if not any(e is self for e in solos):
+            solos.append(self)
+        events.append("ab"[next(i for i, e in enumerate(solos) if e is self)])
+        return spec(self)
+
+    monkeypatch.setattr(BatchEngine, "step", batch_step)
+    monkeypatch.setattr(SpecBatchEngine, "step", solo_step)
     batch = _long_batch(conn, tiny.slow, 2)
     rt = _rt(SpeculationPolicy("always"), join="never", floor_credit_s=0.0)
     worker = _serve(redis_url, rt, max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 2)
-    solo = {"temperature": 0.9, "seed": 7, "speculation": {"method": "prompt_lookup"}}
-    job = {"o": chat(tiny.slow, "say it again and again", max_tokens=24, **solo)}
-    asked = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(job, batch_id="o")
-    _wait(lambda: _ended(conn, asked.job_ids) == 1)
+    solo = {"temperature": 0.9, "speculation": {"method": "prompt_lookup"}}
+    jobs = {
+        f"o{i}": chat(tiny.slow, f"say it again {i}", max_tokens=24, seed=i, **solo)
+        for i in range(2)
+    }
+    asked = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(jobs, batch_id="o")
+    _wait(lambda: _ended(conn, asked.job_ids) == 2)
     assert _ended(conn, batch) == 0
     Client(connection=conn).cancel("long")
     worker.join(seconds(120))
     runs = "".join(events)
-    assert re.search("o+s+o", runs), runs  # the batch stepped while it ran
-    record = read_result(conn, asked.job_ids[0])
-    assert record.status == "succeeded" and record.metrics.speculation_method == "prompt_lookup"
+    assert re.search("a+s+a", runs), runs  # the batch stepped while the first ran
+    assert re.fullmatch("a+b+", runs.replace("s", "")), runs  # one after the other
+    records = [read_result(conn, j) for j in asked.job_ids]
+    assert [r.metrics.speculation_method for r in records] == ["prompt_lookup"] * 2, [
+        (r.metrics.speculation_reason, r.metrics.num_draft_tokens) for r in records
+    ]
     monkeypatch.undo()
-    alone = run_jobs(conn, redis_url, job, "alone", policy=SpeculationPolicy("always"))
-    assert _texts(conn, asked.job_ids) == _texts(conn, [alone["o"].job_id])  # nothing beside
+    alone = run_jobs(conn, redis_url, jobs, "alone", policy=SpeculationPolicy("always"))
+    assert _texts(conn, asked.job_ids) == [_texts(conn, [alone[c].job_id])[0] for c in jobs]
 
 
 EOS_OFF = {"3": -100}  # the tiny tokenizer's EOS: jobs run to max_tokens

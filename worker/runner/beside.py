@@ -97,7 +97,8 @@ class Beside:
         """One step of the next side lane in turn, then ``fill`` its free places: False
         when it failed (its own jobs fail, not the batch's or the other lanes', and it
         closes)."""
-        order: list[Lane | Solo] = [*self.lanes.values(), *self.solos]
+        # solo lanes first come, first served (taking turns, each would end later)
+        order: list[Lane | Solo] = [*self.lanes.values(), *self.solos[:1]]
         lane = order[self._turn % len(order)]
         self._turn += 1
         if isinstance(lane, Solo):  # (what fails it is its record: alone_steps)

@@ -5,7 +5,8 @@ what it draws from how many tokens each round proposes, so it cannot share a bat
 (``worker.schedule.grouping.batchable``). Taken from a queue ahead of a running batch,
 it runs here: the alone path (``worker.runner.alone.alone_steps``: the same engine,
 text, record and speculation figures as alone), stepped once per side step in turn with
-the side lanes (``worker.runner.beside``), its KV room counted in the worker's ledger.
+the side lanes (``worker.runner.beside``; solo lanes first come, first served: taking
+turns, each would end later), its KV room counted in the worker's ledger.
 Before, it ran to its end between two steps of the batch, which waited.
 """
 
