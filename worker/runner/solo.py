@@ -13,7 +13,6 @@ Before, it ran to its end between two steps of the batch, which waited.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,8 +22,6 @@ from worker.runner.alone import AfterRecord, alone_steps
 from worker.runner.company import PEEK
 from worker.runner.lane import Host, Ledger
 from worker.schedule.route import Route
-
-log = logging.getLogger(__name__)
 
 
 class Solo:
