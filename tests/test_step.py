@@ -277,3 +277,14 @@ def test_a_side_lane_per_key_up_to_the_configured_number():
     assert side_lane_free([], "a", cfg) and side_lane_free(["a"], "b", cfg)
     assert side_lane_free(["a", "b"], "a", cfg)  # its key's lane is open
     assert not side_lane_free(["a", "b"], "c", cfg)  # a third key runs alone
+    assert side_lane_free(["a"], None, cfg)  # a job that cannot be batched: a solo lane
+    assert not side_lane_free(["a", "b"], None, cfg)  # (counted as one)
+
+
+def test_solo_lanes_step_first_come_first_served_in_turn_with_keyed_ones():
+    from worker.schedule.step import side_turn
+
+    # two keyed lanes (0, 1) and three solo lanes: only the oldest solo (2) takes turns
+    assert [side_turn(t, 2, 3) for t in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert [side_turn(t, 0, 2) for t in range(3)] == [0, 0, 0]  # solos alone: the oldest
+    assert [side_turn(t, 2, 0) for t in range(3)] == [0, 1, 0]

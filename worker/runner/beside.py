@@ -22,7 +22,7 @@ from worker.runner.solo import Solo
 from worker.schedule.grouping import BatchKey
 from worker.schedule.policy import LOOKUP
 from worker.schedule.route import Route
-from worker.schedule.step import side_lane_free
+from worker.schedule.step import side_lane_free, side_turn
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,9 @@ class Beside:
         """Whether a job routed ``r`` (it could not join the batch) runs here: in its key's
         lane (open, or another may open), or in a solo lane (it cannot be batched: a
         route alone, with its decision) where another may open."""
-        if self.host.rt.cache.group is not None:
+        if self.host.rt.cache.group is not None or (r.batch is None and r.decision is None):
             return False
-        key = r.batch if r.batch is not None else (object() if r.decision else None)
-        opened = [*self.lanes.keys(), *self.solos]
-        return key is not None and side_lane_free(opened, key, self.host.rt.step)
+        return side_lane_free([*self.lanes, *self.solos], r.batch, self.host.rt.step)
 
     def adopts(self, r: Route, batch: BatchKey) -> bool:
         """Whether a job a lane took for another key (routed ``r``) runs here: not the
@@ -97,9 +95,8 @@ class Beside:
         """One step of the next side lane in turn, then ``fill`` its free places: False
         when it failed (its own jobs fail, not the batch's or the other lanes', and it
         closes)."""
-        # solo lanes first come, first served (taking turns, each would end later)
-        order: list[Lane | Solo] = [*self.lanes.values(), *self.solos[:1]]
-        lane = order[self._turn % len(order)]
+        order: list[Lane | Solo] = [*self.lanes.values(), *self.solos]
+        lane = order[side_turn(self._turn, len(self.lanes), len(self.solos))]
         self._turn += 1
         if isinstance(lane, Solo):  # (what fails it is its record: alone_steps)
             lane.step()

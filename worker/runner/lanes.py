@@ -169,7 +169,9 @@ class Lanes:
 
     # -- taking jobs ------------------------------------------------------
     def _fill(self, lane: Lane) -> None:
-        """Free places of ``lane`` filled from its queue, its model's jobs first."""
+        """Free places of ``lane`` filled from its queue, its model's jobs first (one of
+        another key: its side lane when ``Beside.adopts`` it)."""
+        assert self.lane is not None
         while lane.may_take():
             limit, reason = lane.limit()
             if lane.size() >= limit:
@@ -186,12 +188,12 @@ class Lanes:
             if lane.again(job):
                 continue
             r = None if is_embedding(job) else self._route(lane, job)  # (embedded after)
-            if r is not None and r.batch == lane.key:
-                if not self._add(lane, job, r):
-                    return
-            elif r is None or self.lane is None or not self.beside.adopts(r, self.lane.key):
+            if r is None or (r.batch != lane.key and not self.beside.adopts(r, self.lane.key)):
                 self._hand_back(lane, job)
                 return
+            if r.batch == lane.key:
+                if not self._add(lane, job, r):
+                    return
             elif not self.beside.put(job, r):
                 lane.block()  # it went back to the front: it goes first
                 return
@@ -307,15 +309,12 @@ class Lanes:
                 lane.remove(rows[preempted([mine(w, self.queue) for w in rows])])
             self._add(lane, job, r, keep=kept_rows(view, self.cfg))
             return True
-        if to == "side":
-            if self.beside.put(job, side):
-                return True
-            self._waits = self.ledger.version  # it went back: looked at when lanes change
-            return False
+        if to == "side" and self.beside.put(job, side):
+            return True
         if to == "wait":
-            self.host.lifecycle.requeue(job)  # first in its queue still: after the batch
+            self.host.lifecycle.requeue(job)  # first in its queue still
+        if to in ("side", "wait"):  # (it went back: looked at again when lanes change)
             self._waits = self.ledger.version
-            log.debug("job %s waits for the lanes to change", job.id)
             return False
         t = time.monotonic()
         self.host.run_alone(job, alone)

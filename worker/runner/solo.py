@@ -72,7 +72,7 @@ class Solo:
     @contextmanager
     def _reserve(self, nbytes: int, what: str) -> Iterator[None]:
         """Its KV room, counted in the ledger beside the lanes' (kept prefixes make way)."""
-        self.host.rt.cache.make_kv_room(sum(self.ledger.held.values()) + nbytes, what)
+        self.host.rt.cache.make_kv_room(self.ledger.others(self) + nbytes, what)
         self.ledger.set(self, nbytes)
         try:
             yield
