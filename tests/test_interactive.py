@@ -36,6 +36,7 @@ from worker.schedule.policy import SpeculationPolicy
 from worker.schedule.step import StepConfig
 
 QUEUES = (keys.INTERACTIVE_QUEUE, keys.DEFAULT_QUEUE)
+EOS_OFF = {"3": -100}  # the tiny tokenizer's EOS: jobs run to max_tokens
 
 
 def _batch(conn, model: str, n: int, tokens: int, tag: str = "b", **fields) -> list[str]:
@@ -50,7 +51,7 @@ def _long_batch(conn, model: str, n: int) -> list[str]:
     """``n`` batch jobs that run until cancelled (EOS barred; thousands of tokens on
     ``tiny.slow``): what runs beside them ends first by construction, not by timing."""
     bodies = {
-        f"l{i}": chat(model, f"long {i}", max_tokens=6000, logit_bias={"3": -100}) for i in range(n)
+        f"l{i}": chat(model, f"long {i}", max_tokens=6000, logit_bias=EOS_OFF) for i in range(n)
     }
     return Client(connection=conn).submit(bodies, batch_id="long").job_ids
 
@@ -268,13 +269,15 @@ def test_jobs_run_alone_go_back_to_back_while_the_batch_is_owed_nothing(
     assert runs.count("a") == 3 and "aaa" in runs, runs[-40:]
 
 
+@pytest.mark.parametrize("kind", ["lookup", "sliding", "hybrid", "draft"])
 def test_jobs_that_cannot_share_a_batch_step_in_solo_lanes_beside_it(
-    conn, redis_url, tiny, monkeypatch
+    conn, redis_url, tiny, archs, monkeypatch, kind
 ):
-    """Jobs ahead that cannot be batched (one sampled choice with a seed and prompt
-    lookup) run in solo lanes, first come first served, stepped in turn with the batch,
-    which goes on decoding while they run (before, each ran to its end between two of
-    the batch's steps); each samples the text it samples alone."""
+    """Jobs ahead that cannot be batched (one sampled choice with a seed and a draft or
+    prompt lookup; the second streamed) run in solo lanes, first come first served,
+    stepped in turn with the batch, which goes on decoding while they run (before, each
+    ran to its end between two of the batch's steps); each samples its text alone. On
+    full, sliding-window and hybrid caches."""
     events: list[str] = []
     solos: list[SpecBatchEngine] = []  # the solo engines, in the order they stepped
     plain, spec = BatchEngine.step, SpecBatchEngine.step
@@ -291,13 +294,23 @@ def test_jobs_that_cannot_share_a_batch_step_in_solo_lanes_beside_it(
 
     monkeypatch.setattr(BatchEngine, "step", batch_step)
     monkeypatch.setattr(SpecBatchEngine, "step", solo_step)
+    model = {"draft": tiny.target, "lookup": tiny.slow}.get(kind) or archs[kind]
+    proposer = (
+        {"draft_model": tiny.draft, "num_draft_tokens": 3}
+        if kind == "draft"
+        else {"speculation": {"method": "prompt_lookup"}}
+    )
     batch = _long_batch(conn, tiny.slow, 2)
     rt = _rt(SpeculationPolicy("always"), join="never", floor_credit_s=0.0)
+    for m in (model, tiny.draft):
+        rt.cache.get(m)  # (a job runs beside the batch only on models that are loaded)
     worker = _serve(redis_url, rt, max_batch=4)
     _wait(lambda: conn.hlen(keys.RUNNING) >= 2)
-    solo = {"temperature": 0.9, "speculation": {"method": "prompt_lookup"}}
     jobs = {
-        f"o{i}": chat(tiny.slow, f"say it again {i}", max_tokens=24, seed=i, **solo)
+        f"o{i}": chat(
+            model, f"say it again {i}", max_tokens=24, seed=i, temperature=0.9, stream=i == 1
+        )
+        | proposer
         for i in range(2)
     }
     asked = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE).submit(jobs, batch_id="o")
@@ -309,15 +322,32 @@ def test_jobs_that_cannot_share_a_batch_step_in_solo_lanes_beside_it(
     assert re.search("a+s+a", runs), runs  # the batch stepped while the first ran
     assert re.fullmatch("a+b+", runs.replace("s", "")), runs  # one after the other
     records = [read_result(conn, j) for j in asked.job_ids]
-    assert [r.metrics.speculation_method for r in records] == ["prompt_lookup"] * 2, [
-        (r.metrics.speculation_reason, r.metrics.num_draft_tokens) for r in records
-    ]
+    method = "draft" if kind == "draft" else "prompt_lookup"
+    assert [r.metrics.speculation_method for r in records] == [method] * 2, records
     monkeypatch.undo()
     alone = run_jobs(conn, redis_url, jobs, "alone", policy=SpeculationPolicy("always"))
     assert _texts(conn, asked.job_ids) == [_texts(conn, [alone[c].job_id])[0] for c in jobs]
 
 
-EOS_OFF = {"3": -100}  # the tiny tokenizer's EOS: jobs run to max_tokens
+def test_a_job_cancelled_in_its_solo_lane_ends_once_with_its_text_so_far(conn, redis_url, tiny):
+    """A solo lane's job stops at its next step when its batch is cancelled: one
+    ``cancelled`` record holding what it made; the batch beside it runs on."""
+    batch = _long_batch(conn, tiny.slow, 2)
+    worker = _serve(redis_url, _rt(SpeculationPolicy("always"), join="never"), max_batch=4)
+    _wait(lambda: conn.hlen(keys.RUNNING) >= 2)
+    body = chat(tiny.slow, "go on", max_tokens=6000, seed=1, temperature=0.9, logit_bias=EOS_OFF)
+    body["speculation"] = {"method": "prompt_lookup"}
+    client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
+    solo = client.submit({"o": body}, batch_id="o").job_ids[0]
+    _wait(lambda: conn.hexists(keys.RUNNING, solo))
+    client.cancel("o")
+    _wait(lambda: _ended(conn, [solo]) == 1)
+    record = read_result(conn, solo)
+    assert record.status == "cancelled" and record.partial
+    assert _ended(conn, batch) == 0  # (the batch ran on)
+    Client(connection=conn).cancel("long")
+    worker.join(seconds(120))
+    assert int(conn.hget(keys.batch_key("o"), "cancelled") or 0) == 1
 
 
 @pytest.mark.parametrize(
@@ -328,8 +358,8 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     conn, redis_url, tiny, archs, path, kind
 ):
     """A batch at its memory budget (four of its jobs fit, not five): an interactive job
-    of the same size joins it (``join``) or runs alone beside it (``alone``: sampled with
-    a seed, by prompt lookup)
+    of the same size joins it (``join``) or runs on its own beside it (``alone``: sampled
+    with a seed, by prompt lookup: a solo lane)
     once the batch jobs that joined last give their places up (as few as free enough:
     a batch's rows are as long as its longest), back to the front of their queue
     unstarted; they end once, their text unchanged. Before, the request waited for
@@ -348,7 +378,7 @@ def test_batch_jobs_give_their_memory_up_for_an_interactive_job(
     ask = chat(model, "question 0", max_tokens=128, temperature=0, logit_bias=EOS_OFF)
     client = Client(connection=conn, queue=keys.INTERACTIVE_QUEUE)
     lookup = {"temperature": 0.9, "seed": 1, "speculation": {"method": "prompt_lookup"}}
-    extra = lookup if path == "alone" else {}  # (seeded and proposing: it runs alone)
+    extra = lookup if path == "alone" else {}  # (seeded and proposing: a solo lane)
     asked = client.submit({"i0": ask | extra}, batch_id="i").job_ids
     _wait(lambda: _ended(conn, asked) == 1)
     worker.join(seconds(180))
