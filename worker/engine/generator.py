@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from schemas import ChatRequest, ModelKindError
+from schemas import ChatRequest, IncompatibleDraftError, ModelKindError
 from worker.engine.batch import BatchEngine
+from worker.engine.eagle import Drafter, why_not
 from worker.engine.images import ImageSource
 from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
@@ -48,10 +49,13 @@ class ChatGenerator:
     """
 
     target: LoadedModel
-    draft: LoadedModel | None
+    draft: LoadedModel | None  # a draft model (None with a drafter)
     models: ModelCache  # where they live, and kept prompt prefixes (which count)
     target_was_warm: bool = False
     draft_was_warm: bool = False
+    #: An EAGLE-3 drafter named as the draft, bound to the target (``draft`` is None).
+    drafter: Drafter | None = None
+    drafter_entry: LoadedModel | None = None
 
     @classmethod
     def get_or_create(
@@ -66,27 +70,35 @@ class ChatGenerator:
         target, t_hit = cache.get(model_id, adapter_path)
         _chat_model(target, "model")
         draft, d_hit = None, False
-        if draft_model_id is not None:
-            keep = (target.key, (model_id, None))
-            draft, d_hit = cache.get(draft_model_id, None, keep=keep, local=True)
-            _chat_model(draft, "draft model")
-            cache.check_draft(target, draft)
+        if draft_model_id is None:
+            return cls(target, None, cache, t_hit)
+        keep = (target.key, (model_id, None))
+        draft, d_hit = cache.get(draft_model_id, None, keep=keep, local=True)
+        if draft.kind == "drafter":
+            return cls(target, None, cache, t_hit, d_hit, bind(cache, target, draft), draft)
+        _chat_model(draft, "draft model")
+        cache.check_draft(target, draft)
         return cls(target, draft, cache, t_hit, d_hit)
 
     def has_draft_model(self) -> bool:
-        return self.draft is not None
+        return self.draft is not None or self.drafter is not None
+
+    @property
+    def proposer(self) -> LoadedModel | None:
+        """What proposes for the target: the draft model or the drafter (None: neither)."""
+        return self.draft if self.draft is not None else self.drafter_entry
 
     @property
     def load_time_s(self) -> float:
         """Seconds spent loading for this generator (0 when everything was warm)."""
         t = 0.0 if self.target_was_warm else self.target.load_time_s
-        if self.draft is not None and not self.draft_was_warm:
-            t += self.draft.load_time_s
+        if self.proposer is not None and not self.draft_was_warm:
+            t += self.proposer.load_time_s
         return t
 
     @property
     def cache_hit(self) -> bool:
-        return self.target_was_warm and (self.draft is None or self.draft_was_warm)
+        return self.target_was_warm and (self.proposer is None or self.draft_was_warm)
 
     def prepare(
         self,
@@ -132,16 +144,19 @@ class ChatGenerator:
         if num_draft_tokens is not None:
             job = job.with_params(num_draft_tokens=num_draft_tokens)
         draft = self.draft if self.draft is not None and use_draft and not lookup else None
+        drafter = self.drafter if use_draft and not lookup else None
         if lookup is not None:
             job = job.with_params(lookup=lookup)
-        speculative = draft is not None or lookup is not None
+        speculative = draft is not None or drafter is not None or lookup is not None
         # stream_generate's penalties see only what is prefilled: leave them their window.
         limit = len(job.prompt) - max(1, job.params.penalty_window)
         start = self.starting_cache(job, limit, draft, company)
         engine: Engine = SingleEngine(self.target)
         if speculative:  # a speculative engine holding one row, on its own caches
             k = job.params.num_draft_tokens
-            engine = SpecBatchEngine(self.target, draft, k, solo=True, give_up_below=give_up_below)
+            engine = SpecBatchEngine(
+                self.target, draft, k, solo=True, give_up_below=give_up_below, drafter=drafter
+            )
         if (group := self.models.group) is not None:  # (rank 0 proposes, every rank verifies)
             engine = GroupEngine(group, engine, self.target)
         try:
@@ -333,7 +348,31 @@ class ChatGenerator:
         return self._kept_start(job, job.prompt[: first + 1], first)
 
 
+def bind(cache: ModelCache, target: LoadedModel, entry: LoadedModel) -> Drafter:
+    """The drafter loaded as ``entry`` bound to ``target`` (once per pair), or an
+    :class:`IncompatibleDraftError` saying why it cannot draft for it."""
+    if cache.group is not None:
+        raise IncompatibleDraftError(
+            f"draft model {entry.name!r} is an EAGLE-3 drafter: a worker group does not run "
+            "drafters yet (name a draft model or prompt lookup)"
+        )
+    why = why_not(entry.model, target.model, target.vocab_size)
+    if why is not None:
+        raise IncompatibleDraftError(
+            f"draft model {entry.name!r} (an EAGLE-3 drafter) cannot draft for {target.name!r}: "
+            + why
+        )
+    if entry.name not in target.drafters:  # (gone with the target when it is evicted)
+        target.drafters[entry.name] = Drafter(entry.model, target.model)
+    return target.drafters[entry.name]
+
+
 def _chat_model(entry: LoadedModel, what: str) -> None:
+    if entry.kind == "drafter":
+        raise ModelKindError(
+            f"{what} {entry.name!r} is a drafter (EAGLE-3), not a chat model: name it as the "
+            "draft_model of a target it was trained for"
+        )
     if entry.kind != "chat":
         embeds = entry.kind == "embeddings"
         kind, route = (

@@ -38,6 +38,8 @@ from schemas import (
     ModelTooLargeError,
 )
 from schemas.request import MAX_IMAGE_BYTES
+from worker.engine.eagle import drafter_type
+from worker.engine.eagle import load as load_drafter
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
 from worker.engine.group import RANK0, Group, PrefixTeller, load_sharded
@@ -101,6 +103,8 @@ class LoadedModel:
     no_vision: str | None = None
     #: Held whole by a worker group's rank 0 alone (a draft), not split across the group.
     local: bool = False
+    #: Drafters bound to it as a target, by name (``worker.engine.eagle.Drafter``).
+    drafters: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def new_cache(self) -> list[Any]:
         """An empty cache for one sequence, as every engine makes them (quantized KV
@@ -114,9 +118,12 @@ class LoadedModel:
 
     @property
     def kind(self) -> str:
-        """What jobs it serves: "chat", "embeddings" or "audio" (a Whisper checkpoint)."""
+        """What jobs it serves: "chat", "embeddings" or "audio" (a Whisper checkpoint);
+        "drafter" for a drafter that proposes for a target (EAGLE-3), not a model alone."""
         if self.embedder is not None:
             return "embeddings"
+        if drafter_type(self.config) is not None:
+            return "drafter"
         return "audio" if is_whisper(self.config) else "chat"
 
     @property
@@ -587,6 +594,9 @@ def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     from mlx_lm.utils import load
 
     config, encoder, pooling = _kind(path)
+    if drafter_type(config) is not None:  # mlx-vlm's loader (it runs no model code)
+        module, config = load_drafter(path)
+        return module, None, config, None
     if is_whisper(config):  # mlx-whisper's format; its tokenizer ships with mlx-whisper
         return load_whisper(path, whisper_dtype()), None, config, None
     if not encoder and (why := _remote_only(config)) is not None:

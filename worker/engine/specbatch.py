@@ -37,6 +37,7 @@ from mlx_lm.models.cache import dynamic_roll
 
 from worker.engine import rewind
 from worker.engine.batch import UNPADDED_PREFILL, budget_chunk
+from worker.engine.eagle import Drafter, Rows
 from worker.engine.kvquant import positions
 from worker.engine.layers import count as cache_count
 from worker.engine.layers import nbytes
@@ -81,6 +82,13 @@ class _Joiner:
     rest: list[int]  # prompt tokens still to prefill (all but the cached ones and the last)
     target: Cache
     draft: Cache  # [] without a draft model
+    fed: Rows | None = None  # a drafter's state for it, fed chunk by chunk under a budget
+
+
+def _next(j: _Joiner) -> list[int]:
+    """The token after each of ``j``'s prompt tokens still to prefill (a drafter pairs
+    the state at p with the token at p + 1)."""
+    return [*j.rest, j.row.history[-1]][1:]
 
 
 def _listed(drafts: mx.array | None, rows: int) -> list[list[int]]:
@@ -111,7 +119,8 @@ class SpecBatchEngine:
     """A continuous batch on (target, draft) that decodes speculatively: k draft tokens
     per round, or, with a ``planner``, each round the k in 0..k it chooses for the rows
     held (``worker.schedule.goodput``; k = 0 is a plain step). ``draft`` None: each row
-    proposes up to k tokens by prompt lookup (its job's ``params.lookup``).
+    proposes up to k tokens by prompt lookup (its job's ``params.lookup``), or, with a
+    ``drafter`` (EAGLE-3, ``worker.engine.eagle``), from the target's hidden states.
 
     ``solo``: one row on its own caches (a job alone); ``give_up_below`` (tokens/s,
     solo only): it stops proposing once it measures slower than that."""
@@ -126,8 +135,14 @@ class SpecBatchEngine:
         solo: bool = False,
         give_up_below: float | None = None,
         prefill_budget: int | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
+        if drafter is not None and draft is not None:
+            raise ValueError("a drafter proposes instead of a draft model, not beside one")
         self.target, self.draft, self.k, self.solo = target, draft, k, solo
+        self.drafter = drafter
+        #: A drafter's state for the rows held (None without a drafter).
+        self.hidden: Rows | None = drafter.rows() if drafter is not None else None
         #: Prompt tokens one round may prefill (None: joiners prefill whole, together).
         self.prefill_budget = None if solo else prefill_budget
         #: Prompt tokens per second measured, both models (running; None before any).
@@ -158,7 +173,8 @@ class SpecBatchEngine:
     # -- the Engine interface ------------------------------------------------
     @property
     def kv_bytes(self) -> int:
-        return nbytes((self.t_cache or []) + (self.d_cache or []))
+        drafter = self.hidden.caches if self.hidden is not None else None
+        return nbytes((self.t_cache or []) + (self.d_cache or []) + (drafter or []))
 
     @property
     def prefilling(self) -> int:
@@ -241,14 +257,42 @@ class SpecBatchEngine:
     def _looks_up(self, params: Any) -> bool:
         """Whether this engine's rows propose by prompt lookup (a group's follower's do
         not: it verifies what rank 0 proposed)."""
-        return self.draft is None and params.lookup is not None
+        return self.draft is None and self.drafter is None and params.lookup is not None
+
+    def _prefill(self, tokens: Any, cache: Cache) -> mx.array | None:
+        """The target prefills ``tokens`` into ``cache``; with a drafter, the hidden
+        states it reads come back too."""
+        if self.drafter is None:
+            prefill(self.target.model, tokens, cache)
+            return None
+        with self.drafter.tap:
+            prefill(self.target.model, tokens, cache)
+        return self.drafter.tap.take()
+
+    def _feed(self, joiners: list[_Joiner], states: mx.array | None) -> None:
+        """A drafter's rows for ``joiners``, fed the pairs of their prompts the target just
+        prefilled (``states``), appended to the batch's (a solo row's, its own)."""
+        assert self.drafter is not None and self.hidden is not None
+        if states is None:  # nothing prefilled now: as fed chunk by chunk, or not at all
+            new = [j.fed if j.fed is not None else self.hidden.add(1) for j in joiners]
+        else:
+            rows = self.hidden.add(len(joiners))
+            rows.feed(states, [_next(j) for j in joiners])
+            new = [rows]
+        if self.solo:
+            self.close_drafter()
+        assert self.hidden is not None
+        for rows in new:
+            self.hidden.extend(rows)
 
     def _join(self, joiners: list[_Joiner]) -> None:
         """Prefill what is left of ``joiners``' prompts (right-padded, one batched pass per
         chunk on each model) and append them to the batch; a solo row on its own caches."""
         if self.solo:
             (j,) = joiners
-            prefill(self.target.model, j.rest, j.target)
+            states = self._prefill(j.rest, j.target)
+            if self.drafter is not None:
+                self._feed([j], states)
             self.t_cache, self.t_replay = j.target, rewind.needs_replay(j.target)
             if self.draft is not None:
                 prefill(self.draft.model, j.rest, j.draft)
@@ -263,15 +307,21 @@ class SpecBatchEngine:
         models = [(self.target.model, [j.target for j in joiners])]
         if self.draft is not None:  # (the same model may be both)
             models.append((self.draft.model, [j.draft for j in joiners]))
+        states = None
         for model, layers in models:
             batch = [first.merge([row[i] for row in layers]) for i, first in enumerate(layers[0])]
             if tokens is not None:
                 for c in batch:
                     c.prepare(lengths=[len(r) for r in rests], right_padding=pad)
-                prefill(model, tokens, batch)
+                if model is self.target.model:
+                    states = self._prefill(tokens, batch)
+                else:
+                    prefill(model, tokens, batch)
                 for c in batch:
                     c.finalize()
             batches.append(batch)
+        if self.drafter is not None:
+            self._feed(joiners, states)
         self.t_cache = _extend(self.t_cache, batches[0])
         if self.draft is not None:
             self.d_cache = _extend(self.d_cache, batches[1])
@@ -287,6 +337,11 @@ class SpecBatchEngine:
 
     def close(self) -> None:
         self.rows, self.joining, self.t_cache, self.d_cache = [], [], None, None
+        self.close_drafter()
+
+    def close_drafter(self) -> None:
+        """A drafter's state for no rows (nothing without a drafter)."""
+        self.hidden = self.drafter.rows() if self.drafter is not None else None
 
     # -- one round ------------------------------------------------------------
     def step(self) -> Step:
@@ -303,7 +358,10 @@ class SpecBatchEngine:
         k = self.planner.plan(tags, left) if self.planner else self.k
         ks = [min(k, n) for n in left]
         d_mark, caps = None, ks
-        if self.draft is None:  # each row's own lookup; padded to the longest
+        if self.hidden is not None:  # the drafter's, from the target's states
+            kr = max(ks)
+            drafts = self.hidden.propose(kr) if kr else None
+        elif self.draft is None:  # each row's own lookup; padded to the longest
             found, ks = self._lookup(ks)
             kr = max(ks)
             drafts = mx.array(found, mx.uint32) if kr else None
@@ -316,7 +374,12 @@ class SpecBatchEngine:
             self.tell({"op": "proposed", "drafts": _listed(drafts, len(rows))})
         drafted = time.perf_counter()
         verify_in, t_mark = self._verify_input(drafts, kr)
-        logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
+        if self.drafter is not None:
+            with self.drafter.tap:
+                logits = self.target.model(verify_in, cache=self.t_cache)
+            states = self.drafter.tap.take()
+        else:
+            logits = self.target.model(verify_in, cache=self.t_cache)  # (B, kr + 1, V)
         chosen, vectors = self._sample_verify(logits, drafts, ks)
         proposed = _listed(drafts, len(rows))
         verified = time.perf_counter()
@@ -347,6 +410,8 @@ class SpecBatchEngine:
             last = [r.history[-1] for r in rows]
             self.tell({"op": "kept", "accepts": accepts, "last": last, "keep": keep})
         self._rewind_target(t_mark, t_tail, verify_in, accepts)
+        if self.hidden is not None:  # each row's kept tokens, with the states before them
+            self.hidden.feed(states, [chosen[i][: a + 1] for i, a in enumerate(accepts)])
         if self.d_cache is not None:
             restored = self._rewind_draft(d_mark, kr, accepts)
             for i, row in enumerate(rows):
@@ -376,7 +441,10 @@ class SpecBatchEngine:
         for j in self.joining:
             n = min(chunk, len(j.rest))
             if n:
-                prefill(self.target.model, j.rest[:n], j.target)
+                states = self._prefill(j.rest[:n], j.target)
+                if self.hidden is not None:
+                    j.fed = self.hidden.add(1) if j.fed is None else j.fed
+                    j.fed.feed(states, [_next(j)[:n]])
                 if self.draft is not None:
                     prefill(self.draft.model, j.rest[:n], j.draft)
                 j.rest, fed = j.rest[n:], fed + n
@@ -567,6 +635,11 @@ class SpecBatchEngine:
 
     def _keep(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
+        if self.hidden is not None:
+            if keep:
+                self.hidden.filter(keep)
+            else:
+                self.close_drafter()
         if not self.rows:
             self.t_cache = self.d_cache = None
             return

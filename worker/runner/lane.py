@@ -468,7 +468,12 @@ def _make_engine(
     if draft is not None:
         planner = Goodput(k, rt.policy.acceptance(model, draft)) if adaptive else None
         engine = SpecBatchEngine(
-            generator.target, generator.draft, k, planner, prefill_budget=budget
+            generator.target,
+            generator.draft,
+            k,
+            planner,
+            prefill_budget=budget,
+            drafter=generator.drafter,
         )
     else:
         engine = BatchEngine(generator.target, cap, prefill_budget=budget)

@@ -145,7 +145,7 @@ def success(
             "generation_tokens_per_s": out.generation_tokens_per_s,
             "num_draft_tokens": decision.k if decision and speculative else None,
             "speculative": speculative,
-            "speculation_method": route.method if route is not None else None,
+            "speculation_method": _method(route, generator),
             "speculation_reason": decision.reason if decision else None,
             "draft_tokens_proposed": out.draft_tokens_proposed,
             "draft_tokens_accepted": out.draft_tokens_accepted,
@@ -165,6 +165,13 @@ def success(
         metrics=metrics,
         finished_at=time.time(),
     )
+
+
+def _method(route: Route | None, generator: ChatGenerator) -> str | None:
+    """How its tokens were proposed: "draft", "eagle3" (a drafter named as the draft)
+    or "prompt_lookup"; None when it did not speculate."""
+    method = route.method if route is not None else None
+    return "eagle3" if method == "draft" and generator.drafter is not None else method
 
 
 def failure(job: Job, rt: WorkerRuntime, error: MlxqError) -> ResultRecord:

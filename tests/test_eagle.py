@@ -1,0 +1,276 @@
+"""EAGLE-3 drafters: proposals from the target's hidden states, exact alone and batched.
+
+Each drafter is a tiny checkpoint built from mlx-vlm's own EAGLE-3 config and module
+(``worker.dev.tinydrafters``), trained here for a few seconds on its target's greedy
+continuations of the test prompts, so that some proposals are kept and some are not
+(both rewinds run). Targets: llama (full attention), Gemma 3 (sliding window) and
+Qwen3.5 (linear-attention hybrid, rewound by replay)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from bench.drafters import train_eagle3
+from schemas import ChatRequest, IncompatibleDraftError, ModelKindError
+from tests.conftest import chat, run_jobs
+from tests.test_archs import WINDOW, _same_greedy
+from tests.test_structured import schema_format
+from worker.dev.tinydrafters import write_eagle3
+from worker.dev.tinymodels import TinySpec, ensure_model
+from worker.engine import Prepared, params_for, prompt_tokens
+from worker.engine.eagle import load as load_drafter
+from worker.engine.generator import ChatGenerator
+from worker.engine.hidden import Tap
+from worker.engine.models import ModelCache
+from worker.engine.specbatch import SpecBatchEngine
+from worker.schedule.policy import SpeculationPolicy
+
+LONG = "the queue worker model token draft target redis job batch result metric apple silicon"
+ARCHS = ("llama", "gemma3_text", "qwen3_5")
+
+
+@dataclass(frozen=True)
+class Pair:
+    arch: str
+    target: str
+    drafter: str
+    reqs: tuple[ChatRequest, ...]
+
+
+def _reqs(target: str, n: int = 6) -> tuple[ChatRequest, ...]:
+    return tuple(
+        ChatRequest.model_validate(
+            chat(target, f"{LONG} {i} " + "job " * i, max_tokens=24 + 5 * i, temperature=0)
+        )
+        for i in range(n)
+    )
+
+
+_PAIRS: dict[str, Pair] = {}
+
+
+def _pair(arch: str, tmp_path_factory) -> Pair:
+    """A tiny target of ``arch`` and a drafter trained for it (built once per module)."""
+    if arch not in _PAIRS:
+        root = tmp_path_factory.mktemp(f"eagle-{arch}")
+        spec = TinySpec(arch=arch, layers=4, hidden=64, intermediate=128, seed=1)
+        target = ensure_model(root / "target", spec)
+        reqs = _reqs(str(target))
+        gen = ChatGenerator.get_or_create(str(target), cache=ModelCache(prefix_bytes=0))
+        prompts = [prompt_tokens(gen.target.tokenizer, r) for r in reqs]
+        drafter = write_eagle3(root / "eagle3", target, seed=2)
+        train_eagle3(drafter, target, prompts, steps=60, new=48)
+        _PAIRS[arch] = Pair(arch, str(target), str(drafter), reqs)
+    return _PAIRS[arch]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request, tmp_path_factory) -> Pair:
+    return _pair(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Pair:
+    """The llama pair, for what does not depend on the target's architecture."""
+    return _pair("llama", tmp_path_factory)
+
+
+def _gen(pair: Pair, drafter: bool = True) -> ChatGenerator:
+    named = pair.drafter if drafter else None
+    return ChatGenerator.get_or_create(pair.target, named, cache=ModelCache(prefix_bytes=0))
+
+
+def _add(engine: SpecBatchEngine, gen: ChatGenerator, tag: int, req: ChatRequest) -> None:
+    prompt = prompt_tokens(gen.target.tokenizer, req)
+    engine.add(tag, Prepared(prompt, params_for(req, len(prompt), 512, 512, 3)))
+
+
+def _batched(pair: Pair, gen: ChatGenerator, budget: int | None = None) -> dict:
+    """Every request through one speculative batch with the drafter: three at first,
+    one more joining every other round (others leave as they end)."""
+    engine = SpecBatchEngine(gen.target, None, 3, prefill_budget=budget, drafter=gen.drafter)
+    waiting, outs, rounds, sizes = list(enumerate(pair.reqs)), {}, 0, []
+    for _ in range(3):
+        _add(engine, gen, *waiting.pop(0))
+    while len(engine) or waiting:
+        sizes.append(len(engine))
+        outs.update(engine.step().done)
+        rounds += 1
+        if waiting and rounds % 2 == 0:
+            _add(engine, gen, *waiting.pop(0))
+    assert max(sizes) >= 3
+    return outs
+
+
+def test_the_tap_records_the_layers_and_changes_nothing(pair):
+    gen = _gen(pair, drafter=False)
+    model = gen.target.model
+    tokens = mx.array([prompt_tokens(gen.target.tokenizer, pair.reqs[3])])
+    before = model(tokens)
+    tap = Tap(model, [3, 0, 3])
+    with tap:
+        during = model(tokens)
+    states = tap.take()
+    assert states is not None and states.shape == (1, tokens.shape[1], 3 * 64)
+    assert mx.array_equal(before, during)
+    assert mx.array_equal(states[..., :64], states[..., 128:])  # layer 3 twice
+    assert not mx.array_equal(states[..., :64], states[..., 64:128])
+    model(tokens)  # closed: nothing recorded
+    assert tap.take() is None
+    if pair.arch == "llama":  # its last layer's output, normed, is what the logits read
+        logits = model.model.embed_tokens.as_linear(model.model.norm(states[..., :64]))
+        assert mx.allclose(logits, before, atol=1e-4)
+
+
+def test_proposals_are_what_mlx_vlms_own_drafter_proposes(llama):
+    """The batched drafter state (``Rows``) against mlx-vlm's ``Eagle3DraftModel`` driven
+    its own way (prefill from the target's states, draft a block, accept verified tokens)
+    over three rounds with made-up verdicts: the same proposals each round."""
+    pair = llama
+    gen = _gen(pair)
+    drafter = gen.drafter
+    assert drafter is not None
+    reference, _ = load_drafter(Path(pair.drafter))
+    reference.reset(gen.target.model)
+    prompt = prompt_tokens(gen.target.tokenizer, pair.reqs[2])
+    with drafter.tap:
+        gen.target.model(mx.array([prompt]))
+    states = drafter.tap.take()
+    bonus, k = 7, 3
+    reference.prefill_from_target_hidden(
+        mx.array([prompt]), states, bonus, None, mx.uint32, greedy=True
+    )
+    rows = drafter.rows().add(1)
+    rows.feed(states, [[*prompt[1:], bonus]])
+    for verdict in (0, 3, 1):  # drafts kept this round
+        want = reference.draft_block(bonus, None, None, k + 1, None, mx.uint32, greedy=True)
+        got = rows.propose(k)
+        assert got.tolist() == want.tolist()
+        verify = mx.random.normal((1, k + 1, 3 * 64), key=mx.random.key(verdict))
+        kept = [*got[0, :verdict].tolist(), 11 + verdict]
+        reference.accept_verified_tokens(verify, want, verdict, kept, None, mx.uint32, True)
+        rows.feed(verify, [kept])
+        bonus = kept[-1]
+
+
+def test_greedy_text_alone_and_batched_is_the_plain_text(pair):
+    """Alone, batched with joins and leaves, and batched under a prefill budget (prompts
+    prefilled a chunk a round): each job's greedy text is the plain text, with some
+    proposals kept and some not, and each row proposing and keeping what it did alone."""
+    gen, plain_gen = _gen(pair), _gen(pair, drafter=False)
+    plain = [plain_gen.generate(r) for r in pair.reqs]
+    assert plain[-1].prompt_tokens + plain[-1].completion_tokens > 2 * WINDOW
+    alone = [gen.generate(r, num_draft_tokens=3) for r in pair.reqs]
+    kept = sum(o.draft_tokens_accepted for o in alone)
+    assert 0 < kept < sum(o.draft_tokens_proposed for o in alone)
+    for how, outs in (
+        ("alone", dict(enumerate(alone))),
+        ("batched", _batched(pair, gen)),
+        ("budget", _batched(pair, gen, budget=8)),
+    ):
+        for i, r in enumerate(pair.reqs):
+            if not _same_greedy(gen, r, outs[i].token_ids, plain[i].token_ids):
+                continue  # parted at a tie: the counts after it are another text's
+            counts = (outs[i].draft_tokens_proposed, outs[i].draft_tokens_accepted)
+            assert counts == (alone[i].draft_tokens_proposed, alone[i].draft_tokens_accepted)
+        assert sum(o.draft_tokens_accepted for o in outs.values()) > 0, how
+
+
+def _chi2_quantile(p: float, df: int) -> float:
+    """The chi-square distribution's ``p`` quantile (Wilson and Hilferty's approximation)."""
+    z = {0.999: 3.090, 0.001: -3.090}[p]
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_tokens_keep_the_targets_distribution(llama):
+    """400 rows sampling at temperature 0.3 in one batch, the drafter proposing three
+    tokens a round: each row's second token (drawn at a verified position when the
+    first proposal was kept, else at the next round) follows the target's own law,
+    sum over t1 of p(t1) p(t2 | t1), by a chi-square test at 0.1%."""
+    pair = llama
+    gen = _gen(pair)
+    base = pair.reqs[1].model_copy(update={"temperature": 0.3, "max_tokens": 2})
+    engine = SpecBatchEngine(gen.target, None, 3, drafter=gen.drafter)
+    n = 400
+    for i in range(n):
+        _add(engine, gen, i, base.model_copy(update={"seed": 1000 + i}))
+    outs: dict = {}
+    while len(engine):
+        outs.update(engine.step().done)
+    assert sum(o.draft_tokens_accepted for o in outs.values()) > 0
+    seconds = [o.token_ids[1] for o in outs.values()]
+    prompt = prompt_tokens(gen.target.tokenizer, base)
+    model = gen.target.model
+    p1 = mx.softmax(model(mx.array([prompt]))[0, -1] / 0.3).tolist()
+    law = [0.0] * len(p1)
+    for t1, q in enumerate(p1):
+        if q > 1e-5:
+            p2 = mx.softmax(model(mx.array([[*prompt, t1]]))[0, -1] / 0.3).tolist()
+            law = [a + q * b for a, b in zip(law, p2, strict=True)]
+    bins = [t for t in range(len(law)) if law[t] * n >= 5]
+    observed = [seconds.count(t) for t in bins] + [sum(t not in bins for t in seconds)]
+    expected = [law[t] * n for t in bins] + [n * (1 - sum(law[t] for t in bins))]
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True) if e > 0)
+    df = len(bins)
+    assert df >= 3
+    assert stat < _chi2_quantile(0.999, df), (stat, df)
+
+
+def test_a_drafter_for_another_target_or_of_another_family_is_refused_by_name(llama, tmp_path):
+    pair = llama
+    narrow = ensure_model(tmp_path / "narrow", TinySpec(hidden=32, intermediate=64, seed=4))
+    with pytest.raises(IncompatibleDraftError, match=r"eagle3.*cannot draft for.*narrow.*size"):
+        ChatGenerator.get_or_create(str(narrow), pair.drafter, cache=ModelCache())
+    wide = ensure_model(tmp_path / "wide", TinySpec(vocab=400, seed=4))
+    with pytest.raises(IncompatibleDraftError, match="vocabulary has 512 tokens, the target's 400"):
+        ChatGenerator.get_or_create(str(wide), pair.drafter, cache=ModelCache())
+    with pytest.raises(ModelKindError, match="is a drafter"):
+        ChatGenerator.get_or_create(pair.drafter, cache=ModelCache())
+    dflash = tmp_path / "dflash"
+    dflash.mkdir()
+    config = json.loads((Path(pair.drafter) / "config.json").read_text())
+    del config["speculators_model_type"]
+    (dflash / "config.json").write_text(json.dumps(config | {"model_type": "qwen3_dspark"}))
+    with pytest.raises(Exception, match="qwen3_dspark drafter: mlxq runs eagle3"):
+        ChatGenerator.get_or_create(pair.target, str(dflash), cache=ModelCache())
+
+
+def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
+    """Through Redis and a real worker: alone and batched (``--speculative always``), and
+    under ``auto`` (which measures the drafter as it measures a draft model), with a
+    schema, logprobs and a stop string among them: each record's text is the plain
+    job's; speculative records name the method and the drafter's acceptance."""
+    jobs = {
+        f"j{i}": r.model_dump(exclude_none=True) | {"draft_model": pair.drafter}
+        for i, r in enumerate(pair.reqs)
+    }
+    jobs["j1"] |= {"logprobs": True, "top_logprobs": 2}
+    jobs["j2"] |= {"stop": ["job"]}
+    jobs["j3"] |= {"response_format": schema_format()}
+    plain = run_jobs(
+        conn,
+        redis_url,
+        {c: {k: v for k, v in j.items() if k != "draft_model"} for c, j in jobs.items()},
+        f"eagle-plain-{pair.arch}",
+        4,
+        SpeculationPolicy("never"),
+    )
+    for how, size in (("auto", 4), ("alone", 1), ("batched", 4)):
+        policy = SpeculationPolicy("auto" if how == "auto" else "always")
+        runs = run_jobs(conn, redis_url, jobs, f"eagle-{how}-{pair.arch}", size, policy)
+        for cid, rec in runs.items():
+            assert rec.status == "succeeded", (how, cid, rec.error)
+            text = rec.response.choices[0].message.content
+            assert text == plain[cid].response.choices[0].message.content, (how, cid)
+        if how == "auto":
+            continue
+        assert sum(r.metrics.draft_tokens_accepted or 0 for r in runs.values()) > 0, how
+        assert {r.metrics.speculation_method for r in runs.values()} == {"eagle3"}
+        if how == "batched":
+            assert max(r.metrics.batch_size for r in runs.values()) > 1

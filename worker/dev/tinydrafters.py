@@ -1,0 +1,66 @@
+"""Tiny EAGLE-3 drafters for tests and benchmarks, built for a tiny target on disk.
+
+A drafter checkpoint in the format mlx-vlm's ``load_drafter`` reads (config.json with
+``model_type: eagle3`` and safetensors), shaped for its target (hidden size,
+vocabulary, three of its layers read), its embedding the target's and its other
+weights random (acceptance near 0) until ``bench.drafters.train_eagle3`` trains it on
+the target's own continuations of given prompts. Deterministic per seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+
+def eagle3_config(target: dict, reads: list[int] | None = None) -> dict:
+    """An EAGLE-3 drafter's config.json for a target with config ``target``; ``reads``:
+    the target's layers it reads (default: the first, the middle and the last)."""
+    n, h = int(target["num_hidden_layers"]), int(target["hidden_size"])
+    reads = reads if reads is not None else [0, n // 2, n - 1]
+    heads = int(target.get("num_attention_heads", 4))
+    return {
+        "model_type": "eagle3",
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "hidden_size": h,
+            "intermediate_size": 2 * h,
+            "num_hidden_layers": 1,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "head_dim": h // heads,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": int(target["vocab_size"]),
+            "max_position_embeddings": int(target.get("max_position_embeddings", 4096)),
+            "rope_theta": 10000.0,
+        },
+        "draft_vocab_size": int(target["vocab_size"]),
+        "target_hidden_size": h,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in reads],
+        "norm_before_residual": False,
+        "block_size": 4,
+    }
+
+
+def write_eagle3(path: Path, target: Path | str, seed: int = 0) -> Path:
+    """A tiny EAGLE-3 drafter for the model at ``target``, written to ``path``."""
+    from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
+    from mlx_vlm.speculative.drafters.eagle3.eagle3 import Eagle3DraftModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = eagle3_config(json.loads((Path(target) / "config.json").read_text()))
+    mx.random.seed(seed)
+    module = Eagle3DraftModel(Eagle3Config.from_dict(config))
+    weights = dict(tree_flatten(module.parameters()))
+    tw = mx.load(str(Path(target) / "model.safetensors"))
+    embed = next(v for k, v in tw.items() if k.endswith("model.embed_tokens.weight"))
+    weights["embed_tokens.weight"] = embed  # (an EAGLE-3 drafter reads its target's)
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
