@@ -274,3 +274,19 @@ def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
         assert {r.metrics.speculation_method for r in runs.values()} == {"eagle3"}
         if how == "batched":
             assert max(r.metrics.batch_size for r in runs.values()) > 1
+
+
+def test_the_drafters_kv_caches_are_counted(llama):
+    """What a drafter's caches hold per token is in its profile, and a job alone or a
+    lane reserves it beside the target's."""
+    from worker.engine.layers import nbytes
+    from worker.runner.alone import _reserved_models
+
+    gen = _gen(llama)
+    assert gen.drafter is not None and gen.drafter_entry is not None
+    rows = gen.drafter.rows().add(2)
+    rows.feed(mx.zeros((2, 10, 3 * 64)), [[1] * 10, [2] * 7])
+    allocated = rows.caches[0].keys.shape[2]
+    assert gen.drafter_entry.kv.per_token * allocated * 2 == nbytes(rows.caches) > 0
+    assert _reserved_models(gen, True, False) == [gen.target, gen.drafter_entry]
+    assert _reserved_models(gen, True, True) == [gen.target]  # (prompt lookup instead)

@@ -29,6 +29,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache
 
 from worker.engine.hidden import Tap, layers_of
+from worker.engine.memory import KVProfile
 
 #: Drafter ``model_type``s mlxq runs (mlx-vlm's names); any other drafter is refused.
 RUNS = ("eagle3",)
@@ -80,6 +81,14 @@ def why_not(module: nn.Module, target: nn.Module, vocab: int) -> str | None:
     if max(reads, default=0) >= layers:
         return f"it reads layers {reads}, the target has {layers}"
     return None
+
+
+def kv_profile(module: nn.Module) -> KVProfile:
+    """A drafter's KV bytes per sequence: per token, keys and values of each layer."""
+    cfg = module.config.transformer_layer_config
+    size = module.norm.weight.dtype.size
+    per = 2 * int(cfg.num_key_value_heads) * int(cfg.head_dim) * size * len(module.layers)
+    return KVProfile(per)
 
 
 class Drafter:

@@ -39,6 +39,7 @@ from schemas import (
 )
 from schemas.request import MAX_IMAGE_BYTES
 from worker.engine.eagle import drafter_type
+from worker.engine.eagle import kv_profile as drafter_kv
 from worker.engine.eagle import load as load_drafter
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
@@ -518,6 +519,8 @@ class ModelCache:
         elapsed = time.perf_counter() - start
         entry = LoadedModel(name, None, model, tokenizer, config, param_bytes(model), elapsed)
         entry.embedder, entry.local = embedder, local
+        if entry.kind == "drafter":  # (its caches are the engine's, not an mlx-lm model's)
+            entry._kv = drafter_kv(model)
         if entry.kind == "chat":
             self._see(entry, path)
         log.info(

@@ -110,10 +110,10 @@ def kv_need(job: Job, route: Route, rt: WorkerRuntime, conn: Redis) -> int | Non
 def _reserved_models(
     generator: ChatGenerator, speculative: bool, lookup: bool
 ) -> list[LoadedModel]:
-    """The models whose KV caches a job alone holds: the target, and the draft when it
-    speculates with one (prompt lookup has none)."""
-    if speculative and generator.draft is not None and not lookup:
-        return [generator.target, generator.draft]
+    """The models whose KV caches a job alone holds: the target, and the draft (or the
+    drafter) when it speculates with one (prompt lookup has none)."""
+    if speculative and generator.proposer is not None and not lookup:
+        return [generator.target, generator.proposer]
     return [generator.target]
 
 

@@ -336,9 +336,11 @@ class Lane:
         return admit(self.peak, list(self.engine.lengths().values()), length, self.room(), n)
 
     def peak(self, sequences: Sequence[Length]) -> int:
-        """The most the lane's KV caches can hold for ``sequences`` (the draft's too)."""
+        """The most the lane's KV caches can hold for ``sequences`` (the draft's or the
+        drafter's too)."""
         assert self.engine is not None
-        return projected(self.engine.models, sequences)
+        drafter = self.generator.drafter_entry if self.generator is not None else None
+        return projected([*self.engine.models, *filter(None, [drafter])], sequences)
 
     def _reserve(self) -> None:
         """Count what the lane's KV caches can grow to in the ledger."""
