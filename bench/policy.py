@@ -91,6 +91,11 @@ def main() -> None:
         action="store_true",
         help="also the pair trained on CPython sources (bench/trained.py; ~10 min once)",
     )
+    ap.add_argument(
+        "--eagle3",
+        action="store_true",
+        help="also the trained target with its EAGLE-3 drafter (bench/eagle.py; trained once)",
+    )
     ap.add_argument("--pairs", default="copy,unrelated", help="of: copy, unrelated")
     args = ap.parse_args()
     wide = model("wide")
@@ -104,6 +109,13 @@ def main() -> None:
 
         t, d = ensure_pair()
         pairs["cpython (trained)"] = (t, d, (1, 2, 3, 4), prompts(args.jobs))
+    if args.eagle3:
+        from bench.eagle import ensure_drafter
+        from bench.trained import ensure_pair, prompts
+
+        t, _ = ensure_pair()
+        eagle = ensure_drafter(t, 400, 64)
+        pairs["cpython + EAGLE-3 (trained)"] = (t, eagle, (1, 2, 3), prompts(args.jobs))
     cache = ModelCache()
     report: dict = {
         "jobs": args.jobs,

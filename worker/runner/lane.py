@@ -35,7 +35,7 @@ from worker.lifecycle.held import Job, Lifecycle
 from worker.runner import records
 from worker.runner.company import PEEK, company
 from worker.runner.images import images_of
-from worker.runner.kv import projected
+from worker.runner.kv import kv_models, projected
 from worker.runner.rows import Row, add_choices, remove_choices, tag_owner
 from worker.runner.runtime import WorkerRuntime
 from worker.runner.stops import Stops
@@ -336,11 +336,9 @@ class Lane:
         return admit(self.peak, list(self.engine.lengths().values()), length, self.room(), n)
 
     def peak(self, sequences: Sequence[Length]) -> int:
-        """The most the lane's KV caches can hold for ``sequences`` (the draft's or the
-        drafter's too)."""
-        assert self.engine is not None
-        drafter = self.generator.drafter_entry if self.generator is not None else None
-        return projected([*self.engine.models, *filter(None, [drafter])], sequences)
+        """The most the lane's KV caches can hold for ``sequences`` (the draft's too)."""
+        assert self.engine is not None and self.generator is not None
+        return projected(kv_models(self.engine, self.generator), sequences)
 
     def _reserve(self) -> None:
         """Count what the lane's KV caches can grow to in the ledger."""
