@@ -12,6 +12,7 @@ EAGLE-3's training-time test of several), so proposals after the first are weake
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -31,51 +32,76 @@ def _greedy(model: object, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def train_eagle3(
-    path: Path, target: Path, prompts: list[list[int]], steps: int = 300, new: int = 48
+def train(
+    head: Any, model: Any, prompts: list[list[int]], steps: int, new: int
 ) -> dict[str, float]:
-    """Train the drafter at ``path`` (written by :func:`write_eagle3`) on ``target``'s own
-    greedy continuations of ``prompts`` (``new`` tokens each): each pair (state at p,
-    token at p + 1) learns the token at p + 2. Its embedding stays the target's. Saves
-    it in place; returns the first and last loss."""
+    """Train ``head`` (bound to ``model``) on the model's own greedy continuations of
+    ``prompts`` (``new`` tokens each): each pair (state at p, token at p + 1) learns the
+    token at p + 2. Only the head's own weights learn; returns the first and last loss."""
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache
 
-    from worker.engine import eagle
-    from worker.engine.hidden import Tap
-
-    model, _ = load(str(target))
-    module, _ = eagle.load(Path(path))
     seqs = [_greedy(model, p, new) for p in prompts]
     width = min(len(s) for s in seqs)
     tokens = mx.array([s[:width] for s in seqs])
-    tap = Tap(model, list(module.config.capture_layer_ids))
-    with tap:
+    with head.tap:
         model(tokens)
-    states = tap.take()
+    states = head.tap.take()
     assert states is not None
     mx.eval(states)
-    module.embed_tokens.freeze()
+    embed = getattr(head.module, "embed_tokens", None)
+    if embed is not None:  # (an EAGLE-3 head reads its target's, frozen)
+        embed.freeze()
 
-    def loss_fn(m: nn.Module) -> mx.array:
-        hidden = m.fc(m.input_norm(states) if m.input_norm is not None else states)
-        embeds = m.embed_tokens(tokens[:, 1:])
-        h = hidden[:, :-1]
-        for i, layer in enumerate(m.layers):
-            h = layer(embeds, h, "causal", None, 1) if i == 0 else layer(h, "causal", None, 1)
-        h = m.norm(h)
-        logits = m.embed_tokens.as_linear(h) if m.lm_head is None else m.lm_head(h)
-        return nn.losses.cross_entropy(logits[:, :-1], tokens[:, 2:]).mean()
+    def loss_fn(_: nn.Module) -> mx.array:
+        caches = [BatchKVCache([0] * len(seqs)) for _ in head.layers]
+        h = head.forward(tokens[:, 1:], head.from_target(states)[:, :-1], caches)
+        return nn.losses.cross_entropy(head.logits(h)[:, :-1], tokens[:, 2:]).mean()
 
     opt = optim.Adam(learning_rate=3e-3)
-    step = nn.value_and_grad(module, loss_fn)
-    first = last = 0.0
-    for i in range(steps):
-        loss, grads = step(module)
-        opt.update(module, grads)
-        mx.eval(module.parameters(), opt.state, loss)
-        first, last = (float(loss), float(loss)) if i == 0 else (first, float(loss))
+    step = nn.value_and_grad(head.module, loss_fn)
+    losses = []
+    for _ in range(steps):
+        loss, grads = step(head.module)
+        opt.update(head.module, grads)
+        mx.eval(head.module.parameters(), opt.state, loss)
+        losses.append(float(loss))
+    return {"first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def train_eagle3(
+    path: Path, target: Path, prompts: list[list[int]], steps: int = 300, new: int = 48
+) -> dict[str, float]:
+    """Train the EAGLE-3 drafter at ``path`` (``worker.dev.tinydrafters.write_eagle3``)
+    for ``target`` (:func:`train`) and save it in place."""
+    from mlx_lm import load
+
+    from worker.engine import heads
+
+    model, _ = load(str(target))
+    module, _ = heads.load(Path(path))
+    losses = train(heads.bind(module, model), model, prompts, steps, new)
     weights = dict(tree_flatten(module.parameters()))
     mx.save_safetensors(str(Path(path) / "model.safetensors"), weights, metadata={"format": "mlx"})
-    return {"first_loss": first, "last_loss": last}
+    return losses
+
+
+def train_mtp(
+    target: Path, prompts: list[list[int]], steps: int = 300, new: int = 48
+) -> dict[str, float]:
+    """Train the MTP head inside the checkpoint at ``target``
+    (``worker.dev.tinydrafters.write_mtp``) on its own continuations (:func:`train`) and
+    save it back into the checkpoint (``mtp.*``)."""
+    from mlx_lm import load
+
+    from worker.engine import heads
+
+    model, _ = load(str(target))
+    module, _ = heads.load(Path(target), own=True)
+    losses = train(heads.bind(module, model), model, prompts, steps, new)
+    file = Path(target) / "model.safetensors"
+    weights = dict(mx.load(str(file)))
+    weights.update({"mtp." + k: v for k, v in tree_flatten(module.parameters())})
+    mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
+    return losses

@@ -44,6 +44,9 @@ MAX_ENTRY_BYTES = 64_000
 MAX_WEIGHT_RUNS = 32
 #: The identity of prompt lookup as a "draft" (it has no weights).
 LOOKUP_ID = "lookup"
+#: A target's own MTP head(s) as a "draft" (a job's ``draft_model: "mtp"``): the figures
+#: are scoped by the target's identity already.
+MTP_ID = "mtp"
 #: The adapter identity of jobs without an adapter.
 NO_ADAPTER = "-"
 

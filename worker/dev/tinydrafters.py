@@ -64,3 +64,26 @@ def write_eagle3(path: Path, target: Path | str, seed: int = 0) -> Path:
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def write_mtp(path: Path, base: Path | str, seed: int = 0) -> Path:
+    """A copy of the tiny Qwen3.5 model at ``base`` with one MTP layer of its own
+    (``mtp.*`` tensors, random; ``mtp_num_hidden_layers: 1``), written to ``path``: what
+    a Qwen3.5 checkpoint ships, read by mlx-vlm's splitter (mlx-lm drops it)."""
+    import shutil
+
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.config import Qwen3_5MTPConfig
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp.qwen3_5_mtp import Qwen3_5MTPDraftModel
+
+    path = Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(base, path)
+    config = json.loads((path / "config.json").read_text()) | {"mtp_num_hidden_layers": 1}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    mx.random.seed(seed)
+    module = Qwen3_5MTPDraftModel(Qwen3_5MTPConfig.from_dict({"text_config": config}))
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    weights.update({"mtp." + k: v for k, v in tree_flatten(module.parameters())})
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path

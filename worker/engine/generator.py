@@ -15,12 +15,14 @@ from typing import Any
 
 from schemas import ChatRequest, IncompatibleDraftError, ModelKindError
 from worker.engine.batch import BatchEngine
-from worker.engine.eagle import Drafter, why_not
+from worker.engine.drafters import MTP, Head
+from worker.engine.heads import bind as bind_head
+from worker.engine.heads import why_not
 from worker.engine.images import ImageSource
 from worker.engine.layers import restore, snapshot
 from worker.engine.lookup import Lookup
 from worker.engine.mirror import GroupEngine
-from worker.engine.models import LoadedModel, ModelCache
+from worker.engine.models import MTP_OF, LoadedModel, ModelCache
 from worker.engine.output import GenerationOutput
 from worker.engine.prefill import prefill
 from worker.engine.prefix import MIN_TOKENS, common_prefix, image_key, starting_cache
@@ -53,8 +55,9 @@ class ChatGenerator:
     models: ModelCache  # where they live, and kept prompt prefixes (which count)
     target_was_warm: bool = False
     draft_was_warm: bool = False
-    #: An EAGLE-3 drafter named as the draft, bound to the target (``draft`` is None).
-    drafter: Drafter | None = None
+    #: A drafter named as the draft (an EAGLE-3 head, or "mtp": the target's own MTP
+    #: head), bound to the target (``draft`` is None).
+    drafter: Head | None = None
     drafter_entry: LoadedModel | None = None
 
     @classmethod
@@ -73,6 +76,8 @@ class ChatGenerator:
         if draft_model_id is None:
             return cls(target, None, cache, t_hit)
         keep = (target.key, (model_id, None))
+        if draft_model_id == MTP:  # (its own heads, in its own checkpoint)
+            draft_model_id = model_id + MTP_OF
         draft, d_hit = cache.get(draft_model_id, None, keep=keep, local=True)
         if draft.kind == "drafter":
             return cls(target, None, cache, t_hit, d_hit, bind(cache, target, draft), draft)
@@ -348,30 +353,28 @@ class ChatGenerator:
         return self._kept_start(job, job.prompt[: first + 1], first)
 
 
-def bind(cache: ModelCache, target: LoadedModel, entry: LoadedModel) -> Drafter:
+def bind(cache: ModelCache, target: LoadedModel, entry: LoadedModel) -> Head:
     """The drafter loaded as ``entry`` bound to ``target`` (once per pair), or an
     :class:`IncompatibleDraftError` saying why it cannot draft for it."""
+    what = f"draft model {entry.name!r} ({entry.config['model_type']})"
     if cache.group is not None:
         raise IncompatibleDraftError(
-            f"draft model {entry.name!r} is an EAGLE-3 drafter: a worker group does not run "
-            "drafters yet (name a draft model or prompt lookup)"
+            f"{what}: a worker group does not run drafters yet (name a draft model or "
+            "prompt lookup)"
         )
     why = why_not(entry.model, target.model, target.vocab_size)
     if why is not None:
-        raise IncompatibleDraftError(
-            f"draft model {entry.name!r} (an EAGLE-3 drafter) cannot draft for {target.name!r}: "
-            + why
-        )
+        raise IncompatibleDraftError(f"{what} cannot draft for {target.name!r}: {why}")
     if entry.name not in target.drafters:  # (gone with the target when it is evicted)
-        target.drafters[entry.name] = Drafter(entry.model, target.model)
+        target.drafters[entry.name] = bind_head(entry.model, target.model)
     return target.drafters[entry.name]
 
 
 def _chat_model(entry: LoadedModel, what: str) -> None:
     if entry.kind == "drafter":
         raise ModelKindError(
-            f"{what} {entry.name!r} is a drafter (EAGLE-3), not a chat model: name it as the "
-            "draft_model of a target it was trained for"
+            f"{what} {entry.name!r} is a drafter ({entry.config['model_type']}), not a chat "
+            "model: name it as the draft_model of a target it was trained for"
         )
     if entry.kind != "chat":
         embeds = entry.kind == "embeddings"

@@ -38,12 +38,12 @@ from schemas import (
     ModelTooLargeError,
 )
 from schemas.request import MAX_IMAGE_BYTES
-from worker.engine.eagle import drafter_type
-from worker.engine.eagle import kv_profile as drafter_kv
-from worker.engine.eagle import load as load_drafter
+from worker.engine.drafters import MTP, drafter_type
 from worker.engine.embed import Embedder, pooling_of
 from worker.engine.encoder import ENCODER_TYPES, encoder_tokenizer, load_encoder
 from worker.engine.group import RANK0, Group, PrefixTeller, load_sharded
+from worker.engine.heads import kv_profile as drafter_kv
+from worker.engine.heads import load as load_drafter
 from worker.engine.identity import weights_identity
 from worker.engine.kvquant import KVQuant, QuantizedKV, describe, make_cache, probe
 from worker.engine.memory import (
@@ -60,6 +60,9 @@ from worker.engine.vision import TEXT_VIEWS, Vision, can_see, load_language
 from worker.engine.whisper import is_whisper, load_whisper, whisper_dtype
 
 log = logging.getLogger(__name__)
+
+#: The cache name of a target's own MTP head(s): the target's name, then this.
+MTP_OF = "#" + MTP
 
 #: Files fetched for a hub model. No ``*.py``: mlxq never runs remote code.
 HUB_PATTERNS = [
@@ -104,7 +107,7 @@ class LoadedModel:
     no_vision: str | None = None
     #: Held whole by a worker group's rank 0 alone (a draft), not split across the group.
     local: bool = False
-    #: Drafters bound to it as a target, by name (``worker.engine.eagle.Drafter``).
+    #: Drafters bound to it as a target, by name (``worker.engine.drafters.Head``).
     drafters: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def new_cache(self) -> list[Any]:
@@ -497,10 +500,11 @@ class ModelCache:
         free_memory()
 
     def _load_base(self, name: str, keep: tuple[CacheKey, ...], local: bool = False) -> LoadedModel:
-        path = self.locate(name)
+        mtp = name.endswith(MTP_OF)  # a target's own MTP head(s), from its checkpoint
+        path = self.locate(name.removesuffix(MTP_OF))
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"model {name!r}: {path} has no config.json")
-        self._make_room(weight_bytes(path), keep, f"model {name!r}")
+        self._make_room(0 if mtp else weight_bytes(path), keep, f"model {name!r}")
         start = time.perf_counter()
         split = self.group is not None and not local
         if split:
@@ -511,7 +515,7 @@ class ModelCache:
                 model, tokenizer, config = load_sharded(path, self.group, name)
                 embedder = None
             else:
-                model, tokenizer, config, embedder = _load(path)
+                model, tokenizer, config, embedder = _load(path, mtp)
         except MlxqError:
             raise
         except Exception as e:
@@ -590,15 +594,16 @@ class ModelCache:
             )
 
 
-def _load(path: Path) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
+def _load(path: Path, mtp: bool = False) -> tuple[nn.Module, Any, dict[str, Any], Embedder | None]:
     """Model, tokenizer, config and, for an embedding model, its embedder: an encoder
     (``worker.engine.encoder``), or an mlx-lm decoder with a sentence-transformers pooling
-    module; any other model is a chat model, loaded by mlx-lm."""
+    module; a drafter (``mtp``: the MTP head(s) in the checkpoint) through mlx-vlm's
+    loader; any other model is a chat model, loaded by mlx-lm."""
     from mlx_lm.utils import load
 
     config, encoder, pooling = _kind(path)
-    if drafter_type(config) is not None:  # mlx-vlm's loader (it runs no model code)
-        module, config = load_drafter(path)
+    if mtp or drafter_type(config) is not None:  # (mlx-vlm's loader runs no model code)
+        module, config = load_drafter(path, mtp)
         return module, None, config, None
     if is_whisper(config):  # mlx-whisper's format; its tokenizer ships with mlx-whisper
         return load_whisper(path, whisper_dtype()), None, config, None

@@ -37,7 +37,7 @@ from mlx_lm.models.cache import dynamic_roll
 
 from worker.engine import rewind
 from worker.engine.batch import UNPADDED_PREFILL, budget_chunk
-from worker.engine.eagle import Drafter, Rows
+from worker.engine.drafters import Head, Rows
 from worker.engine.kvquant import positions
 from worker.engine.layers import count as cache_count
 from worker.engine.layers import nbytes
@@ -120,7 +120,8 @@ class SpecBatchEngine:
     per round, or, with a ``planner``, each round the k in 0..k it chooses for the rows
     held (``worker.schedule.goodput``; k = 0 is a plain step). ``draft`` None: each row
     proposes up to k tokens by prompt lookup (its job's ``params.lookup``), or, with a
-    ``drafter`` (EAGLE-3, ``worker.engine.eagle``), from the target's hidden states.
+    ``drafter`` (an EAGLE-3 or MTP head, ``worker.engine.drafters``), from the target's
+    hidden states.
 
     ``solo``: one row on its own caches (a job alone); ``give_up_below`` (tokens/s,
     solo only): it stops proposing once it measures slower than that."""
@@ -135,7 +136,7 @@ class SpecBatchEngine:
         solo: bool = False,
         give_up_below: float | None = None,
         prefill_budget: int | None = None,
-        drafter: Drafter | None = None,
+        drafter: Head | None = None,
     ) -> None:
         if drafter is not None and draft is not None:
             raise ValueError("a drafter proposes instead of a draft model, not beside one")

@@ -168,10 +168,12 @@ def success(
 
 
 def _method(route: Route | None, generator: ChatGenerator) -> str | None:
-    """How its tokens were proposed: "draft", "eagle3" (a drafter named as the draft)
-    or "prompt_lookup"; None when it did not speculate."""
+    """How its tokens were proposed: "draft", "eagle3" or "mtp" (a drafter named as the
+    draft), or "prompt_lookup"; None when it did not speculate."""
     method = route.method if route is not None else None
-    return "eagle3" if method == "draft" and generator.drafter is not None else method
+    if method != "draft" or generator.drafter_entry is None:
+        return method
+    return "mtp" if generator.drafter_entry.config["model_type"].endswith("_mtp") else "eagle3"
 
 
 def failure(job: Job, rt: WorkerRuntime, error: MlxqError) -> ResultRecord:

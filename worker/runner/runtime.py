@@ -10,6 +10,7 @@ from pathlib import Path
 
 from schemas import ChatRequest, InvalidRequestError, ModelNotAllowedError
 from schemas.audio import MAX_AUDIO_S
+from worker.engine.drafters import MTP
 from worker.engine.models import ModelCache, local_dir
 from worker.runner.access import ModelAccess
 from worker.runner.company import Scout
@@ -78,7 +79,7 @@ class WorkerRuntime:
     def check_request(self, request: ChatRequest) -> None:
         """:meth:`check_allowed` for every model a request names (model, draft, adapter)."""
         self.check_allowed(request.model)
-        if request.draft_model:
+        if request.draft_model and request.draft_model != MTP:  # (the model's own heads)
             self.check_allowed(request.draft_model, "draft model")
         if request.adapter:
             self.check_allowed(request.adapter, "adapter")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from schemas.figures import (
     LOOKUP_ID,
+    MTP_ID,
     NO_ADAPTER,
     BatchFigures,
     Measured,
@@ -31,7 +32,9 @@ Identify = Callable[[str], str | None]
 
 
 def proposer_id(proposer: str, identify: Identify) -> str | None:
-    return LOOKUP_ID if proposer == LOOKUP else identify(proposer)
+    if proposer in (LOOKUP, MTP_ID):  # (no weights of their own to identify)
+        return LOOKUP_ID if proposer == LOOKUP else MTP_ID
+    return identify(proposer)
 
 
 def adapter_id(adapter: str | None, identify: Identify) -> str | None:

@@ -1,10 +1,12 @@
-"""EAGLE-3 drafters: proposals from the target's hidden states, exact alone and batched.
+"""Drafters: proposals from the target's hidden states, exact alone and batched.
 
-Each drafter is a tiny checkpoint built from mlx-vlm's own EAGLE-3 config and module
-(``worker.dev.tinydrafters``), trained here for a few seconds on its target's greedy
-continuations of the test prompts, so that some proposals are kept and some are not
-(both rewinds run). Targets: llama (full attention), Gemma 3 (sliding window) and
-Qwen3.5 (linear-attention hybrid, rewound by replay)."""
+EAGLE-3 heads and a model's own MTP head (Qwen3.5's ``mtp.*`` layer, named as
+``draft_model: "mtp"``). Each is a tiny checkpoint built from mlx-vlm's own config and
+module (``worker.dev.tinydrafters``), trained here for a few seconds on its target's
+greedy continuations of the test prompts (``bench.drafters``), so that some proposals
+are kept and some are not (both rewinds run). EAGLE-3 targets: llama (full attention),
+Gemma 3 (sliding window) and Qwen3.5 (linear-attention hybrid, rewound by replay); the
+MTP head on Qwen3.5."""
 
 from __future__ import annotations
 
@@ -16,30 +18,32 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from bench.drafters import train_eagle3
+from bench.drafters import train_eagle3, train_mtp
 from schemas import ChatRequest, IncompatibleDraftError, ModelKindError
 from tests.conftest import chat, run_jobs
 from tests.test_archs import WINDOW, _same_greedy
 from tests.test_structured import schema_format
-from worker.dev.tinydrafters import write_eagle3
+from worker.dev.tinydrafters import write_eagle3, write_mtp
 from worker.dev.tinymodels import TinySpec, ensure_model
 from worker.engine import Prepared, params_for, prompt_tokens
-from worker.engine.eagle import load as load_drafter
 from worker.engine.generator import ChatGenerator
+from worker.engine.heads import load as load_drafter
 from worker.engine.hidden import Tap
 from worker.engine.models import ModelCache
 from worker.engine.specbatch import SpecBatchEngine
 from worker.schedule.policy import SpeculationPolicy
 
 LONG = "the queue worker model token draft target redis job batch result metric apple silicon"
-ARCHS = ("llama", "gemma3_text", "qwen3_5")
+#: (drafter kind, target architecture)
+PAIRS = (("eagle3", "llama"), ("eagle3", "gemma3_text"), ("eagle3", "qwen3_5"), ("mtp", "qwen3_5"))
 
 
 @dataclass(frozen=True)
 class Pair:
+    kind: str
     arch: str
     target: str
-    drafter: str
+    drafter: str  # what a job names as its draft_model
     reqs: tuple[ChatRequest, ...]
 
 
@@ -52,33 +56,40 @@ def _reqs(target: str, n: int = 6) -> tuple[ChatRequest, ...]:
     )
 
 
-_PAIRS: dict[str, Pair] = {}
+_PAIRS: dict[tuple[str, str], Pair] = {}
 
 
-def _pair(arch: str, tmp_path_factory) -> Pair:
-    """A tiny target of ``arch`` and a drafter trained for it (built once per module)."""
-    if arch not in _PAIRS:
-        root = tmp_path_factory.mktemp(f"eagle-{arch}")
+def _pair(kind: str, arch: str, tmp_path_factory) -> Pair:
+    """A tiny target of ``arch`` and a drafter of ``kind`` trained for it (built once
+    per module)."""
+    if (kind, arch) not in _PAIRS:
+        root = tmp_path_factory.mktemp(f"{kind}-{arch}")
         spec = TinySpec(arch=arch, layers=4, hidden=64, intermediate=128, seed=1)
         target = ensure_model(root / "target", spec)
+        if kind == "mtp":  # its own head, in its own checkpoint
+            target = write_mtp(root / "with-mtp", target, seed=2)
         reqs = _reqs(str(target))
         gen = ChatGenerator.get_or_create(str(target), cache=ModelCache(prefix_bytes=0))
         prompts = [prompt_tokens(gen.target.tokenizer, r) for r in reqs]
-        drafter = write_eagle3(root / "eagle3", target, seed=2)
-        train_eagle3(drafter, target, prompts, steps=60, new=48)
-        _PAIRS[arch] = Pair(arch, str(target), str(drafter), reqs)
-    return _PAIRS[arch]
+        if kind == "mtp":
+            train_mtp(target, prompts, steps=60, new=48)
+            drafter = "mtp"
+        else:
+            drafter = str(write_eagle3(root / "eagle3", target, seed=2))
+            train_eagle3(Path(drafter), target, prompts, steps=60, new=48)
+        _PAIRS[kind, arch] = Pair(kind, arch, str(target), drafter, reqs)
+    return _PAIRS[kind, arch]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=PAIRS, ids=["-".join(p) for p in PAIRS])
 def pair(request, tmp_path_factory) -> Pair:
-    return _pair(request.param, tmp_path_factory)
+    return _pair(*request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Pair:
     """The llama pair, for what does not depend on the target's architecture."""
-    return _pair("llama", tmp_path_factory)
+    return _pair("eagle3", "llama", tmp_path_factory)
 
 
 def _gen(pair: Pair, drafter: bool = True) -> ChatGenerator:
@@ -128,33 +139,42 @@ def test_the_tap_records_the_layers_and_changes_nothing(pair):
         assert mx.allclose(logits, before, atol=1e-4)
 
 
-def test_proposals_are_what_mlx_vlms_own_drafter_proposes(llama):
-    """The batched drafter state (``Rows``) against mlx-vlm's ``Eagle3DraftModel`` driven
+@pytest.mark.parametrize("kind,arch", [("eagle3", "llama"), ("mtp", "qwen3_5")])
+def test_proposals_are_what_mlx_vlms_own_drafter_proposes(kind, arch, tmp_path_factory):
+    """The batched drafter state (``Rows``) against mlx-vlm's own drafter module driven
     its own way (prefill from the target's states, draft a block, accept verified tokens)
-    over three rounds with made-up verdicts: the same proposals each round."""
-    pair = llama
+    over three rounds with made-up verdicts: the same proposals each round. (mlx-vlm's MTP
+    head keeps the entries it drafted for the proposals a round keeps, where mlxq feeds
+    them again with the target's states; rounds that keep none are compared there.)"""
+    pair = _pair(kind, arch, tmp_path_factory)
     gen = _gen(pair)
-    drafter = gen.drafter
-    assert drafter is not None
-    reference, _ = load_drafter(Path(pair.drafter))
+    head = gen.drafter
+    assert head is not None
+    mtp = kind == "mtp"
+    reference, _ = load_drafter(Path(pair.target if mtp else pair.drafter), own=mtp)
     reference.reset(gen.target.model)
     prompt = prompt_tokens(gen.target.tokenizer, pair.reqs[2])
-    with drafter.tap:
+    with head.tap:
         gen.target.model(mx.array([prompt]))
-    states = drafter.tap.take()
+    states = head.tap.take()
+    assert states is not None
+
+    def theirs(s: mx.array) -> mx.array:  # (mlx-vlm's MTP reads the normed last state)
+        return head.from_target(s) if mtp else s
+
     bonus, k = 7, 3
     reference.prefill_from_target_hidden(
-        mx.array([prompt]), states, bonus, None, mx.uint32, greedy=True
+        mx.array([prompt]), theirs(states), bonus, None, mx.uint32, greedy=True
     )
-    rows = drafter.rows().add(1)
+    rows = head.rows().add(1)
     rows.feed(states, [[*prompt[1:], bonus]])
-    for verdict in (0, 3, 1):  # drafts kept this round
+    for r, verdict in enumerate((0, 0, 0) if mtp else (0, 3, 1)):  # drafts kept
         want = reference.draft_block(bonus, None, None, k + 1, None, mx.uint32, greedy=True)
         got = rows.propose(k)
         assert got.tolist() == want.tolist()
-        verify = mx.random.normal((1, k + 1, 3 * 64), key=mx.random.key(verdict))
-        kept = [*got[0, :verdict].tolist(), 11 + verdict]
-        reference.accept_verified_tokens(verify, want, verdict, kept, None, mx.uint32, True)
+        verify = mx.random.normal((1, k + 1, states.shape[-1]), key=mx.random.key(r))
+        kept = [*got[0, :verdict].tolist(), 11 + r]
+        reference.accept_verified_tokens(theirs(verify), want, verdict, kept, None, mx.uint32, True)
         rows.feed(verify, [kept])
         bonus = kept[-1]
 
@@ -223,9 +243,11 @@ def test_sampled_tokens_keep_the_targets_distribution(llama):
 
 
 def test_a_drafter_for_another_target_or_of_another_family_is_refused_by_name(llama, tmp_path):
+    """EAGLE-3 heads for another target, other drafter families, a drafter named as the
+    model, and "mtp" on targets without MTP heads mlxq runs: each refused by name."""
     pair = llama
     narrow = ensure_model(tmp_path / "narrow", TinySpec(hidden=32, intermediate=64, seed=4))
-    with pytest.raises(IncompatibleDraftError, match=r"eagle3.*cannot draft for.*narrow.*size"):
+    with pytest.raises(IncompatibleDraftError, match=r"\(eagle3\) cannot draft for.*narrow.*size"):
         ChatGenerator.get_or_create(str(narrow), pair.drafter, cache=ModelCache())
     wide = ensure_model(tmp_path / "wide", TinySpec(vocab=400, seed=4))
     with pytest.raises(IncompatibleDraftError, match="vocabulary has 512 tokens, the target's 400"):
@@ -237,8 +259,14 @@ def test_a_drafter_for_another_target_or_of_another_family_is_refused_by_name(ll
     config = json.loads((Path(pair.drafter) / "config.json").read_text())
     del config["speculators_model_type"]
     (dflash / "config.json").write_text(json.dumps(config | {"model_type": "qwen3_dspark"}))
-    with pytest.raises(Exception, match="qwen3_dspark drafter: mlxq runs eagle3"):
+    with pytest.raises(Exception, match="qwen3_dspark drafter: mlxq runs EAGLE-3"):
         ChatGenerator.get_or_create(pair.target, str(dflash), cache=ModelCache())
+    # "mtp": the target's own heads, refused by name where it has none mlxq runs
+    with pytest.raises(Exception, match="model_type 'llama': mlxq runs the MTP heads of"):
+        ChatGenerator.get_or_create(pair.target, "mtp", cache=ModelCache())
+    qwen = ensure_model(tmp_path / "qwen", TinySpec(arch="qwen3_5", layers=4, seed=4))
+    with pytest.raises(Exception, match="declares no MTP layers"):
+        ChatGenerator.get_or_create(str(qwen), "mtp", cache=ModelCache())
 
 
 def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
@@ -271,7 +299,7 @@ def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
         if how == "auto":
             continue
         assert sum(r.metrics.draft_tokens_accepted or 0 for r in runs.values()) > 0, how
-        assert {r.metrics.speculation_method for r in runs.values()} == {"eagle3"}
+        assert {r.metrics.speculation_method for r in runs.values()} == {pair.kind}
         if how == "batched":
             assert max(r.metrics.batch_size for r in runs.values()) > 1
 
@@ -290,3 +318,16 @@ def test_the_drafters_kv_caches_are_counted(llama):
     assert gen.drafter_entry.kv.per_token * allocated * 2 == nbytes(rows.caches) > 0
     assert _reserved_models(gen, True, False) == [gen.target, gen.drafter_entry]
     assert _reserved_models(gen, True, True) == [gen.target]  # (prompt lookup instead)
+
+
+def test_an_mtp_pairs_figures_are_shared_by_name():
+    """A fleet shares speculation figures per (target identity, proposer identity): the
+    "mtp" proposer has no weights of its own to identify, so its identity is its name
+    (the target's identity scopes it), never a look-up that finds no checkpoint."""
+    from worker.schedule.shared import proposer_id
+
+    def identify(name: str) -> str | None:
+        raise AssertionError(f"looked up {name!r}")
+
+    assert proposer_id("mtp", identify) == "mtp"
+    assert proposer_id("/models/eagle3", lambda name: f"id:{name}") == "id:/models/eagle3"
