@@ -65,14 +65,17 @@ class AdaptivePolicy(SpeculationPolicy):
 OUT = Path(__file__).parent / "out"
 
 
-def bodies(target: str, draft: str, n: int, max_tokens: int) -> list[dict]:
+def bodies(
+    target: str, draft: str, n: int, max_tokens: int, contents: list[str] | None = None
+) -> list[dict]:
+    contents = contents or [f"Job {i}: tell me about queues." for i in range(n)]
     return [
         {
             "model": target,
             "draft_model": draft,
             "temperature": 0,
             "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": f"Job {i}: tell me about queues."}],
+            "messages": [{"role": "user", "content": contents[i % len(contents)]}],
         }
         for i in range(n)
     ]
@@ -124,15 +127,29 @@ def main() -> None:
     ap.add_argument("--adaptive-cap", type=int, default=6, help="the adaptive arm's largest k")
     ap.add_argument("--pairs", default="copy,unrelated")
     ap.add_argument("--rounds", type=int, default=1, help="every arm per round, order rotating")
+    ap.add_argument(
+        "--eagle3",
+        action="store_true",
+        help="also bench.trained's target with its EAGLE-3 head (bench/eagle.py), held-out prompts",
+    )
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",") if k]
-    target = model("wide")
+    wide = model("wide")
+    pairs = [(f"{p} (synthetic)", wide, model(p), None) for p in args.pairs.split(",") if p]
+    if args.eagle3:
+        from bench import trained
+        from bench.eagle import ensure_drafter, openings
+
+        t, _ = trained.ensure_pair()
+        held = openings(trained._sources()[1], args.jobs)
+        pairs.append(("cpython + EAGLE-3 (trained)", t, ensure_drafter(t, 400, 64), held))
+    target = wide
     cache = ModelCache()
-    report: dict = {"target": target, "jobs": args.jobs, "max_tokens": args.max_tokens}
+    report: dict = {"jobs": args.jobs, "max_tokens": args.max_tokens}
     rows: dict[str, dict] = {}
     with LocalRedis() as server:
-        for name, draft in ((f"{p} (synthetic)", model(p)) for p in args.pairs.split(",") if p):
-            jobs = bodies(target, draft, args.jobs, args.max_tokens)
+        for name, target, draft, contents in pairs:
+            jobs = bodies(target, draft, args.jobs, args.max_tokens, contents)
 
             def rt(policy: SpeculationPolicy) -> runtime.WorkerRuntime:
                 return runtime.WorkerRuntime(cache=cache, worker_id="deep", policy=policy)
@@ -186,6 +203,7 @@ def main() -> None:
             texts += [x[w]["texts"] for x in runs["auto"] for w in ("cold", "warm")]
             last_auto = runs["auto"][-1]
             row = {
+                "target": target,
                 "tok_s": {arm: round(v, 2) for arm, v in rate.items()},
                 "rounds": args.rounds,
                 "spec_batch_best": best_spec,
