@@ -206,6 +206,17 @@ def _margin(reason: str) -> float:
     return max(rates) / min(rates) if len(rates) == 2 and min(rates) > 0 else math.inf
 
 
+def _plain(reason: str) -> bool:
+    """Whether a decision's reason says plain decoding is faster: chosen as fastest, or
+    an arm being measured that went back to plain, slower than it (seen under the full
+    suite's load: the first worker's last job still measuring k=8, the second settled
+    on plain from the same figures)."""
+    went_back = re.search(r"speculating measured ([0-9.]+) tok/s, plain ([0-9.]+)", reason)
+    if went_back:
+        return float(went_back[1]) < float(went_back[2])
+    return "plain decoding fastest" in reason
+
+
 @pytest.mark.parametrize("draft", ["bad", "good", "lookup"])
 def test_a_second_worker_starts_from_the_first_ones_decision(
     conn, redis_url, tiny, quoter, repeater, draft
@@ -234,7 +245,7 @@ def test_a_second_worker_starts_from_the_first_ones_decision(
     # choice was clear: its last job's own figures, merged in after it chose, can tip a
     # near tie (seen once under the full suite's load: k=8 1.18x plain, then 0.83x)
     if _margin(first[-1]) >= 1.3:
-        assert ("plain decoding fastest" in second[0]) == ("plain decoding fastest" in first[-1])
+        assert _plain(second[0]) == _plain(first[-1]), told
     assert conn.hlen(INDEX) == 1
 
 
