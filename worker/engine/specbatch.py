@@ -14,7 +14,9 @@ budget (``prefill_budget``, as there) each joining row prefills a chunk per roun
 its own caches, sized to the budget, and is appended once its prompt is in. Without a
 draft model, each row proposes from its own text (prompt lookup,
 ``worker.engine.lookup``): rows with no match this round propose nothing (their
-verify positions past their proposals are padding, dropped as rejected). A model with
+verify positions past their proposals are padding, dropped as rejected); with a drafter
+(an EAGLE-3 or MTP head, ``worker.engine.drafters``), from the target's hidden states,
+recorded during its own prefill and verify passes. A model with
 any layer that is not plain KV (sliding window, recurrent state) is rewound by
 replay instead: its caches go back to a checkpoint taken before the pass, and the
 target runs again over each row's kept tokens (right-padded; the draft sees its
