@@ -138,10 +138,10 @@ def main() -> None:
     pairs = [(f"{p} (synthetic)", wide, model(p), None) for p in args.pairs.split(",") if p]
     if args.eagle3:
         from bench import trained
-        from bench.eagle import ensure_drafter, openings
+        from bench.eagle import ensure_drafter
 
         t, _ = trained.ensure_pair()
-        held = openings(trained._sources()[1], args.jobs)
+        held = trained.prompts(args.jobs)
         pairs.append(("cpython + EAGLE-3 (trained)", t, ensure_drafter(t, 400, 64), held))
     target = wide
     cache = ModelCache()

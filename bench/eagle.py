@@ -46,18 +46,6 @@ from worker.schedule.goodput import Goodput
 OUT = Path(__file__).parent / "out"
 
 
-def openings(files: list[Path], n: int, chars: int = 400) -> list[str]:
-    """Openings of the first ``n`` files long enough, cut at a line end."""
-    out = []
-    for p in files:
-        text = p.read_text(encoding="utf-8", errors="replace")
-        if len(text) >= 2 * chars:
-            out.append(text[: text.rfind("\n", 0, chars) + 1])
-        if len(out) == n:
-            break
-    return out
-
-
 def ensure_drafter(target: str, steps: int, prompts: int) -> str:
     """The EAGLE-3 drafter for ``target``, trained once (``steps`` over ``prompts``
     training-split openings) and cached beside it."""
@@ -65,8 +53,7 @@ def ensure_drafter(target: str, steps: int, prompts: int) -> str:
     if (path / "mlxq-trained.json").exists():
         return str(path)
     gen = ChatGenerator.get_or_create(target, cache=ModelCache(prefix_bytes=0))
-    train_files, _ = trained._sources()
-    texts = openings(train_files, prompts)
+    texts = trained.openings(trained.sources()[0], prompts)
     tokens = [prompt_tokens(gen.target.tokenizer, _request(target, t, 1)) for t in texts]
     write_eagle3(path, target, seed=0)
     began = time.perf_counter()
@@ -140,7 +127,7 @@ def main() -> None:
     kmax = max(ks)
     arms = ["plain", f"draft {kmax}", f"lookup {kmax}"]
     arms += [f"eagle3 {k}" for k in ks] + [f"adaptive {'-'.join(map(str, ks))}"]
-    held = openings(trained._sources()[1], max(batches))
+    held = trained.prompts(max(batches))
     lookup = {"method": "prompt_lookup", "num_tokens": kmax}
 
     def reqs(arm: str, b: int) -> list[ChatRequest]:

@@ -61,7 +61,7 @@ DRAFT = Recipe(
 CORPUS_BYTES = 6_000_000
 
 
-def _sources() -> tuple[list[Path], list[Path]]:
+def sources() -> tuple[list[Path], list[Path]]:
     """(training files, held-out files) of the stdlib, split by a hash of the path."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
@@ -80,9 +80,14 @@ def _read(p: Path) -> str:
 
 def prompts(n: int = 3, chars: int = 400) -> list[str]:
     """Openings of ``n`` held-out stdlib files (never trained on), cut at a line end."""
-    _, held = _sources()
+    return openings(sources()[1], n, chars)
+
+
+def openings(files: list[Path], n: int, chars: int = 400) -> list[str]:
+    """Openings of the first ``n`` of ``files`` at least twice ``chars`` long, cut at a
+    line end."""
     out = []
-    for p in held:
+    for p in files:
         text = _read(p)
         if len(text) < 2 * chars:
             continue
@@ -155,7 +160,7 @@ def ensure_pair() -> tuple[str, str]:
         for p, r in ((target, TARGET), (draft, DRAFT))
     ):
         return str(target), str(draft)
-    train, _ = _sources()
+    train, _ = sources()
     texts, size = [], 0
     for p in train:
         texts.append(_read(p))

@@ -272,8 +272,10 @@ def test_a_drafter_for_another_target_or_of_another_family_is_refused_by_name(ll
 def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
     """Through Redis and a real worker: alone and batched (``--speculative always``), and
     under ``auto`` (which measures the drafter as it measures a draft model), with a
-    schema, logprobs and a stop string among them: each record's text is the plain
-    job's; speculative records name the method and the drafter's acceptance."""
+    schema, logprobs, a stop string and n = 2 among them: each record's text (each
+    choice's) is the plain job's; speculative records name the method and the drafter's
+    acceptance (the n = 2 job's choices speculate as rows of a speculative batch, and
+    decode as one plain batch alone)."""
     jobs = {
         f"j{i}": r.model_dump(exclude_none=True) | {"draft_model": pair.drafter}
         for i, r in enumerate(pair.reqs)
@@ -281,6 +283,7 @@ def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
     jobs["j1"] |= {"logprobs": True, "top_logprobs": 2}
     jobs["j2"] |= {"stop": ["job"]}
     jobs["j3"] |= {"response_format": schema_format()}
+    jobs["j4"] |= {"n": 2}
     plain = run_jobs(
         conn,
         redis_url,
@@ -294,14 +297,49 @@ def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
         runs = run_jobs(conn, redis_url, jobs, f"eagle-{how}-{pair.arch}", size, policy)
         for cid, rec in runs.items():
             assert rec.status == "succeeded", (how, cid, rec.error)
-            text = rec.response.choices[0].message.content
-            assert text == plain[cid].response.choices[0].message.content, (how, cid)
+            texts = [c.message.content for c in rec.response.choices]
+            assert texts == [c.message.content for c in plain[cid].response.choices], (how, cid)
+        assert len(runs["j4"].response.choices) == 2
         if how == "auto":
             continue
         assert sum(r.metrics.draft_tokens_accepted or 0 for r in runs.values()) > 0, how
-        assert {r.metrics.speculation_method for r in runs.values()} == {pair.kind}
+        # (alone, the n = 2 job's choices decode as one plain batch; in a speculative
+        # batch they are rows like the others)
+        methods = {r.metrics.speculation_method for c, r in runs.items() if c != "j4"}
+        assert methods == {pair.kind}
+        j4 = runs["j4"].metrics
+        assert j4.speculation_method == (pair.kind if how == "batched" else None), how
         if how == "batched":
             assert max(r.metrics.batch_size for r in runs.values()) > 1
+
+
+def test_a_job_whose_drafter_its_target_cannot_use_ends_failed_and_the_rest_run(
+    conn, redis_url, llama
+):
+    """``"mtp"`` on a target without MTP layers, alone and batched: one failed record
+    naming why, never held; the other jobs (the same target with its EAGLE-3 head) run."""
+    bad = chat(llama.target, "queue worker", max_tokens=8, temperature=0, draft_model="mtp")
+    good = llama.reqs[0].model_dump(exclude_none=True) | {"draft_model": llama.drafter}
+    jobs = {"bad": bad, "good": good, "good2": good}
+    for size in (1, 4):
+        runs = run_jobs(
+            conn, redis_url, jobs, f"bad-drafter-{size}", size, SpeculationPolicy("always")
+        )
+        assert runs["bad"].status == "failed", runs["bad"]
+        assert "mlxq runs the MTP heads of" in runs["bad"].error.message
+        assert runs["good"].status == runs["good2"].status == "succeeded", size
+
+
+def test_a_chat_model_mlx_lm_knows_is_never_taken_for_a_drafter():
+    """mlx-vlm's table of drafter types also lists ``laguna``, a chat model mlx-lm runs:
+    a type mlx-lm implements is a chat model."""
+    from worker.engine.drafters import drafter_type
+
+    assert drafter_type({"model_type": "laguna"}) is None
+    assert drafter_type({"model_type": "llama"}) is None
+    assert drafter_type({"model_type": "qwen3_dspark"}) == "qwen3_dspark"
+    assert drafter_type({"model_type": "x", "speculators_model_type": "eagle3"}) == "eagle3"
+    assert drafter_type({"model_type": "not a type"}) is None
 
 
 def test_the_drafters_kv_caches_are_counted(llama):

@@ -16,11 +16,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 
-def eagle3_config(target: dict, reads: list[int] | None = None) -> dict:
-    """An EAGLE-3 drafter's config.json for a target with config ``target``; ``reads``:
-    the target's layers it reads (default: the first, the middle and the last)."""
+def eagle3_config(target: dict) -> dict:
+    """An EAGLE-3 drafter's config.json for a target with config ``target``: it reads the
+    target's first, middle and last layers."""
     n, h = int(target["num_hidden_layers"]), int(target["hidden_size"])
-    reads = reads if reads is not None else [0, n // 2, n - 1]
+    reads = [0, n // 2, n - 1]
     heads = int(target.get("num_attention_heads", 4))
     return {
         "model_type": "eagle3",

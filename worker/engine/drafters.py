@@ -19,6 +19,7 @@ speculative engine's.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,17 @@ MTP = MTP_ID
 
 def drafter_type(config: dict[str, Any]) -> str | None:
     """The drafter family a checkpoint's config declares (EAGLE-3, DFlash, an MTP
-    head...), by mlx-vlm's table of drafter types; None for a model of its own."""
+    head...), by mlx-vlm's table of drafter types; None for a model of its own. A type
+    mlx-lm implements is a chat model (mlx-vlm's table also lists ``laguna``, a chat
+    model in mlx-lm), and its config is read without importing mlx-vlm."""
+    kind = config.get("speculators_model_type") or config.get("model_type")
+    if not isinstance(kind, str) or not kind.isidentifier():
+        return None
+    if importlib.util.find_spec(f"mlx_lm.models.{kind}") is not None:
+        return None
     from mlx_vlm.speculative.drafters import DRAFTER_KIND_BY_MODEL_TYPE
 
-    kind = config.get("speculators_model_type") or config.get("model_type")
-    return str(kind) if kind in DRAFTER_KIND_BY_MODEL_TYPE else None
+    return kind if kind in DRAFTER_KIND_BY_MODEL_TYPE else None
 
 
 class Head:
@@ -48,6 +55,8 @@ class Head:
 
     #: The target's layers whose outputs it reads (``Tap``), in order.
     reads: list[int]
+    #: Its records' ``speculation_method``.
+    method: str
 
     def __init__(self, module: nn.Module, target: nn.Module) -> None:
         self.module = module

@@ -43,6 +43,8 @@ def why_not(module: nn.Module, target: nn.Module, vocab: int) -> str | None:
 class Eagle3(Head):
     """An EAGLE-3 head bound to its target (whose embedding it shares)."""
 
+    method = "eagle3"
+
     def __init__(self, module: nn.Module, target: nn.Module) -> None:
         self.reads = list(module.config.capture_layer_ids)
         super().__init__(module, target)

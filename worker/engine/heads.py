@@ -44,11 +44,15 @@ def load(path: Path, own: bool = False) -> tuple[nn.Module, dict[str, Any]]:
 _RUNS = 'mlxq runs EAGLE-3 drafters, and Qwen3.5\'s own MTP heads as draft_model "mtp"'
 
 
+def is_mtp(module: nn.Module) -> bool:
+    """Whether a loaded drafter is an MTP head (else an EAGLE-3 head)."""
+    return str(module.config.model_type).endswith("_mtp")
+
+
 def kv_profile(module: nn.Module) -> KVProfile:
     """A loaded drafter's KV bytes per sequence: per token, keys and values of each of
     its layers (all full attention)."""
-    heads = module.config.model_type.endswith("_mtp")
-    cfg = module.config.text_config if heads else module.config.transformer_layer_config
+    cfg = module.config.text_config if is_mtp(module) else module.config.transformer_layer_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     size = module.layers[0].input_layernorm.weight.dtype.size
     return KVProfile(2 * int(cfg.num_key_value_heads) * int(head_dim) * size * len(module.layers))
@@ -56,12 +60,12 @@ def kv_profile(module: nn.Module) -> KVProfile:
 
 def bind(module: nn.Module, target: nn.Module) -> Head:
     """The head for ``module`` (as loaded) bound to ``target``."""
-    kind = QwenMTP if module.config.model_type.endswith("_mtp") else Eagle3
+    kind = QwenMTP if is_mtp(module) else Eagle3
     return kind(module, target)
 
 
 def why_not(module: nn.Module, target: nn.Module, vocab: int) -> str | None:
     """Why ``module`` cannot draft for ``target``, or None."""
-    if module.config.model_type.endswith("_mtp"):
+    if is_mtp(module):
         return mtp_why_not(module, target)
     return eagle_why_not(module, target, vocab)

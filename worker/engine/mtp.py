@@ -58,6 +58,8 @@ class QwenMTP(Head):
     """A Qwen3.5 MTP head bound to its target: the target's embedding, final norm and
     output layer are read, not copied."""
 
+    method = "mtp"
+
     def __init__(self, module: nn.Module, target: nn.Module) -> None:
         self.reads = [target_layers(target) - 1]
         super().__init__(module, target)

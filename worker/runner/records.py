@@ -171,9 +171,7 @@ def _method(route: Route | None, generator: ChatGenerator) -> str | None:
     """How its tokens were proposed: "draft", "eagle3" or "mtp" (a drafter named as the
     draft), or "prompt_lookup"; None when it did not speculate."""
     method = route.method if route is not None else None
-    if method != "draft" or generator.drafter_entry is None:
-        return method
-    return "mtp" if generator.drafter_entry.config["model_type"].endswith("_mtp") else "eagle3"
+    return generator.drafter.method if method == "draft" and generator.drafter else method
 
 
 def failure(job: Job, rt: WorkerRuntime, error: MlxqError) -> ResultRecord:

@@ -32,9 +32,9 @@ Identify = Callable[[str], str | None]
 
 
 def proposer_id(proposer: str, identify: Identify) -> str | None:
-    if proposer in (LOOKUP, MTP_ID):  # (no weights of their own to identify)
-        return LOOKUP_ID if proposer == LOOKUP else MTP_ID
-    return identify(proposer)
+    if proposer == LOOKUP:
+        return LOOKUP_ID
+    return MTP_ID if proposer == MTP_ID else identify(proposer)  # (no weights of its own)
 
 
 def adapter_id(adapter: str | None, identify: Identify) -> str | None:
