@@ -118,7 +118,7 @@ class Metrics(BaseModel):
     draft_model: str | None = None
     speculative: bool = False
     speculation_reason: str | None = None
-    speculation_method: str | None = None  # draft, eagle3, mtp or prompt_lookup if speculative
+    speculation_method: str | None = None  # draft, eagle3, mtp, dflash, prompt_lookup
     num_draft_tokens: int | None = None
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0

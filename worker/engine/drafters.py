@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,14 +34,26 @@ from worker.engine.hidden import Tap, layers_of
 MTP = MTP_ID
 
 
+#: Architectures that make a checkpoint a block drafter whatever its model_type.
+_BLOCK_DRAFTERS = {"DFlash2DraftModel", "Gemma4DSparkModel"}
+
+
 def drafter_type(config: dict[str, Any]) -> str | None:
     """The drafter family a checkpoint's config declares (EAGLE-3, DFlash, an MTP
-    head...), by mlx-vlm's table of drafter types; None for a model of its own. A type
+    head...), by mlx-vlm's table of drafter types; None for a model of its own. A
+    DFlash drafter declares a chat model's type (``qwen3``) and a ``dflash_config``:
+    its type is mlx-vlm's reading (``qwen3_dflash``, ``dspark``...). Another type
     mlx-lm implements is a chat model (mlx-vlm's table also lists ``laguna``, a chat
     model in mlx-lm), and its config is read without importing mlx-vlm."""
     kind = config.get("speculators_model_type") or config.get("model_type")
     if not isinstance(kind, str) or not kind.isidentifier():
         return None
+    archs = config.get("architectures")
+    blocks = isinstance(archs, list) and bool(_BLOCK_DRAFTERS.intersection(map(str, archs)))
+    if isinstance(config.get("dflash_config"), dict) or blocks:
+        from mlx_vlm.utils import get_model_type
+
+        return get_model_type(config)
     if importlib.util.find_spec(f"mlx_lm.models.{kind}") is not None:
         return None
     from mlx_vlm.speculative.drafters import DRAFTER_KIND_BY_MODEL_TYPE
@@ -49,9 +61,22 @@ def drafter_type(config: dict[str, Any]) -> str | None:
     return kind if kind in DRAFTER_KIND_BY_MODEL_TYPE else None
 
 
+class State(Protocol):
+    """A head's state for the rows of one batch (``Rows``; ``dflash.Block``)."""
+
+    caches: list[Any] | None
+
+    def __len__(self) -> int: ...
+    def add(self, n: int) -> State: ...
+    def feed(self, states: mx.array | None, tokens: list[list[int]]) -> None: ...
+    def propose(self, k: int) -> mx.array: ...
+    def filter(self, keep: list[int]) -> None: ...
+    def extend(self, other: Any) -> None: ...
+
+
 class Head:
     """A loaded drafter bound to one target: what it reads, how it steps and predicts.
-    Subclasses: ``eagle.Eagle3``, ``mtp.QwenMTP``."""
+    Subclasses: ``eagle.Eagle3``, ``mtp.QwenMTP``, ``dflash.DFlash``."""
 
     #: The target's layers whose outputs it reads (``Tap``), in order.
     reads: list[int]
@@ -65,7 +90,7 @@ class Head:
         self.hidden_size = 0
         self.dtype = mx.float32
 
-    def rows(self) -> Rows:
+    def rows(self) -> State:
         return Rows(self)
 
     def from_target(self, states: mx.array) -> mx.array:

@@ -55,8 +55,8 @@ class ChatGenerator:
     models: ModelCache  # where they live, and kept prompt prefixes (which count)
     target_was_warm: bool = False
     draft_was_warm: bool = False
-    #: A drafter named as the draft (an EAGLE-3 head, or "mtp": the target's own MTP
-    #: head), bound to the target (``draft`` is None).
+    #: A drafter named as the draft (an EAGLE-3 head, a DFlash drafter, or "mtp": the
+    #: target's own MTP head), bound to the target (``draft`` is None).
     drafter: Head | None = None
     drafter_entry: LoadedModel | None = None
 

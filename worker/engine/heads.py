@@ -1,7 +1,8 @@
 """Which drafters run, and how a loaded one is bound to its target.
 
-The kinds (``worker.engine.eagle``'s EAGLE-3 heads, ``worker.engine.mtp``'s MTP heads)
-share the round in ``worker.engine.drafters``; this module chooses between them: loading
+The kinds (``worker.engine.eagle``'s EAGLE-3 heads, ``worker.engine.mtp``'s MTP heads,
+``worker.engine.dflash``'s block drafters) share the speculative engine's round; this
+module chooses between them: loading
 through mlx-vlm (refusing other families by name), checking a head against a target,
 binding it, and its KV bytes per token.
 """
@@ -14,9 +15,9 @@ from typing import Any
 
 import mlx.nn as nn
 
+import worker.engine.dflash as dflash
+import worker.engine.eagle as eagle
 from worker.engine.drafters import Head, drafter_type
-from worker.engine.eagle import RUNS, Eagle3
-from worker.engine.eagle import why_not as eagle_why_not
 from worker.engine.memory import KVProfile
 from worker.engine.mtp import QwenMTP, why_not_load
 from worker.engine.mtp import why_not as mtp_why_not
@@ -31,28 +32,36 @@ def load(path: Path, own: bool = False) -> tuple[nn.Module, dict[str, Any]]:
         why = why_not_load(config)
     else:
         kind = drafter_type(config)
-        why = None if kind in RUNS else f"a {kind} drafter: {_RUNS}"
+        why = None if kind in eagle.RUNS + dflash.RUNS else f"a {kind} drafter: {_RUNS}"
     if why is not None:
         raise ValueError(why)
     from mlx_vlm.speculative import load_drafter
 
     module, _ = load_drafter(str(path))
     module.eval()
+    if dflash.is_dflash(module) and (why := dflash.why_not_run(module)) is not None:
+        raise ValueError(why)
     return module, {"model_type": module.config.model_type} if own else config
 
 
-_RUNS = 'mlxq runs EAGLE-3 drafters, and Qwen3.5\'s own MTP heads as draft_model "mtp"'
+_RUNS = (
+    "mlxq runs EAGLE-3 and DFlash (qwen3_dflash) drafters, "
+    'and Qwen3.5\'s own MTP heads as draft_model "mtp"'
+)
 
 
 def is_mtp(module: nn.Module) -> bool:
-    """Whether a loaded drafter is an MTP head (else an EAGLE-3 head)."""
-    return str(module.config.model_type).endswith("_mtp")
+    """Whether a loaded drafter is an MTP head (else an EAGLE-3 or DFlash drafter)."""
+    return str(getattr(module.config, "model_type", "")).endswith("_mtp")
 
 
 def kv_profile(module: nn.Module) -> KVProfile:
     """A loaded drafter's KV bytes per sequence: per token, keys and values of each of
     its layers (all full attention)."""
-    cfg = module.config.text_config if is_mtp(module) else module.config.transformer_layer_config
+    if is_mtp(module):
+        cfg = module.config.text_config
+    else:
+        cfg = module.config if dflash.is_dflash(module) else module.config.transformer_layer_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     size = module.layers[0].input_layernorm.weight.dtype.size
     return KVProfile(2 * int(cfg.num_key_value_heads) * int(head_dim) * size * len(module.layers))
@@ -60,12 +69,17 @@ def kv_profile(module: nn.Module) -> KVProfile:
 
 def bind(module: nn.Module, target: nn.Module) -> Head:
     """The head for ``module`` (as loaded) bound to ``target``."""
-    kind = QwenMTP if is_mtp(module) else Eagle3
-    return kind(module, target)
+    if is_mtp(module):
+        return QwenMTP(module, target)
+    return (
+        dflash.DFlash(module, target) if dflash.is_dflash(module) else eagle.Eagle3(module, target)
+    )
 
 
 def why_not(module: nn.Module, target: nn.Module, vocab: int) -> str | None:
     """Why ``module`` cannot draft for ``target``, or None."""
     if is_mtp(module):
         return mtp_why_not(module, target)
-    return eagle_why_not(module, target, vocab)
+    if dflash.is_dflash(module):
+        return dflash.why_not(module, target, vocab)
+    return eagle.why_not(module, target, vocab)

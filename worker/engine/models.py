@@ -123,7 +123,7 @@ class LoadedModel:
     @property
     def kind(self) -> str:
         """What jobs it serves: "chat", "embeddings" or "audio" (a Whisper checkpoint);
-        "drafter" for a head that proposes for a target (EAGLE-3, MTP), not a model alone."""
+        "drafter" for a head proposing for a target (EAGLE-3, MTP, DFlash), not a model alone."""
         if self.embedder is not None:
             return "embeddings"
         if drafter_type(self.config) is not None:

@@ -15,7 +15,7 @@ its own caches, sized to the budget, and is appended once its prompt is in. With
 draft model, each row proposes from its own text (prompt lookup,
 ``worker.engine.lookup``): rows with no match this round propose nothing (their
 verify positions past their proposals are padding, dropped as rejected); with a drafter
-(an EAGLE-3 or MTP head, ``worker.engine.drafters``), from the target's hidden states,
+(an EAGLE-3, MTP or DFlash drafter, ``worker.engine.heads``), from the target's hidden states,
 recorded during its own prefill and verify passes. A model with
 any layer that is not plain KV (sliding window, recurrent state) is rewound by
 replay instead: its caches go back to a checkpoint taken before the pass, and the
@@ -39,7 +39,7 @@ from mlx_lm.models.cache import dynamic_roll
 
 from worker.engine import rewind
 from worker.engine.batch import UNPADDED_PREFILL, budget_chunk
-from worker.engine.drafters import Head, Rows
+from worker.engine.drafters import Head, State
 from worker.engine.kvquant import positions
 from worker.engine.layers import count as cache_count
 from worker.engine.layers import nbytes
@@ -84,7 +84,7 @@ class _Joiner:
     rest: list[int]  # prompt tokens still to prefill (all but the cached ones and the last)
     target: Cache
     draft: Cache  # [] without a draft model
-    fed: Rows | None = None  # a drafter's state for it, fed chunk by chunk under a budget
+    fed: State | None = None  # a drafter's state for it, fed chunk by chunk under a budget
 
 
 def _next(j: _Joiner) -> list[int]:
@@ -122,7 +122,7 @@ class SpecBatchEngine:
     per round, or, with a ``planner``, each round the k in 0..k it chooses for the rows
     held (``worker.schedule.goodput``; k = 0 is a plain step). ``draft`` None: each row
     proposes up to k tokens by prompt lookup (its job's ``params.lookup``), or, with a
-    ``drafter`` (an EAGLE-3 or MTP head, ``worker.engine.drafters``), from the target's
+    ``drafter`` (an EAGLE-3, MTP or DFlash drafter, ``worker.engine.heads``), from the target's
     hidden states.
 
     ``solo``: one row on its own caches (a job alone); ``give_up_below`` (tokens/s,
@@ -145,7 +145,7 @@ class SpecBatchEngine:
         self.target, self.draft, self.k, self.solo = target, draft, k, solo
         self.drafter = drafter
         #: A drafter's state for the rows held (None without a drafter).
-        self.hidden: Rows | None = drafter.rows() if drafter is not None else None
+        self.hidden: State | None = drafter.rows() if drafter is not None else None
         #: Prompt tokens one round may prefill (None: joiners prefill whole, together).
         self.prefill_budget = None if solo else prefill_budget
         #: Prompt tokens per second measured, both models (running; None before any).

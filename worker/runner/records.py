@@ -168,7 +168,7 @@ def success(
 
 
 def _method(route: Route | None, generator: ChatGenerator) -> str | None:
-    """How its tokens were proposed: "draft", "eagle3" or "mtp" (a drafter named as the
+    """How its tokens were proposed: "draft", "eagle3", "mtp" or "dflash" (a drafter named as the
     draft), or "prompt_lookup"; None when it did not speculate."""
     method = route.method if route is not None else None
     return generator.drafter.method if method == "draft" and generator.drafter else method
