@@ -1,10 +1,11 @@
-"""Tiny EAGLE-3 drafters for tests and benchmarks, built for a tiny target on disk.
+"""Tiny drafters for tests and benchmarks, built for a tiny target on disk.
 
 A drafter checkpoint in the format mlx-vlm's ``load_drafter`` reads (config.json with
-``model_type: eagle3`` and safetensors), shaped for its target (hidden size,
-vocabulary, three of its layers read), its embedding the target's and its other
-weights random (acceptance near 0) until ``bench.drafters.train_eagle3`` trains it on
-the target's own continuations of given prompts. Deterministic per seed.
+``model_type: eagle3``, or a ``dflash_config`` as z-lab's DFlash checkpoints have, and
+safetensors), shaped for its target (hidden size, vocabulary, three of its layers
+read), its weights random (acceptance near 0) until ``bench.drafters`` trains it on
+the target's own continuations of given prompts; a Qwen3.5 checkpoint with an MTP
+layer of its own. Deterministic per seed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,51 @@ def write_eagle3(path: Path, target: Path | str, seed: int = 0) -> Path:
     tw = mx.load(str(Path(target) / "model.safetensors"))
     embed = next(v for k, v in tw.items() if k.endswith("model.embed_tokens.weight"))
     weights["embed_tokens.weight"] = embed  # (an EAGLE-3 drafter reads its target's)
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def dflash_config(target: dict) -> dict:
+    """A DFlash drafter's config.json (z-lab's layout: a qwen3 model_type and a
+    ``dflash_config``) for a target with config ``target``: two layers reading the
+    target's first, middle and last layers; its mask token the vocabulary's last."""
+    n, h = int(target["num_hidden_layers"]), int(target["hidden_size"])
+    heads = int(target.get("num_attention_heads", 4))
+    vocab = int(target["vocab_size"])
+    return {
+        "model_type": "qwen3",
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": h,
+        "intermediate_size": 2 * h,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": h // heads,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "block_size": 8,
+        "num_target_layers": n,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [0, n // 2, n - 1]},
+    }
+
+
+def write_dflash(path: Path, target: Path | str, seed: int = 0) -> Path:
+    """A tiny DFlash drafter for the model at ``target``, written to ``path`` (no
+    embedding of its own: a DFlash drafter reads its target's)."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
+    from mlx_vlm.speculative.drafters.qwen3_dflash import ModelConfig as DFlashConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dflash_config(json.loads((Path(target) / "config.json").read_text()))
+    mx.random.seed(seed)
+    module = DFlashDraftModel(DFlashConfig.from_dict(config))
+    weights = dict(tree_flatten(module.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
