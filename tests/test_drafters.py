@@ -1,12 +1,13 @@
 """Drafters: proposals from the target's hidden states, exact alone and batched.
 
-EAGLE-3 heads and a model's own MTP head (Qwen3.5's ``mtp.*`` layer, named as
-``draft_model: "mtp"``). Each is a tiny checkpoint built from mlx-vlm's own config and
-module (``worker.dev.tinydrafters``), trained here for a few seconds on its target's
-greedy continuations of the test prompts (``bench.drafters``), so that some proposals
-are kept and some are not (both rewinds run). EAGLE-3 targets: llama (full attention),
-Gemma 3 (sliding window) and Qwen3.5 (linear-attention hybrid, rewound by replay); the
-MTP head on Qwen3.5."""
+EAGLE-3 heads, DFlash block drafters and a model's own MTP head (Qwen3.5's ``mtp.*``
+layer, named as ``draft_model: "mtp"``). Each is a tiny checkpoint built from mlx-vlm's
+own config and module (``worker.dev.tinydrafters``), trained here for a few seconds on
+its target's greedy continuations of the test prompts (``bench.drafters``), so that
+some proposals are kept and some are not (both rewinds run). EAGLE-3 targets: llama
+(full attention), Gemma 3 (sliding window) and Qwen3.5 (linear-attention hybrid,
+rewound by replay); DFlash targets: Qwen3 (full attention), gpt-oss (sliding window,
+attention sinks, MoE) and Qwen3.5; the MTP head on Qwen3.5."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from bench.drafters import train_eagle3, train_mtp
+from bench.drafters import train_dflash, train_eagle3, train_mtp
 from schemas import ChatRequest, IncompatibleDraftError, ModelKindError
 from tests.conftest import chat, run_jobs
 from tests.test_archs import WINDOW, _same_greedy
 from tests.test_structured import schema_format
-from worker.dev.tinydrafters import write_eagle3, write_mtp
+from worker.dev.tinydrafters import write_dflash, write_eagle3, write_mtp
 from worker.dev.tinymodels import TinySpec, ensure_model
 from worker.engine import Prepared, params_for, prompt_tokens
 from worker.engine.generator import ChatGenerator
@@ -35,7 +36,15 @@ from worker.schedule.policy import SpeculationPolicy
 
 LONG = "the queue worker model token draft target redis job batch result metric apple silicon"
 #: (drafter kind, target architecture)
-PAIRS = (("eagle3", "llama"), ("eagle3", "gemma3_text"), ("eagle3", "qwen3_5"), ("mtp", "qwen3_5"))
+PAIRS = (
+    ("eagle3", "llama"),
+    ("eagle3", "gemma3_text"),
+    ("eagle3", "qwen3_5"),
+    ("mtp", "qwen3_5"),
+    ("dflash", "qwen3"),
+    ("dflash", "gpt_oss"),
+    ("dflash", "qwen3_5"),
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,11 @@ def _pair(kind: str, arch: str, tmp_path_factory) -> Pair:
         if kind == "mtp":
             train_mtp(target, prompts, steps=60, new=48)
             drafter = "mtp"
+        elif kind == "dflash":  # (whole blocks from states alone: slower to learn; the
+            # Qwen3 pair's first proposal must be kept for the chi-square test's prompt)
+            drafter = str(write_dflash(root / "dflash", target, seed=2))
+            steps = 150 if arch == "qwen3" else 80
+            train_dflash(Path(drafter), target, prompts, steps=steps, new=48)
         else:
             drafter = str(write_eagle3(root / "eagle3", target, seed=2))
             train_eagle3(Path(drafter), target, prompts, steps=60, new=48)
@@ -90,6 +104,12 @@ def pair(request, tmp_path_factory) -> Pair:
 def llama(tmp_path_factory) -> Pair:
     """The llama pair, for what does not depend on the target's architecture."""
     return _pair("eagle3", "llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Pair:
+    """The DFlash pair on Qwen3."""
+    return _pair("dflash", "qwen3", tmp_path_factory)
 
 
 def _gen(pair: Pair, drafter: bool = True) -> ChatGenerator:
@@ -179,6 +199,56 @@ def test_proposals_are_what_mlx_vlms_own_drafter_proposes(kind, arch, tmp_path_f
         bonus = kept[-1]
 
 
+def test_dflash_blocks_are_what_mlx_vlms_own_drafter_proposes(qwen3):
+    """Two rows of different lengths in one batch (the shorter left-padded) against
+    mlx-vlm's own DFlash drafter driven its own way, a row at a time (context from the
+    target's states, a block of the bonus token and masks, the kept tokens' states as
+    the next round's context) over three rounds with made-up verdicts: the same blocks
+    each round, and the batch's caches hold only context (the blocks' entries trimmed)."""
+    pair = qwen3
+    gen = _gen(pair)
+    head = gen.drafter
+    assert head is not None
+    prompts = [prompt_tokens(gen.target.tokenizer, pair.reqs[i]) for i in (1, 4)]
+    assert len(prompts[0]) < len(prompts[1])
+    refs, hidden, caches, bonus = [], [], [], []
+    for prompt in prompts:
+        with head.tap:
+            gen.target.model(mx.array([prompt]))
+        states = head.tap.take()
+        assert states is not None
+        ref, _ = load_drafter(Path(pair.drafter))
+        ref.reset(gen.target.model)
+        refs.append(ref)
+        caches.append(ref.make_cache())
+        hidden.append(states[:, :-1])
+        bonus.append(prompt[-1])
+    rows = head.rows().add(2)
+    width = max(h.shape[1] for h in hidden)
+    padded = mx.concatenate(
+        [mx.pad(h, [(0, 0), (0, width - h.shape[1]), (0, 0)]) for h in hidden], axis=0
+    )
+    rows.feed(padded, [p[1:] for p in prompts])
+    k, fed = 3, [len(p) - 1 for p in prompts]
+
+    def argmax(logits: mx.array) -> mx.array:
+        return mx.argmax(logits, axis=-1)
+
+    for r, verdicts in enumerate(((0, 2), (3, 0), (1, 1))):
+        got = rows.propose(k).tolist()
+        kept, states = [], []
+        for i, ref in enumerate(refs):
+            want = ref.draft_block(bonus[i], hidden[i], caches[i], k + 1, argmax, mx.uint32)
+            assert got[i] == want[0].tolist(), (r, i)
+            kept.append([*got[i][: verdicts[i]], 11 + r + i])
+            states.append(mx.random.normal((1, k + 1, hidden[i].shape[-1]), key=mx.random.key(r)))
+            hidden[i] = states[i][:, : verdicts[i] + 1]
+            bonus[i] = kept[i][-1]
+        rows.feed(mx.concatenate(states, axis=0), kept)
+        fed = [n + v + 1 for n, v in zip(fed, verdicts, strict=True)]
+        assert rows.caches is not None and rows.caches[0].offset.tolist() == fed
+
+
 def test_greedy_text_alone_and_batched_is_the_plain_text(pair):
     """Alone, batched with joins and leaves, and batched under a prefill budget (prompts
     prefilled a chunk a round): each job's greedy text is the plain text, with some
@@ -208,12 +278,13 @@ def _chi2_quantile(p: float, df: int) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_sampled_tokens_keep_the_targets_distribution(llama):
+@pytest.mark.parametrize("kind,arch", [("eagle3", "llama"), ("dflash", "qwen3")])
+def test_sampled_tokens_keep_the_targets_distribution(kind, arch, tmp_path_factory):
     """400 rows sampling at temperature 0.3 in one batch, the drafter proposing three
     tokens a round: each row's second token (drawn at a verified position when the
     first proposal was kept, else at the next round) follows the target's own law,
     sum over t1 of p(t1) p(t2 | t1), by a chi-square test at 0.1%."""
-    pair = llama
+    pair = _pair(kind, arch, tmp_path_factory)
     gen = _gen(pair)
     base = pair.reqs[1].model_copy(update={"temperature": 0.3, "max_tokens": 2})
     engine = SpecBatchEngine(gen.target, None, 3, drafter=gen.drafter)
@@ -267,6 +338,34 @@ def test_a_drafter_for_another_target_or_of_another_family_is_refused_by_name(ll
     qwen = ensure_model(tmp_path / "qwen", TinySpec(arch="qwen3_5", layers=4, seed=4))
     with pytest.raises(Exception, match="declares no MTP layers"):
         ChatGenerator.get_or_create(str(qwen), "mtp", cache=ModelCache())
+
+
+def test_a_dflash_drafter_for_another_target_or_shape_is_refused_by_name(qwen3, tmp_path):
+    """A DFlash drafter on a target of another depth, on a Gemma target (its embedding
+    scaled), with sliding layers, of another block family (DFlash2), or named as the
+    model: each refused by name."""
+    pair = qwen3
+    deep = ensure_model(tmp_path / "deep", TinySpec(arch="qwen3", layers=6, seed=4))
+    with pytest.raises(IncompatibleDraftError, match=r"trained on a target of 4 layers.* has 6"):
+        ChatGenerator.get_or_create(str(deep), pair.drafter, cache=ModelCache())
+    gemma = ensure_model(tmp_path / "gemma", TinySpec(arch="gemma3_text", layers=4, seed=4))
+    with pytest.raises(IncompatibleDraftError, match="gemma3_text target scales its embedding"):
+        ChatGenerator.get_or_create(str(gemma), pair.drafter, cache=ModelCache())
+    with pytest.raises(ModelKindError, match="is a drafter"):
+        ChatGenerator.get_or_create(pair.drafter, cache=ModelCache())
+    config = json.loads((Path(pair.drafter) / "config.json").read_text())
+    for name, change, why in (
+        ("sliding", {"layer_types": ["sliding_attention"] * 2, "sliding_window": 8}, "full-att"),
+        ("dflash2", {"architectures": ["DFlash2DraftModel"]}, "a dflash2 drafter: mlxq runs"),
+    ):
+        other = tmp_path / name
+        other.mkdir()
+        (other / "config.json").write_text(json.dumps(config | change))
+        (other / "model.safetensors").write_bytes(
+            (Path(pair.drafter) / "model.safetensors").read_bytes()
+        )
+        with pytest.raises(Exception, match=why):
+            ChatGenerator.get_or_create(pair.target, str(other), cache=ModelCache())
 
 
 def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
@@ -340,15 +439,21 @@ def test_a_chat_model_mlx_lm_knows_is_never_taken_for_a_drafter():
     assert drafter_type({"model_type": "qwen3_dspark"}) == "qwen3_dspark"
     assert drafter_type({"model_type": "x", "speculators_model_type": "eagle3"}) == "eagle3"
     assert drafter_type({"model_type": "not a type"}) is None
+    # a DFlash drafter declares a chat model's type, and a dflash_config
+    dflash = {"model_type": "qwen3", "dflash_config": {"mask_token_id": 1}}
+    assert drafter_type(dflash) == "qwen3_dflash"
+    assert drafter_type(dflash | {"dflash_config": {"projector_type": "dspark"}}) == "dspark"
+    assert drafter_type({"model_type": "qwen3", "dflash_config": None}) is None
 
 
-def test_the_drafters_kv_caches_are_counted(llama):
+@pytest.mark.parametrize("kind,arch", [("eagle3", "llama"), ("dflash", "qwen3")])
+def test_the_drafters_kv_caches_are_counted(kind, arch, tmp_path_factory):
     """What a drafter's caches hold per token is in its profile, and a job alone or a
     lane reserves it beside the target's."""
     from worker.engine.layers import nbytes
     from worker.runner.alone import _reserved_models
 
-    gen = _gen(llama)
+    gen = _gen(_pair(kind, arch, tmp_path_factory))
     assert gen.drafter is not None and gen.drafter_entry is not None
     rows = gen.drafter.rows().add(2)
     rows.feed(mx.zeros((2, 10, 3 * 64)), [[1] * 10, [2] * 7])
