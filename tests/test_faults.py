@@ -394,23 +394,32 @@ def _slow_of(arch: str, tiny, tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     "speculative,arch",
-    [(False, "llama"), (True, "llama"), (True, "gemma3_text"), (True, "qwen3_5"), (True, "eagle3")],
+    [
+        (False, "llama"),
+        (True, "llama"),
+        (True, "gemma3_text"),
+        (True, "qwen3_5"),
+        (True, "eagle3"),
+        (True, "dflash"),
+    ],
 )
 def test_sigkill_mid_batch_recovers_every_job(
     conn, redis_url, tiny, workers, speculative, arch, tmp_path_factory
 ):
-    """On llama-shaped, sliding-window and hybrid models alike, and with an EAGLE-3
-    drafter proposing (untrained: its proposals are nearly all rejected)."""
+    """On llama-shaped, sliding-window and hybrid models alike, and with an EAGLE-3 or a
+    DFlash drafter proposing (untrained: their proposals are nearly all rejected)."""
     client = Client(connection=conn)
-    model = _slow_of("llama" if arch == "eagle3" else arch, tiny, tmp_path_factory)
+    drafter = arch in ("eagle3", "dflash")
+    model = _slow_of("llama" if drafter else arch, tiny, tmp_path_factory)
     tokens = SLOW_TOKENS if arch == "llama" else 400  # (the others are slower per token)
     # Its own draft: every proposal accepted, so a round costs what plain decoding does.
     extra = {"draft_model": model} if speculative else {}
-    if arch == "eagle3":
-        from worker.dev.tinydrafters import write_eagle3
+    if drafter:
+        from worker.dev.tinydrafters import write_dflash, write_eagle3
 
-        root = tmp_path_factory.getbasetemp() / "slow-eagle3"
-        extra = {"draft_model": str(write_eagle3(root, model, seed=3))}
+        write = write_eagle3 if arch == "eagle3" else write_dflash
+        root = tmp_path_factory.getbasetemp() / f"slow-{arch}"
+        extra = {"draft_model": str(write(root, model, seed=3))}
     s = client.submit(
         {
             f"s{i}": chat(

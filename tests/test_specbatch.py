@@ -233,21 +233,22 @@ def test_adaptive_k_keeps_every_greedy_output(pair, tiny, which):
         assert accepted >= 0.9 * proposed  # all but proposals past an EOS
 
 
-@pytest.mark.parametrize("kind", ["plain", "draft", "lookup", "eagle3"])
+@pytest.mark.parametrize("kind", ["plain", "draft", "lookup", "eagle3", "dflash"])
 def test_streamed_jobs_share_batches_and_stream_what_their_records_hold(
     conn, redis_url, pair, kind, tmp_path
 ):
     """Streamed jobs join batches (plain, a draft's speculative batch, prompt lookup's, an
-    EAGLE-3 drafter's) with jobs that do not stream: each record's text is the text
-    unstreamed (greedy), and each stream's pieces concatenate to it and end with its
+    EAGLE-3 or DFlash drafter's) with jobs that do not stream: each record's text is the
+    text unstreamed (greedy), and each stream's pieces concatenate to it and end with its
     usage. Before, a streamed job always ran alone."""
-    from worker.dev.tinydrafters import write_eagle3
+    from worker.dev.tinydrafters import write_dflash, write_eagle3
 
     target, draft = pair
     fields = {
         "draft": {"draft_model": draft},
         "lookup": {"speculation": {"method": "prompt_lookup", "num_tokens": 3}},
         "eagle3": {"draft_model": str(write_eagle3(tmp_path / "eagle3", target))},
+        "dflash": {"draft_model": str(write_dflash(tmp_path / "dflash", target))},
     }.get(kind, {})
     jobs = {
         f"j{i}": r.model_dump(exclude_none=True)
