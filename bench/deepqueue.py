@@ -24,7 +24,7 @@ the figures are medians over rounds (``--rounds``): this VM's speed drifts by 2x
 within minutes, so arms run one after another are not comparable.
 
     .venv/bin/python -m bench.deepqueue [--jobs 16] [--max-tokens 32] [--max-batch 8]
-        [--ks 1,2,3,4,6] [--pairs copy,unrelated] [--rounds 3]
+        [--ks 1,2,3,4,6] [--pairs copy,unrelated] [--rounds 3] [--eagle3] [--dflash]
 """
 
 from __future__ import annotations
@@ -132,17 +132,22 @@ def main() -> None:
         action="store_true",
         help="also bench.trained's target with its EAGLE-3 head (bench/eagle.py), held-out prompts",
     )
+    ap.add_argument("--dflash", action="store_true", help="the same with its DFlash drafter")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",") if k]
     wide = model("wide")
     pairs = [(f"{p} (synthetic)", wide, model(p), None) for p in args.pairs.split(",") if p]
-    if args.eagle3:
+    if args.eagle3 or args.dflash:
         from bench import trained
-        from bench.eagle import ensure_drafter
+        from bench.eagle import DFLASH_STEPS, ensure_drafter
 
         t, _ = trained.ensure_pair()
         held = trained.prompts(args.jobs)
-        pairs.append(("cpython + EAGLE-3 (trained)", t, ensure_drafter(t, 400, 64), held))
+        if args.eagle3:
+            pairs.append(("cpython + EAGLE-3 (trained)", t, ensure_drafter(t, 400, 64), held))
+        if args.dflash:
+            drafter = ensure_drafter(t, DFLASH_STEPS, 64, "dflash")
+            pairs.append(("cpython + DFlash (trained)", t, drafter, held))
     target = wide
     cache = ModelCache()
     report: dict = {"jobs": args.jobs, "max_tokens": args.max_tokens}

@@ -1,25 +1,29 @@
-"""EAGLE-3 against plain decoding, a draft model and prompt lookup, by batch size.
+"""EAGLE-3 and DFlash against plain decoding, a draft model and prompt lookup, by batch size.
 
 The target is ``bench.trained``'s 4 x 256 llama trained on the CPython standard
-library (its 1 x 128 draft is the draft-model arm). An EAGLE-3 drafter for it (one
-layer of 256 reading three of its layers, ``worker.dev.tinydrafters``) is trained here
-(``bench.drafters.train_eagle3``, ``--steps``) on the target's own greedy continuations
-of training-split file openings, cached beside the pair. Every arm then decodes the
-openings of held-out files (never trained on by any model), greedy, engine-level as
-``bench.specbatch`` (no Redis; tokens/s while all B rows decode, after the first round):
-plain, draft k, lookup k, eagle3 at each k of ``--ks``, and eagle3 adaptive (each
-round's k from the measured goodput, 0 = a plain step: what ``--speculative auto``
-runs once it picks a speculative batch). Every arm's text is checked against plain.
+library (its 1 x 128 draft is the draft-model arm). Two drafters for it are trained
+here (``bench.drafters``) on the target's own greedy continuations of training-split
+file openings and cached beside the pair: an EAGLE-3 head (one layer of 256 reading
+three of its layers, ``--steps``) and a DFlash drafter (two layers of 256 reading the
+same three, whole blocks, ``--dflash-steps``). Every arm then decodes the openings of
+held-out files (never trained on by any model), greedy, engine-level as
+``bench.specbatch`` (no Redis; tokens/s while all B rows decode, after the first
+round): plain, draft k, lookup k, eagle3 at each k of ``--ks``, dflash at each k of
+``--dflash-ks``, and each drafter adaptive (each round's k from the measured goodput,
+0 = a plain step: what ``--speculative auto`` runs once it picks a speculative batch).
+Every arm's text is checked against plain.
 
-Printed per batch size: tokens/s, tokens per row per round (E) and each arm over plain;
-the adaptive arm over the best fixed arm (goal >= 0.95). Then a prediction for an M4
-Mac mini (``--gpu-gbps``, ``--gpu-tflops``) serving an 8B target at 4 bits (4.5 GB,
-``--predict-gb``) with a 0.25B-parameter EAGLE-3 head at 16 bits: each pass costs the
-larger of reading its weights and its arithmetic, a round is the target's verify pass
-and k drafter passes, with the E measured here for each k and batch size; host time
-is left out (for plain and speculative alike). A prediction, not a measurement.
+Printed per batch size: tokens/s, tokens per row per round (E) and each arm over
+plain; each adaptive arm over the best fixed arm (goal >= 0.95). Then a prediction for
+an M4 Mac mini (``--gpu-gbps``, ``--gpu-tflops``) serving an 8B target at 4 bits (4.5
+GB, ``--predict-gb``) with a 0.25B-parameter EAGLE-3 head and a 1.2B-parameter DFlash
+drafter (z-lab's 8B ones: five layers and ``fc``) at 16 bits: each pass costs the larger
+of reading its weights and its arithmetic, a round is the target's verify pass and k
+EAGLE-3 passes or one DFlash pass over the block, with the E measured here for each k
+and batch size; host time is left out (for plain and speculative alike). A
+prediction, not a measurement.
 
-    bench/run bench.eagle [--batches 1,4,8,16] [--ks 1,2,3] [--tokens 48] [--rounds 2]
+    bench/run bench.eagle [--batches 1,4,8,16] [--ks 1,2,3] [--dflash-ks 3,6] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import trained
-from bench.drafters import train_eagle3
+from bench.drafters import train_dflash, train_eagle3
 from bench.specbatch import acceptance, throughput
 from schemas import ChatRequest
-from worker.dev.tinydrafters import write_eagle3
+from worker.dev.tinydrafters import write_dflash, write_eagle3
 from worker.engine import prompt_tokens
 from worker.engine.batch import BatchEngine
 from worker.engine.generator import ChatGenerator
@@ -44,20 +48,27 @@ from worker.engine.specbatch import SpecBatchEngine
 from worker.schedule.goodput import Goodput
 
 OUT = Path(__file__).parent / "out"
+#: The DFlash drafter's training steps (whole blocks from states alone learn slower
+#: than a head's one step ahead).
+DFLASH_STEPS = 1000
 
 
-def ensure_drafter(target: str, steps: int, prompts: int) -> str:
-    """The EAGLE-3 drafter for ``target``, trained once (``steps`` over ``prompts``
-    training-split openings) and cached beside it."""
-    path = Path(target).parent / f"cpython-eagle3-{steps}x{prompts}"
+def ensure_drafter(target: str, steps: int, prompts: int, kind: str = "eagle3") -> str:
+    """The drafter of ``kind`` (eagle3, dflash) for ``target``, trained once (``steps``
+    over ``prompts`` training-split openings) and cached beside it."""
+    path = Path(target).parent / f"cpython-{kind}-{steps}x{prompts}"
     if (path / "mlxq-trained.json").exists():
         return str(path)
     gen = ChatGenerator.get_or_create(target, cache=ModelCache(prefix_bytes=0))
     texts = trained.openings(trained.sources()[0], prompts)
     tokens = [prompt_tokens(gen.target.tokenizer, _request(target, t, 1)) for t in texts]
-    write_eagle3(path, target, seed=0)
     began = time.perf_counter()
-    losses = train_eagle3(path, Path(target), tokens, steps=steps, new=64)
+    if kind == "dflash":  # (two anchors per opening a step: 128 blocks)
+        write_dflash(path, target, seed=0)
+        losses = train_dflash(path, Path(target), tokens, steps=steps, new=64, anchors=2)
+    else:
+        write_eagle3(path, target, seed=0)
+        losses = train_eagle3(path, Path(target), tokens, steps=steps, new=64)
     losses["seconds"] = time.perf_counter() - began
     print(f"trained {path.name}: {losses}", flush=True)
     (path / "mlxq-trained.json").write_text(json.dumps(losses))
@@ -76,13 +87,14 @@ def _request(target: str, text: str, tokens: int) -> ChatRequest:
 
 
 def _engine(arm: str, gens: dict[str, ChatGenerator], b: int) -> Any:
+    """The engine for ``arm``: "plain", "<kind> k", or "<kind> adaptive a-b-c"."""
     kind, _, k = arm.partition(" ")
-    gen = gens["eagle3" if kind == "adaptive" else kind]
+    gen = gens[kind]
     if kind == "plain":
         return BatchEngine(gen.target, b)
-    if kind == "adaptive":
-        ks = max(int(x) for x in k.split("-"))
-        return SpecBatchEngine(gen.target, None, ks, Goodput(ks), drafter=gen.drafter)
+    if k.startswith("adaptive"):
+        most = max(int(x) for x in k.split()[1].split("-"))
+        return SpecBatchEngine(gen.target, None, most, Goodput(most), drafter=gen.drafter)
     return SpecBatchEngine(gen.target, gen.draft, int(k), drafter=gen.drafter)
 
 
@@ -105,28 +117,35 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2, help="every cell once per round")
-    ap.add_argument("--steps", type=int, default=400, help="the drafter's training steps")
+    ap.add_argument("--steps", type=int, default=400, help="the EAGLE-3 head's training steps")
+    ap.add_argument("--dflash-ks", default="3,6")
+    ap.add_argument("--dflash-steps", type=int, default=DFLASH_STEPS)
     ap.add_argument("--train-prompts", type=int, default=64)
     ap.add_argument("--gpu-gbps", type=float, default=120.0)
     ap.add_argument("--gpu-tflops", type=float, default=4.0)
     ap.add_argument("--predict-gb", type=float, default=4.5, help="the predicted target's weights")
     ap.add_argument("--predict-params", type=float, default=8e9)
     ap.add_argument("--predict-head-params", type=float, default=0.25e9)
+    ap.add_argument("--predict-dflash-params", type=float, default=1.2e9)
     args = ap.parse_args()
     target, draft = trained.ensure_pair()
     eagle = ensure_drafter(target, args.steps, args.train_prompts)
+    dflash = ensure_drafter(target, args.dflash_steps, args.train_prompts, "dflash")
     cache = ModelCache(prefix_bytes=0)
     gens = {
         "plain": ChatGenerator.get_or_create(target, cache=cache),
         "draft": ChatGenerator.get_or_create(target, draft, cache=cache),
         "eagle3": ChatGenerator.get_or_create(target, eagle, cache=cache),
+        "dflash": ChatGenerator.get_or_create(target, dflash, cache=cache),
     }
     gens["lookup"] = gens["plain"]
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
+    dks = [int(k) for k in args.dflash_ks.split(",")]
     kmax = max(ks)
     arms = ["plain", f"draft {kmax}", f"lookup {kmax}"]
-    arms += [f"eagle3 {k}" for k in ks] + [f"adaptive {'-'.join(map(str, ks))}"]
+    arms += [f"eagle3 {k}" for k in ks] + [f"eagle3 adaptive {'-'.join(map(str, ks))}"]
+    arms += [f"dflash {k}" for k in dks] + [f"dflash adaptive {'-'.join(map(str, dks))}"]
     held = trained.prompts(max(batches))
     lookup = {"method": "prompt_lookup", "num_tokens": kmax}
 
@@ -171,29 +190,32 @@ def _report(
         for c, v in cells.items()
     }
     bw, flops = args.gpu_gbps * 1e9, args.gpu_tflops * 1e12
-    head = args.predict_head_params
 
     def target_pass(tokens: int) -> float:
         return max(args.predict_gb * 1e9 / bw, 2 * args.predict_params * tokens / flops)
 
-    def head_pass(tokens: int) -> float:
-        return max(head * 2 / bw, 2 * head * tokens / flops)
+    def head_pass(params: float, tokens: int) -> float:
+        return max(params * 2 / bw, 2 * params * tokens / flops)
 
+    adaptives = [a for a in arms if " adaptive " in a]
     rows = []
     print("\nB    " + "  ".join(f"{a:>14}" for a in arms) + "   adaptive/best fixed")
     for b in batches:
         plain = med[(b, "plain")][0]
-        fixed = max(med[(b, a)][0] for a in arms if not a.startswith("adaptive"))
-        adaptive = med[(b, arms[-1])][0]
+        fixed = max(med[(b, a)][0] for a in arms if a not in adaptives)
+        over = {a: med[(b, a)][0] / fixed for a in adaptives}
         cols = "  ".join(f"{med[(b, a)][0]:7.1f} {med[(b, a)][0] / plain:5.2f}x" for a in arms)
-        print(f"{b:<4} {cols}   {adaptive / fixed:.3f}")
+        print(f"{b:<4} {cols}   " + " ".join(f"{v:.3f}" for v in over.values()))
         predicted = {"plain": b / target_pass(b)}
         for a in arms:
-            if a.startswith("eagle3"):
-                k = int(a.split()[1])
-                e = med[(b, a)][1]
-                round_s = target_pass(b * (k + 1)) + k * head_pass(b)
-                predicted[a] = b * e / round_s
+            kind, k = a.split()[0], a.split()[-1]
+            if kind in ("eagle3", "dflash") and k.isdigit():
+                e, k_ = med[(b, a)][1], int(k)
+                if kind == "eagle3":
+                    draft_s = k_ * head_pass(args.predict_head_params, b)
+                else:  # one pass over each row's block
+                    draft_s = head_pass(args.predict_dflash_params, b * (k_ + 1))
+                predicted[a] = b * e / (target_pass(b * (k_ + 1)) + draft_s)
         rows.append(
             {
                 "batch": b,
@@ -202,9 +224,9 @@ def _report(
                 "acceptance": {
                     a: acceptance(med[(b, a)][1], int(a.split()[1]))
                     for a in arms
-                    if a.split()[0] in ("draft", "lookup", "eagle3")
+                    if a.split()[0] != "plain" and a.split()[1].isdigit()
                 },
-                "adaptive_over_best_fixed": adaptive / fixed,
+                "adaptive_over_best_fixed": over,
                 "m4_prediction_tok_s": predicted,
             }
         )
