@@ -20,8 +20,10 @@ GB, ``--predict-gb``) with a 0.25B-parameter EAGLE-3 head and a 1.2B-parameter D
 drafter (z-lab's 8B ones: five layers and ``fc``) at 16 bits: each pass costs the larger
 of reading its weights and its arithmetic, a round is the target's verify pass and k
 EAGLE-3 passes or one DFlash pass over the block, with the E measured here for each k
-and batch size; host time is left out (for plain and speculative alike). A
-prediction, not a measurement.
+and batch size (and, for DFlash, once more with ``--published-dflash-e``, the tokens
+per round z-lab report for their trained drafters at blocks of 16, since the one
+trained here is not trained enough to say); host time is left out (for plain and
+speculative alike). A prediction, not a measurement.
 
     bench/run bench.eagle [--batches 1,4,8,16] [--ks 1,2,3] [--dflash-ks 3,6] [--rounds 2]
 """
@@ -127,6 +129,12 @@ def main() -> None:
     ap.add_argument("--predict-params", type=float, default=8e9)
     ap.add_argument("--predict-head-params", type=float, default=0.25e9)
     ap.add_argument("--predict-dflash-params", type=float, default=1.2e9)
+    ap.add_argument(
+        "--published-dflash-e",
+        type=float,
+        default=6.5,
+        help="tokens per round of z-lab's Qwen3-8B DFlash at blocks of 16 (their paper, greedy)",
+    )
     args = ap.parse_args()
     target, draft = trained.ensure_pair()
     eagle = ensure_drafter(target, args.steps, args.train_prompts)
@@ -216,6 +224,9 @@ def _report(
                 else:  # one pass over each row's block
                     draft_s = head_pass(args.predict_dflash_params, b * (k_ + 1))
                 predicted[a] = b * e / (target_pass(b * (k_ + 1)) + draft_s)
+        # (a trained DFlash drafter's published E: tokens per round at its block of 16)
+        paper = target_pass(b * 16) + head_pass(args.predict_dflash_params, b * 16)
+        predicted["dflash 15, published E"] = b * args.published_dflash_e / paper
         rows.append(
             {
                 "batch": b,
