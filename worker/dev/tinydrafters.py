@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -52,15 +53,28 @@ def write_eagle3(path: Path, target: Path | str, seed: int = 0) -> Path:
     from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
     from mlx_vlm.speculative.drafters.eagle3.eagle3 import Eagle3DraftModel
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = eagle3_config(json.loads((Path(target) / "config.json").read_text()))
-    mx.random.seed(seed)
-    module = Eagle3DraftModel(Eagle3Config.from_dict(config))
-    weights = dict(tree_flatten(module.parameters()))
     tw = mx.load(str(Path(target) / "model.safetensors"))
     embed = next(v for k, v in tw.items() if k.endswith("model.embed_tokens.weight"))
-    weights["embed_tokens.weight"] = embed  # (an EAGLE-3 drafter reads its target's)
+    return _write(  # (an EAGLE-3 drafter reads its target's embedding)
+        path, eagle3_config(_config(target)), Eagle3DraftModel, Eagle3Config, seed, embed
+    )
+
+
+def _config(target: Path | str) -> dict:
+    return json.loads((Path(target) / "config.json").read_text())
+
+
+def _write(
+    path: Path, config: dict, model: Any, kind: Any, seed: int, embed: mx.array | None = None
+) -> Path:
+    """A drafter ``model(kind.from_dict(config))`` with random weights (``seed``), and
+    ``embed`` as its embedding where given, written to ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    weights = dict(tree_flatten(model(kind.from_dict(config)).parameters()))
+    if embed is not None:
+        weights["embed_tokens.weight"] = embed
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
@@ -97,19 +111,9 @@ def dflash_config(target: dict) -> dict:
 def write_dflash(path: Path, target: Path | str, seed: int = 0) -> Path:
     """A tiny DFlash drafter for the model at ``target``, written to ``path`` (no
     embedding of its own: a DFlash drafter reads its target's)."""
-    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
-    from mlx_vlm.speculative.drafters.qwen3_dflash import ModelConfig as DFlashConfig
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel, ModelConfig
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = dflash_config(json.loads((Path(target) / "config.json").read_text()))
-    mx.random.seed(seed)
-    module = DFlashDraftModel(DFlashConfig.from_dict(config))
-    weights = dict(tree_flatten(module.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
+    return _write(path, dflash_config(_config(target)), DFlashDraftModel, ModelConfig, seed)
 
 
 def write_mtp(path: Path, base: Path | str, seed: int = 0) -> Path:

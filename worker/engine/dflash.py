@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
-from worker.engine.drafters import Head, target_layers
+from worker.engine.drafters import Head, right_padded, target_layers
 
 #: Drafter types (as mlx-vlm names them) of this kind that mlxq runs.
 RUNS = ("qwen3_dflash",)
@@ -163,17 +163,10 @@ class Block:
         as context; its last token ``tokens[i][-1]`` starts its next block."""
         assert self.caches is not None and self.last is not None
         lens = [len(t) for t in tokens]
-        width = max(lens, default=0)
-        if states is None or width == 0:
+        if states is None or max(lens, default=0) == 0:
             return
-        pad = [width - n for n in lens]
-        if max(pad):
-            for c in self.caches:
-                c.prepare(lengths=lens, right_padding=pad)
-        self.head.context(states[:, :width], self.caches)
-        if max(pad):
-            for c in self.caches:
-                c.finalize()
+        with right_padded(self.caches, lens) as width:
+            self.head.context(states[:, :width], self.caches)
         new = mx.array([t[-1] if t else 0 for t in tokens], mx.uint32)
         self.last = mx.where(mx.array([n > 0 for n in lens]), new, self.last)
         mx.eval(self.last, [c.state for c in self.caches])

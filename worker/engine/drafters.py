@@ -20,6 +20,8 @@ speculative engine's.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -111,6 +113,21 @@ class Head:
         return mx.argmax(self.logits(h), axis=-1).astype(mx.uint32)
 
 
+@contextmanager
+def right_padded(caches: list[Any], lens: list[int]) -> Iterator[int]:
+    """``caches`` taking one pass over rows of ``lens`` tokens, right-padded to the
+    longest (its width, yielded): their padding goes left after the pass."""
+    width = max(lens, default=0)
+    pad = [width - n for n in lens]
+    if max(pad, default=0):
+        for c in caches:
+            c.prepare(lengths=lens, right_padding=pad)
+    yield width
+    if max(pad, default=0):
+        for c in caches:
+            c.finalize()
+
+
 def target_layers(target: nn.Module) -> int:
     return len(layers_of(target))
 
@@ -146,18 +163,11 @@ class Rows:
             c.trim(self.appended)
         self.appended = 0
         lens = [len(t) for t in tokens]
-        width = max(lens, default=0)
-        if states is None or width == 0:
+        if states is None or max(lens, default=0) == 0:
             return
-        pad = [width - n for n in lens]
-        if max(pad):
-            for c in self.caches:
-                c.prepare(lengths=lens, right_padding=pad)
-        ids = mx.array([t + [0] * (width - len(t)) for t in tokens], mx.uint32)
-        h = self.head.forward(ids, self.head.from_target(states[:, :width]), self.caches)
-        if max(pad):
-            for c in self.caches:
-                c.finalize()
+        with right_padded(self.caches, lens) as width:
+            ids = mx.array([t + [0] * (width - len(t)) for t in tokens], mx.uint32)
+            h = self.head.forward(ids, self.head.from_target(states[:, :width]), self.caches)
         last = mx.array([max(n - 1, 0) for n in lens])
         h_last = mx.take_along_axis(h, last[:, None, None], axis=1)  # (B, 1, size)
         fed = mx.array([n > 0 for n in lens])

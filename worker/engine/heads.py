@@ -2,9 +2,8 @@
 
 The kinds (``worker.engine.eagle``'s EAGLE-3 heads, ``worker.engine.mtp``'s MTP heads,
 ``worker.engine.dflash``'s block drafters) share the speculative engine's round; this
-module chooses between them: loading
-through mlx-vlm (refusing other families by name), checking a head against a target,
-binding it, and its KV bytes per token.
+module chooses between them: loading through mlx-vlm (refusing other families by
+name), checking a drafter against a target, binding it, and its KV bytes per token.
 """
 
 from __future__ import annotations
