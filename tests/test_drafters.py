@@ -384,13 +384,22 @@ def test_a_dflash_drafter_for_another_target_or_shape_is_refused_by_name(qwen3, 
             ChatGenerator.get_or_create(pair.target, str(other), cache=ModelCache())
 
 
-def test_a_worker_runs_drafter_jobs_alone_and_batched(conn, redis_url, pair):
+#: The worker-level test's pairs: each kind once, each cache type once (every pair runs
+#: the engine-level tests above).
+WORKER_PAIRS = (("eagle3", "gemma3_text"), ("mtp", "qwen3_5"), ("dflash", "qwen3"))
+
+
+@pytest.mark.parametrize("kind,arch", WORKER_PAIRS, ids=["-".join(p) for p in WORKER_PAIRS])
+def test_a_worker_runs_drafter_jobs_alone_and_batched(
+    conn, redis_url, kind, arch, tmp_path_factory
+):
     """Through Redis and a real worker: alone and batched (``--speculative always``), and
     under ``auto`` (which measures the drafter as it measures a draft model), with a
     schema, logprobs, a stop string and n = 2 among them: each record's text (each
     choice's) is the plain job's; speculative records name the method and the drafter's
     acceptance (the n = 2 job's choices speculate as rows of a speculative batch, and
     decode as one plain batch alone)."""
+    pair = _pair(kind, arch, tmp_path_factory)
     jobs = {
         f"j{i}": r.model_dump(exclude_none=True) | {"draft_model": pair.drafter}
         for i, r in enumerate(pair.reqs)
