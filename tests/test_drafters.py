@@ -362,7 +362,9 @@ def test_a_dflash_drafter_for_another_target_or_shape_is_refused_by_name(qwen3, 
     model: each refused by name."""
     pair = qwen3
     deep = ensure_model(tmp_path / "deep", TinySpec(arch="qwen3", layers=6, seed=4))
-    with pytest.raises(IncompatibleDraftError, match=r"trained on a target of 4 layers.* has 6"):
+    with pytest.raises(
+        IncompatibleDraftError, match=r"\(qwen3_dflash\) cannot draft.*of 4 layers.* has 6"
+    ):
         ChatGenerator.get_or_create(str(deep), pair.drafter, cache=ModelCache())
     gemma = ensure_model(tmp_path / "gemma", TinySpec(arch="gemma3_text", layers=4, seed=4))
     with pytest.raises(IncompatibleDraftError, match="gemma3_text target scales its embedding"):

@@ -15,7 +15,7 @@ from typing import Any
 
 from schemas import ChatRequest, IncompatibleDraftError, ModelKindError
 from worker.engine.batch import BatchEngine
-from worker.engine.drafters import MTP, Head
+from worker.engine.drafters import MTP, Head, drafter_type
 from worker.engine.heads import bind as bind_head
 from worker.engine.heads import why_not
 from worker.engine.images import ImageSource
@@ -356,7 +356,8 @@ class ChatGenerator:
 def bind(cache: ModelCache, target: LoadedModel, entry: LoadedModel) -> Head:
     """The drafter loaded as ``entry`` bound to ``target`` (once per pair), or an
     :class:`IncompatibleDraftError` saying why it cannot draft for it."""
-    what = f"draft model {entry.name!r} ({entry.config['model_type']})"
+    kind = drafter_type(entry.config) or entry.config["model_type"]  # (DFlash says qwen3)
+    what = f"draft model {entry.name!r} ({kind})"
     if cache.group is not None:
         raise IncompatibleDraftError(
             f"{what}: a worker group does not run drafters yet (name a draft model or "
