@@ -501,3 +501,16 @@ def test_an_mtp_pairs_figures_are_shared_by_name():
 
     assert proposer_id("mtp", identify) == "mtp"
     assert proposer_id("/models/eagle3", lambda name: f"id:{name}") == "id:/models/eagle3"
+
+
+def test_a_worker_group_refuses_drafters_by_name(llama):
+    """A worker group (``--shard``) does not run drafters yet: binding one there fails
+    with an error that says so and names the other ways to speculate."""
+    from worker.engine.generator import bind
+
+    cache = ModelCache(prefix_bytes=0)
+    gen = ChatGenerator.get_or_create(llama.target, llama.drafter, cache=cache)
+    assert gen.drafter_entry is not None
+    cache.group = object()  # type: ignore[assignment]  # (a group's rank holds one)
+    with pytest.raises(IncompatibleDraftError, match=r"\(eagle3\): a worker group does not"):
+        bind(cache, gen.target, gen.drafter_entry)
